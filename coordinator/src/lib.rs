@@ -1,0 +1,13 @@
+//! The pg_remus control plane.
+//!
+//! - [`node_registry`]: cluster membership kept in etcd.
+//! - [`service`]: the tonic gRPC service the coordinator process serves.
+//! - [`local_cluster`]: `remusctl cluster …`, a real multi-node cluster of PostgreSQL 15 servers,
+//!   etcd and the coordinator on loopback, for development, tests and the demo.
+//! - [`process`]: starting, probing and stopping the daemons that `local_cluster` owns.
+
+pub mod client;
+pub mod local_cluster;
+pub mod node_registry;
+pub mod process;
+pub mod service;

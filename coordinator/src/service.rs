@@ -1,0 +1,79 @@
+//! The coordinator's gRPC surface. Thin: every call maps onto a typed store in etcd.
+
+use remus_proto::v1::coordinator_server::Coordinator;
+use remus_proto::v1::{
+    HealthRequest, HealthResponse, ListNodesRequest, ListNodesResponse, Node, RegisterNodeRequest,
+    RegisterNodeResponse,
+};
+use tonic::{Request, Response, Status};
+
+use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
+
+pub struct CoordinatorService {
+    pub cluster: String,
+    pub etcd_endpoint: String,
+    pub etcd: etcd_client::Client,
+    pub nodes: NodeRegistry,
+}
+
+impl From<RegistryError> for Status {
+    fn from(e: RegistryError) -> Self {
+        match e {
+            RegistryError::Invalid(m) => Status::invalid_argument(m),
+            RegistryError::Conflict { .. } => Status::failed_precondition(e.to_string()),
+            RegistryError::Etcd(_) => Status::unavailable(e.to_string()),
+            RegistryError::Corrupt { .. } => Status::internal(e.to_string()),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        let etcd_ok = self.etcd.maintenance_client().status().await.is_ok();
+        Ok(Response::new(HealthResponse {
+            etcd_ok,
+            etcd_endpoint: self.etcd_endpoint.clone(),
+            cluster: self.cluster.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        }))
+    }
+
+    async fn register_node(
+        &self,
+        req: Request<RegisterNodeRequest>,
+    ) -> Result<Response<RegisterNodeResponse>, Status> {
+        let node = req
+            .into_inner()
+            .node
+            .ok_or_else(|| Status::invalid_argument("node is required"))?;
+        let port = u16::try_from(node.port)
+            .map_err(|_| Status::invalid_argument("port must be between 1 and 65535"))?;
+        let record = NodeRecord {
+            name: node.name,
+            host: node.host,
+            port,
+        };
+        let created = self.nodes.register(&record).await?;
+        tracing::info!(node = %record.name, host = %record.host, port, created, "node registered");
+        Ok(Response::new(RegisterNodeResponse { created }))
+    }
+
+    async fn list_nodes(
+        &self,
+        _: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        let nodes = self
+            .nodes
+            .list()
+            .await?
+            .into_iter()
+            .map(|n| Node {
+                name: n.name,
+                host: n.host,
+                port: u32::from(n.port),
+            })
+            .collect();
+        Ok(Response::new(ListNodesResponse { nodes }))
+    }
+}

@@ -1,0 +1,36 @@
+# Shared helpers for the scripts in this directory; source it, do not run it.
+# shellcheck shell=bash
+
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+PGRX_VERSION=0.18.1
+export PATH="$HOME/.cargo/bin:$PATH"
+
+log() { printf '[%s %s] %s\n' "$(basename "$0")" "$(date +%H:%M:%S)" "$*"; }
+die() { log "ERROR: $*"; exit 1; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+# Stops every running PostgreSQL server that preloads pg_remus: swapping the .so under a server
+# that has it loaded crashes that server. A postmaster's cwd is its data directory, and the
+# clusters remusctl makes carry remus.conf there.
+stop_remus_servers() {
+    local pid dir
+    for pid in $(pgrep -x postgres 2>/dev/null || true); do
+        # Only postmasters: their parent is not a postgres process.
+        [ "$(ps -o comm= -p "$(ps -o ppid= -p "$pid" | tr -d ' ')" 2>/dev/null)" = postgres ] && continue
+        dir=$(readlink "/proc/$pid/cwd" 2>/dev/null) || continue
+        if [ -f "$dir/remus.conf" ] || grep -qs "pg_remus" "$dir/postgresql.auto.conf" "$dir/postgresql.conf"; then
+            log "stopping PostgreSQL in $dir (pid $pid) before installing pg_remus"
+            as_root runuser -u postgres -- "$(dirname "$PG_CONFIG")/pg_ctl" -D "$dir" -m fast -w stop >/dev/null || true
+        fi
+    done
+}
+
+install_extension() {
+    stop_remus_servers
+    log "installing pg_remus into $("$PG_CONFIG" --pkglibdir)"
+    (cd "$REPO_ROOT/pg_remus" && cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null)
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything pg_remus needs on a Debian 12 machine: system packages,
+# cargo-pgrx, the release build, and the extension installed into the system PostgreSQL 15.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+cd "$REPO_ROOT"
+start=$SECONDS
+
+PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-contrib libpq-dev protobuf-compiler
+          etcd-server etcd-client libclang-dev clang build-essential pkg-config libssl-dev sudo
+          procps util-linux)
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    log "installing packages: ${missing[*]}"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+    log "system packages present"
+fi
+
+command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) first"
+
+if cargo pgrx --version 2>/dev/null | grep -q " $PGRX_VERSION"; then
+    log "cargo-pgrx $PGRX_VERSION present"
+else
+    log "installing cargo-pgrx $PGRX_VERSION (several minutes on a cold machine)"
+    cargo install cargo-pgrx --version "=$PGRX_VERSION" --locked
+fi
+
+if ! grep -qs "pg15 = \"$PG_CONFIG\"" "$HOME/.pgrx/config.toml"; then
+    log "cargo pgrx init --pg15 $PG_CONFIG"
+    cargo pgrx init --pg15 "$PG_CONFIG" >/dev/null
+fi
+
+log "building the workspace (release)"
+cargo build --release
+install_extension
+[ -x target/release/remusctl ] || die "target/release/remusctl was not built"
+log "set-up done in $((SECONDS - start)) s; remusctl is target/release/remusctl"

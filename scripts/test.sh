@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Sets everything up, then runs every test tier:
+#   1. Rust unit tests of every crate,
+#   2. #[pg_test] tests of the extension inside a real PostgreSQL 15 (as user postgres),
+#   3. integration tests against real local clusters (tests/).
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+cd "$REPO_ROOT"
+start=$SECONDS
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+
+"$REPO_ROOT/scripts/setup.sh"
+
+run_tier() {
+    local name=$1; shift
+    local t0=$SECONDS
+    log "tier: $name"
+    set +e
+    "$@" 2>&1 | tee -a "$results.$name"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    grep -h '^test result:' "$results.$name" >> "$results" || true
+    rm -f "$results.$name"
+    log "tier $name finished in $((SECONDS - t0)) s (exit $rc)"
+    [ "$rc" -eq 0 ] || { summary; die "tier $name failed"; }
+}
+
+summary() {
+    awk '{for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
+         END { printf "tests: %d passed, %d failed\n", p, f }' "$results"
+}
+
+run_tier unit cargo test --release --workspace --exclude pg_remus --exclude integration
+
+# pgrx runs its own PostgreSQL as user postgres in a data directory that user owns.
+PGRX_PGDATA=/var/tmp/pg_remus_pgrx_test
+as_root rm -rf "$PGRX_PGDATA"
+as_root install -d -o postgres -g postgres "$PGRX_PGDATA"
+stop_remus_servers
+run_tier pg_test bash -c "cd pg_remus && cargo pgrx test --release pg15 --runas postgres --pgdata $PGRX_PGDATA"
+# `cargo pgrx test` installed its test build; put the release build back for the clusters.
+install_extension
+
+run_tier integration cargo test --release -p integration -- --test-threads=2
+
+log "all tiers passed in $((SECONDS - start)) s"
+summary

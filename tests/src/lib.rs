@@ -1,0 +1,94 @@
+//! Harness for integration tests: a real cluster started with the real `remusctl`, always torn
+//! down again (also when a test panics), plus helpers to talk to its nodes.
+//!
+//! Tests use the release binaries that `scripts/setup.sh` builds (override with REMUS_BIN_DIR)
+//! and the pg_remus extension installed into the system PostgreSQL 15.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use anyhow::{bail, Context, Result};
+pub use coordinator::local_cluster::ClusterState;
+
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("REMUS_BIN_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release")
+    })
+}
+
+pub fn remusctl(args: &[&str]) -> Output {
+    let bin = bin_dir().join("remusctl");
+    Command::new(&bin)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()))
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A running cluster in a private directory; `Drop` runs `remusctl cluster down`.
+pub struct TestCluster {
+    pub dir: tempfile::TempDir,
+    pub base_port: u16,
+    pub nodes: usize,
+}
+
+impl TestCluster {
+    pub fn start(nodes: usize, base_port: u16) -> Result<Self> {
+        // Under /tmp (world-searchable) so the postgres OS user can reach the data directories.
+        let dir = tempfile::Builder::new().prefix("remus-it-").tempdir_in("/tmp")?;
+        let c = TestCluster { dir, base_port, nodes };
+        let out = c.ctl(&["cluster", "up", "--nodes", &nodes.to_string(), "--base-port", &base_port.to_string()]);
+        if !out.status.success() {
+            bail!("cluster up failed: {}{}", stdout(&out), stderr(&out));
+        }
+        Ok(c)
+    }
+
+    pub fn dir_str(&self) -> String {
+        self.dir.path().to_string_lossy().into_owned()
+    }
+
+    /// Runs `remusctl <args> --dir <this cluster>`.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        let dir = self.dir_str();
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["--dir", &dir]);
+        remusctl(&all)
+    }
+
+    pub fn state(&self) -> Result<ClusterState> {
+        ClusterState::load(self.dir.path())
+    }
+
+    pub fn password(&self) -> Result<String> {
+        self.state()?.password()
+    }
+
+    /// A connection to node `name` over TCP with the generated password.
+    pub fn connect(&self, name: &str) -> Result<postgres::Client> {
+        let state = self.state()?;
+        let node = state.node(name)?;
+        postgres::Client::connect(&node.conninfo(&state.password()?), postgres::NoTls)
+            .with_context(|| format!("connecting to {name}"))
+    }
+
+    pub fn node_names(&self) -> Vec<String> {
+        (1..=self.nodes).map(|i| format!("n{i}")).collect()
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        let out = self.ctl(&["cluster", "down"]);
+        if !out.status.success() {
+            eprintln!("cluster down failed: {}", stderr(&out));
+        }
+    }
+}
