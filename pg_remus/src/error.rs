@@ -20,6 +20,22 @@ pub enum RemusError {
     NodeVanished(String),
     #[error("remus.node_name is not set on this node")]
     NodeNameUnset,
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    FeatureNotSupported(String),
+    #[error("unknown node {0}")]
+    UnknownNode(String),
+    #[error("could not connect to node {node}: {message}")]
+    Connection { node: String, message: String },
+    #[error("{message}")]
+    Remote {
+        node: String,
+        sqlstate: String,
+        message: String,
+        detail: Option<String>,
+        hint: Option<String>,
+    },
     #[error("catalog access failed: {0}")]
     Spi(#[from] pgrx::spi::Error),
 }
@@ -35,6 +51,13 @@ impl RemusError {
             Self::NodeNameUnset => ERRCODE_CONFIG_FILE_ERROR,
             Self::NodeVanished(_) => ERRCODE_T_R_SERIALIZATION_FAILURE,
             Self::Spi(_) => ERRCODE_INTERNAL_ERROR,
+            Self::InvalidArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
+            Self::FeatureNotSupported(_) => ERRCODE_FEATURE_NOT_SUPPORTED,
+            Self::UnknownNode(_) => ERRCODE_UNDEFINED_OBJECT,
+            Self::Connection { .. } => ERRCODE_CONNECTION_FAILURE,
+            Self::Remote { sqlstate, .. } => {
+                PgSqlErrorCode::from(crate::remote::sqlstate_code(sqlstate))
+            }
         }
     }
 
@@ -56,6 +79,16 @@ impl RemusError {
         let mut report = ErrorReport::new(self.sqlstate(), self.to_string(), "pg_remus");
         if let Some(h) = self.hint() {
             report = report.set_hint(h);
+        }
+        if let Self::Remote { node, detail, hint, .. } = &self {
+            let d = match detail {
+                Some(d) => format!("{d} (raised on node {node})"),
+                None => format!("raised on node {node}"),
+            };
+            report = report.set_detail(d);
+            if let Some(h) = hint {
+                report = report.set_hint(h.clone());
+            }
         }
         report.report(PgLogLevel::ERROR);
         unreachable!("ERROR does not return")

@@ -4,6 +4,9 @@
 //! - [`guc`]: the `remus.*` settings, registered at preload time.
 //! - [`error`]: every error a user can see, with its SQLSTATE.
 //! - [`nodes`]: cluster membership in this node's catalog (`remus.nodes`, `remus_nodes`).
+//! - [`remote`]: libpq connections from this backend to other nodes, interruptible waits.
+//! - [`twophase`]: atomic commit over every node a transaction wrote (2PC).
+//! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
 //!
 //! The library must be in `shared_preload_libraries`: later modules install hooks and shared
 //! memory, which PostgreSQL only allows while the postmaster starts.
@@ -13,6 +16,9 @@ use pgrx::prelude::*;
 pub mod error;
 pub mod guc;
 pub mod nodes;
+pub mod recovery;
+pub mod remote;
+pub mod twophase;
 
 ::pgrx::pg_module_magic!(name, version);
 
@@ -29,6 +35,14 @@ CREATE TABLE remus.nodes (
     added_at timestamptz NOT NULL DEFAULT now()
 );
 COMMENT ON TABLE remus.nodes IS 'Every node of the pg_remus cluster, this one included';
+
+-- One row per remote participant of a two-phase commit this node coordinates, inserted in the
+-- local transaction before PREPARE: the row exists exactly when the decision is commit.
+CREATE TABLE remus.commit_decisions (
+    gid         text PRIMARY KEY,
+    participant text NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
 "#,
     name = "catalog",
     bootstrap
@@ -48,6 +62,7 @@ COMMENT ON VIEW remus_nodes IS 'Nodes this node knows: name, host, port';
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     guc::register();
+    twophase::register_callbacks();
 }
 
 #[cfg(any(test, feature = "pg_test"))]

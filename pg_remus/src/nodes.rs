@@ -75,3 +75,56 @@ fn remus_local_node() -> String {
         .ok_or(RemusError::NodeNameUnset)
         .or_raise()
 }
+
+/// Every node in this node's catalog.
+pub fn all_nodes() -> Result<Vec<crate::remote::NodeAddr>, RemusError> {
+    Spi::connect(|c| {
+        c.select("SELECT name, host, port FROM remus.nodes ORDER BY name", None, &[])?
+            .map(|r| {
+                Ok(crate::remote::NodeAddr {
+                    name: r.get::<String>(1)?.unwrap_or_default(),
+                    host: r.get::<String>(2)?.unwrap_or_default(),
+                    port: r.get::<i32>(3)?.unwrap_or_default(),
+                })
+            })
+            .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+    })
+    .map_err(RemusError::from)
+}
+
+pub fn lookup(name: &str) -> Result<crate::remote::NodeAddr, RemusError> {
+    all_nodes()?
+        .into_iter()
+        .find(|n| n.name == name)
+        .ok_or_else(|| RemusError::UnknownNode(name.to_string()))
+}
+
+/// Runs a command on another node inside the current transaction; with several writing nodes
+/// the transaction commits by two-phase commit. Returns the number of rows it affected.
+/// Running it on this node itself is refused: the remote backend would wait on our own locks,
+/// a deadlock no detector sees.
+#[pg_extern]
+fn remus_run_on_node(node: &str, command: &str) -> i64 {
+    let run = || -> Result<i64, RemusError> {
+        if crate::guc::node_name().as_deref() == Some(node) {
+            return Err(RemusError::InvalidArgument(format!(
+                "node {node} is this node; run the command directly"
+            )));
+        }
+        let addr = lookup(node)?;
+        let r = crate::twophase::exec_in_transaction(&addr, command, true)?;
+        Ok(r.affected as i64)
+    };
+    run().or_raise()
+}
+
+/// Resolves in-doubt prepared transactions this node coordinated; returns how many were
+/// committed, rolled back, and are still running.
+#[pg_extern]
+fn remus_recover_prepared() -> TableIterator<
+    'static,
+    (name!(committed, i64), name!(rolled_back, i64), name!(in_progress, i64)),
+> {
+    let s = crate::recovery::recover().or_raise();
+    TableIterator::once((s.committed, s.rolled_back, s.in_progress))
+}

@@ -1,0 +1,95 @@
+//! Resolution of in-doubt prepared transactions that this node coordinated.
+//!
+//! A gid is `remus_<coordinator>_<xid>_<participant>`. For each one prepared on a peer:
+//! the local transaction still running → leave it; a decision row exists → COMMIT PREPARED;
+//! no row → the local transaction aborted (or never reached its commit) → ROLLBACK PREPARED.
+//! Decision rows whose prepared transaction is gone everywhere are then deleted.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use crate::error::RemusError;
+use crate::nodes;
+use crate::remote::{self, quote_literal};
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RecoveryStats {
+    pub committed: i64,
+    pub rolled_back: i64,
+    pub in_progress: i64,
+}
+
+fn parse_xid(gid: &str, me: &str) -> Option<u32> {
+    gid.strip_prefix(&format!("remus_{me}_"))?.split('_').next()?.parse().ok()
+}
+
+pub fn recover() -> Result<RecoveryStats, RemusError> {
+    if remote::any_in_transaction() {
+        return Err(RemusError::FeatureNotSupported(
+            "recovery cannot run inside a transaction that uses other nodes".into(),
+        ));
+    }
+    let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
+    let mut stats = RecoveryStats::default();
+    let mut still_prepared: Vec<String> = Vec::new();
+    for peer in nodes::all_nodes()?.into_iter().filter(|n| n.name != me) {
+        let pattern = format!("remus\\_{me}\\_%");
+        let listing = remote::with_connection(&peer, |c| {
+            c.exec(&format!(
+                "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE {} AND database = current_database()",
+                quote_literal(&pattern)
+            ))
+        });
+        let rows = match listing {
+            Ok(r) => r.rows,
+            Err(e) => {
+                pgrx::warning!("pg_remus recovery: node {} unreachable: {e}", peer.name);
+                continue;
+            }
+        };
+        for gid in rows.into_iter().filter_map(|r| r.into_iter().next().flatten()) {
+            let Some(xid) = parse_xid(&gid, &me) else { continue };
+            // SAFETY: read-only probe of the proc array.
+            if unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(xid)) } {
+                stats.in_progress += 1;
+                still_prepared.push(gid);
+                continue;
+            }
+            let decided = Spi::get_one_with_args::<bool>(
+                "SELECT EXISTS (SELECT 1 FROM remus.commit_decisions WHERE gid = $1)",
+                &[gid.as_str().into()],
+            )?
+            .unwrap_or(false);
+            let verb = if decided { "COMMIT" } else { "ROLLBACK" };
+            let done = remote::with_connection(&peer, |c| {
+                c.exec(&format!("{verb} PREPARED {}", quote_literal(&gid)))
+            });
+            match done {
+                Ok(_) if decided => stats.committed += 1,
+                Ok(_) => stats.rolled_back += 1,
+                Err(e) => {
+                    pgrx::warning!("pg_remus recovery: {verb} PREPARED {gid} on {}: {e}", peer.name);
+                    still_prepared.push(gid);
+                }
+            }
+        }
+    }
+    // Rows of transactions still running locally may not be prepared yet: keep those.
+    let rows: Vec<String> = Spi::connect(|c| {
+        c.select("SELECT gid FROM remus.commit_decisions", None, &[])?
+            .map(|r| r.get::<String>(1).map(|g| g.unwrap_or_default()))
+            .collect::<Result<Vec<_>, _>>()
+    })?;
+    for gid in rows {
+        let running = parse_xid(&gid, &me)
+            // SAFETY: read-only probe of the proc array.
+            .is_some_and(|x| unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(x)) });
+        if !running && !still_prepared.contains(&gid) {
+            Spi::run_with_args(
+                "DELETE FROM remus.commit_decisions WHERE gid = $1",
+                &[gid.as_str().into()],
+            )?;
+        }
+    }
+    Ok(stats)
+}

@@ -1,0 +1,458 @@
+//! Connections from this backend to other nodes, over libpq.
+//!
+//! One connection per (backend, node), kept for the backend's life. Every wait goes through
+//! `WaitLatchOrSocket`, so a cancel request, a statement timeout or postmaster death interrupts
+//! it instead of leaving the backend stuck in a blocking libpq call. Text protocol only: type
+//! OIDs differ between nodes, text I/O does not.
+//!
+//! `unsafe` is confined to this module's libpq and latch calls.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::ptr::NonNull;
+
+use pgrx::pg_sys;
+use pq_sys as pq;
+
+use crate::error::RemusError;
+
+/// Where a node listens; read from `remus.nodes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeAddr {
+    pub name: String,
+    pub host: String,
+    pub port: i32,
+}
+
+/// Result of one remote command: rows as text, and the affected-row count.
+#[derive(Debug, Default)]
+pub struct RemoteResult {
+    pub rows: Vec<Vec<Option<String>>>,
+    pub affected: u64,
+}
+
+pub struct RemoteConnection {
+    conn: NonNull<pq::PGconn>,
+    pub addr: NodeAddr,
+    /// A remote transaction tied to the current local one is open.
+    pub in_transaction: bool,
+    /// The remote transaction wrote something, so it takes part in two-phase commit.
+    pub modified: bool,
+    /// Set once PREPARE TRANSACTION succeeded on this connection.
+    pub prepared_gid: Option<String>,
+    /// A protocol or network error left the connection unusable; it is dropped at transaction end.
+    pub broken: bool,
+}
+
+thread_local! {
+    // Backends are single-threaded; the map lives as long as the backend.
+    static CONNECTIONS: RefCell<HashMap<String, RemoteConnection>> = RefCell::new(HashMap::new());
+}
+
+/// Runs `f` with the cached connection to `addr`, connecting first if needed.
+///
+/// The connection goes back into the cache even when `f` is left by an ERROR (a Rust panic
+/// under pgrx): the abort callback must still find it to cancel what runs remotely.
+pub fn with_connection<R>(
+    addr: &NodeAddr,
+    f: impl FnOnce(&mut RemoteConnection) -> Result<R, RemusError>,
+) -> Result<R, RemusError> {
+    struct CheckedOut(Option<RemoteConnection>);
+    impl Drop for CheckedOut {
+        fn drop(&mut self) {
+            if let Some(c) = self.0.take() {
+                CONNECTIONS.with(|m| m.borrow_mut().insert(c.addr.name.clone(), c));
+            }
+        }
+    }
+    let cached = CONNECTIONS.with(|c| c.borrow_mut().remove(&addr.name));
+    let conn = match cached {
+        Some(c) if c.addr == *addr && !c.broken && c.status_ok() => c,
+        // A connection still inside a transaction must not be silently replaced: its remote
+        // work would be lost from the commit.
+        Some(c) if c.in_transaction => {
+            let node = c.addr.name.clone();
+            CONNECTIONS.with(|m| m.borrow_mut().insert(node.clone(), c));
+            return Err(RemusError::Connection {
+                node,
+                message: "connection lost inside the transaction".into(),
+            });
+        }
+        _ => RemoteConnection::connect(addr)?,
+    };
+    let mut guard = CheckedOut(Some(conn));
+    f(guard.0.as_mut().expect("checked out above"))
+}
+
+/// Runs `f` over every connection that has a remote transaction open.
+pub fn for_each_in_transaction(mut f: impl FnMut(&mut RemoteConnection)) {
+    CONNECTIONS.with(|c| {
+        for conn in c.borrow_mut().values_mut().filter(|c| c.in_transaction) {
+            f(conn);
+        }
+    });
+}
+
+pub fn any_in_transaction() -> bool {
+    CONNECTIONS.with(|c| c.borrow().values().any(|c| c.in_transaction))
+}
+
+/// Clears per-transaction state and drops broken connections.
+pub fn end_of_transaction() {
+    CONNECTIONS.with(|c| {
+        let mut map = c.borrow_mut();
+        map.retain(|_, conn| !conn.broken);
+        for conn in map.values_mut() {
+            conn.in_transaction = false;
+            conn.modified = false;
+            conn.prepared_gid = None;
+        }
+    });
+}
+
+fn cstring(s: &str) -> Result<CString, RemusError> {
+    CString::new(s).map_err(|_| RemusError::InvalidArgument(format!("NUL byte in {s:?}")))
+}
+
+impl RemoteConnection {
+    fn connect(addr: &NodeAddr) -> Result<Self, RemusError> {
+        // SAFETY: reserves one of the backend's external FD slots; released in Drop.
+        if !unsafe { pg_sys::AcquireExternalFD() } {
+            return Err(RemusError::Connection {
+                node: addr.name.clone(),
+                message: "too many open files in this backend".into(),
+            });
+        }
+        let dbname = current_database();
+        let user = current_user();
+        let port = addr.port.to_string();
+        // The peer must know it was reached by a node, not a client: it then executes locally
+        // and never forwards again (no loops between nodes).
+        let params: Vec<(&str, String)> = vec![
+            ("host", addr.host.clone()),
+            ("port", port),
+            ("dbname", dbname),
+            ("user", user),
+            ("application_name", "pg_remus".into()),
+            ("options", "-c remus.forwarded=on -c client_connection_check_interval=1000 -c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3".into()),
+            ("client_encoding", "UTF8".into()),
+            ("connect_timeout", "10".into()),
+        ];
+        let keys: Vec<CString> = params.iter().map(|(k, _)| cstring(k)).collect::<Result<_, _>>()?;
+        let vals: Vec<CString> = params.iter().map(|(_, v)| cstring(v)).collect::<Result<_, _>>()?;
+        let mut kp: Vec<*const i8> = keys.iter().map(|k| k.as_ptr()).collect();
+        let mut vp: Vec<*const i8> = vals.iter().map(|v| v.as_ptr()).collect();
+        kp.push(std::ptr::null());
+        vp.push(std::ptr::null());
+        // SAFETY: NUL-terminated arrays of C strings that outlive the call.
+        let raw = unsafe { pq::PQconnectStartParams(kp.as_ptr(), vp.as_ptr(), 0) };
+        let Some(conn) = NonNull::new(raw) else {
+            // SAFETY: pairs the AcquireExternalFD above.
+            unsafe { pg_sys::ReleaseExternalFD() };
+            return Err(RemusError::Connection {
+                node: addr.name.clone(),
+                message: "out of memory".into(),
+            });
+        };
+        let mut me = RemoteConnection {
+            conn,
+            addr: addr.clone(),
+            in_transaction: false,
+            modified: false,
+            prepared_gid: None,
+            broken: false,
+        };
+        // SAFETY: conn is a live PGconn owned by `me`.
+        if unsafe { pq::PQstatus(me.conn.as_ptr()) } == pq::ConnStatusType::CONNECTION_BAD {
+            return Err(me.connection_error());
+        }
+        loop {
+            // SAFETY: as above.
+            let poll = unsafe { pq::PQconnectPoll(me.conn.as_ptr()) };
+            let event = match poll {
+                pq::PostgresPollingStatusType::PGRES_POLLING_OK => break,
+                pq::PostgresPollingStatusType::PGRES_POLLING_READING => pg_sys::WL_SOCKET_READABLE,
+                pq::PostgresPollingStatusType::PGRES_POLLING_WRITING => pg_sys::WL_SOCKET_WRITEABLE,
+                _ => return Err(me.connection_error()),
+            };
+            me.wait(event as i32, true);
+        }
+        // SAFETY: as above; non-blocking mode so sends never block outside our latch wait.
+        unsafe { pq::PQsetnonblocking(me.conn.as_ptr(), 1) };
+        Ok(me)
+    }
+
+    fn status_ok(&self) -> bool {
+        // SAFETY: live PGconn.
+        unsafe { pq::PQstatus(self.conn.as_ptr()) == pq::ConnStatusType::CONNECTION_OK }
+    }
+
+    fn error_message(&self) -> String {
+        // SAFETY: PQerrorMessage returns a string owned by the connection, valid until the next
+        // call on it; we copy it at once.
+        unsafe {
+            CStr::from_ptr(pq::PQerrorMessage(self.conn.as_ptr()))
+                .to_string_lossy()
+                .trim()
+                .to_string()
+        }
+    }
+
+    fn connection_error(&mut self) -> RemusError {
+        self.broken = true;
+        RemusError::Connection {
+            node: self.addr.name.clone(),
+            message: self.error_message(),
+        }
+    }
+
+    /// Waits for `event` on the socket or the latch. With `interruptible`, pending interrupts
+    /// (cancel, statement_timeout, terminate) are serviced, which raises an ERROR out of here;
+    /// the transaction's abort callback then cancels the remote command.
+    fn wait(&self, event: i32, interruptible: bool) {
+        // SAFETY: the socket belongs to our live PGconn; MyLatch is the backend's own latch.
+        unsafe {
+            let sock = pq::PQsocket(self.conn.as_ptr());
+            let rc = pg_sys::WaitLatchOrSocket(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_EXIT_ON_PM_DEATH) as i32 | event,
+                sock,
+                0,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            if rc & pg_sys::WL_LATCH_SET as i32 != 0 {
+                pg_sys::ResetLatch(pg_sys::MyLatch);
+                if interruptible {
+                    pgrx::check_for_interrupts!();
+                }
+            }
+        }
+    }
+
+    /// Sends one command (may hold several statements) and collects its results.
+    pub fn exec(&mut self, sql: &str) -> Result<RemoteResult, RemusError> {
+        self.exec_inner(sql, true)
+    }
+
+    /// Like [`exec`](Self::exec), but does not service interrupts: for commit and abort
+    /// processing, where PostgreSQL holds interrupts anyway and an ERROR is not allowed.
+    pub fn exec_uninterruptible(&mut self, sql: &str) -> Result<RemoteResult, RemusError> {
+        self.exec_inner(sql, false)
+    }
+
+    fn exec_inner(&mut self, sql: &str, interruptible: bool) -> Result<RemoteResult, RemusError> {
+        let c = cstring(sql)?;
+        // SAFETY: live PGconn, NUL-terminated query.
+        if unsafe { pq::PQsendQuery(self.conn.as_ptr(), c.as_ptr()) } == 0 {
+            return Err(self.connection_error());
+        }
+        self.flush(interruptible)?;
+        self.collect(interruptible)
+    }
+
+    fn flush(&mut self, interruptible: bool) -> Result<(), RemusError> {
+        loop {
+            // SAFETY: live PGconn.
+            match unsafe { pq::PQflush(self.conn.as_ptr()) } {
+                0 => return Ok(()),
+                1 => self.wait(
+                    (pg_sys::WL_SOCKET_WRITEABLE | pg_sys::WL_SOCKET_READABLE) as i32,
+                    interruptible,
+                ),
+                _ => return Err(self.connection_error()),
+            }
+            // SAFETY: live PGconn; reading keeps the server from blocking on its own output.
+            if unsafe { pq::PQconsumeInput(self.conn.as_ptr()) } == 0 {
+                return Err(self.connection_error());
+            }
+        }
+    }
+
+    fn collect(&mut self, interruptible: bool) -> Result<RemoteResult, RemusError> {
+        let mut out = RemoteResult::default();
+        let mut first_error: Option<RemusError> = None;
+        loop {
+            // SAFETY: live PGconn.
+            while unsafe { pq::PQisBusy(self.conn.as_ptr()) } != 0 {
+                self.wait(pg_sys::WL_SOCKET_READABLE as i32, interruptible);
+                // SAFETY: as above.
+                if unsafe { pq::PQconsumeInput(self.conn.as_ptr()) } == 0 {
+                    return Err(self.connection_error());
+                }
+            }
+            // SAFETY: as above; each PGresult is cleared by `ResultGuard`.
+            let res = unsafe { pq::PQgetResult(self.conn.as_ptr()) };
+            let Some(res) = NonNull::new(res) else { break };
+            let res = ResultGuard(res);
+            match res.status() {
+                pq::ExecStatusType::PGRES_COMMAND_OK => out.affected += res.affected(),
+                pq::ExecStatusType::PGRES_TUPLES_OK => {
+                    out.affected += res.affected();
+                    out.rows.extend(res.rows());
+                }
+                pq::ExecStatusType::PGRES_EMPTY_QUERY => {}
+                _ => {
+                    if first_error.is_none() {
+                        first_error = Some(res.error(&self.addr.name));
+                    }
+                }
+            }
+        }
+        if !self.status_ok() {
+            return Err(first_error.unwrap_or_else(|| self.connection_error()));
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    /// Asks the remote backend to cancel what it is running, then drains its results.
+    pub fn cancel_running(&mut self) {
+        // SAFETY: live PGconn; the PGcancel object is freed right after use.
+        unsafe {
+            if pq::PQtransactionStatus(self.conn.as_ptr()) != pq::PGTransactionStatusType::PQTRANS_ACTIVE {
+                return;
+            }
+            let cancel = pq::PQgetCancel(self.conn.as_ptr());
+            if !cancel.is_null() {
+                let mut buf = [0i8; 256];
+                pq::PQcancel(cancel, buf.as_mut_ptr(), buf.len() as i32);
+                pq::PQfreeCancel(cancel);
+            }
+        }
+        if self.collect(false).is_err() {
+            self.broken = true;
+        }
+    }
+
+    pub fn transaction_idle(&self) -> bool {
+        // SAFETY: live PGconn.
+        unsafe { pq::PQtransactionStatus(self.conn.as_ptr()) == pq::PGTransactionStatusType::PQTRANS_IDLE }
+    }
+}
+
+impl Drop for RemoteConnection {
+    fn drop(&mut self) {
+        // SAFETY: we own the PGconn, and it holds one external FD slot.
+        unsafe {
+            pq::PQfinish(self.conn.as_ptr());
+            pg_sys::ReleaseExternalFD();
+        }
+    }
+}
+
+struct ResultGuard(NonNull<pq::PGresult>);
+
+impl ResultGuard {
+    fn status(&self) -> pq::ExecStatusType {
+        // SAFETY: live PGresult.
+        unsafe { pq::PQresultStatus(self.0.as_ptr()) }
+    }
+
+    fn affected(&self) -> u64 {
+        // SAFETY: live PGresult; PQcmdTuples returns "" when there is no count.
+        unsafe { CStr::from_ptr(pq::PQcmdTuples(self.0.as_ptr())) }
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn rows(&self) -> Vec<Vec<Option<String>>> {
+        let p = self.0.as_ptr();
+        // SAFETY: indices are within PQntuples/PQnfields of a live PGresult.
+        unsafe {
+            let (n, f) = (pq::PQntuples(p), pq::PQnfields(p));
+            (0..n)
+                .map(|r| {
+                    (0..f)
+                        .map(|c| {
+                            (pq::PQgetisnull(p, r, c) == 0).then(|| {
+                                CStr::from_ptr(pq::PQgetvalue(p, r, c)).to_string_lossy().into_owned()
+                            })
+                        })
+                        .collect()
+                })
+                .collect()
+        }
+    }
+
+    fn field(&self, code: u8) -> Option<String> {
+        // SAFETY: live PGresult; a NULL means the field is absent.
+        let v = unsafe { pq::PQresultErrorField(self.0.as_ptr(), code as i32) };
+        (!v.is_null()).then(|| unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned())
+    }
+
+    fn error(&self, node: &str) -> RemusError {
+        RemusError::Remote {
+            node: node.to_string(),
+            sqlstate: self.field(b'C').unwrap_or_else(|| "XX000".into()),
+            message: self.field(b'M').unwrap_or_else(|| "unknown error".into()),
+            detail: self.field(b'D'),
+            hint: self.field(b'H'),
+        }
+    }
+}
+
+impl Drop for ResultGuard {
+    fn drop(&mut self) {
+        // SAFETY: we own this PGresult.
+        unsafe { pq::PQclear(self.0.as_ptr()) }
+    }
+}
+
+fn current_database() -> String {
+    // SAFETY: MyDatabaseId is set for any backend that runs SQL; the name is palloc'd.
+    unsafe {
+        let p = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+        if p.is_null() {
+            "postgres".into()
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
+fn current_user() -> String {
+    // SAFETY: GetUserId is valid inside a transaction; GetUserNameFromId errors on a dropped role.
+    unsafe {
+        CStr::from_ptr(pg_sys::GetUserNameFromId(pg_sys::GetUserId(), false))
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// Quotes a SQL literal for a command sent to another node.
+pub fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Encodes a five-character SQLSTATE the way PostgreSQL's MAKE_SQLSTATE does.
+pub fn sqlstate_code(s: &str) -> i32 {
+    let b = s.as_bytes();
+    if b.len() != 5 {
+        return pgrx::PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32;
+    }
+    b.iter()
+        .enumerate()
+        .fold(0i32, |acc, (i, c)| acc | ((((*c as i32) - ('0' as i32)) & 0x3F) << (6 * i)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstate_codes_match_pgrx() {
+        assert_eq!(sqlstate_code("40001"), pgrx::PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE as i32);
+        assert_eq!(sqlstate_code("23505"), pgrx::PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION as i32);
+        assert_eq!(sqlstate_code("0A000"), pgrx::PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED as i32);
+    }
+
+    #[test]
+    fn literals_are_quoted() {
+        assert_eq!(quote_literal("it's"), "'it''s'");
+    }
+}

@@ -1,0 +1,174 @@
+//! Atomic commit of transactions that touched other nodes.
+//!
+//! A permanent `XactCallback` (registered once in `_PG_init`; pgrx's per-transaction callbacks
+//! would be lost at the first commit) drives the remote transactions:
+//! - PRE_COMMIT: with writes on more than one node (a remote writer plus a local write, or two
+//!   remote writers), record the decision for every remote writer in `remus.commit_decisions`
+//!   inside the local transaction, then PREPARE TRANSACTION on each writer. Any failure is an
+//!   ERROR, and the abort path rolls everything back: nothing is half-committed. Read-only
+//!   participants and a lone remote writer just COMMIT here.
+//! - COMMIT (after the local commit is durable): COMMIT PREPARED everywhere. This may not raise:
+//!   a failure is a WARNING, and recovery commits it later from the recorded decision.
+//! - ABORT: cancel what is running remotely, then ROLLBACK / ROLLBACK PREPARED.
+//!
+//! The decision row commits atomically with the local transaction, so "a record exists" means
+//! "commit", and "no record and the local transaction is over" means "roll back" (as Citus's
+//! pg_dist_transaction).
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use crate::error::RemusError;
+use crate::remote::{self, quote_literal};
+
+pub fn register_callbacks() {
+    // SAFETY: registering a static function pointer with no argument; done once at preload.
+    unsafe { pg_sys::RegisterXactCallback(Some(xact_callback), std::ptr::null_mut()) };
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    use pg_sys::XactEvent::*;
+    if !remote::any_in_transaction() {
+        return;
+    }
+    match event {
+        XACT_EVENT_PRE_COMMIT | XACT_EVENT_PARALLEL_PRE_COMMIT => {
+            if let Err(e) = pre_commit() {
+                e.raise();
+            }
+        }
+        XACT_EVENT_PRE_PREPARE => RemusError::FeatureNotSupported(
+            "PREPARE TRANSACTION is not supported in a transaction that used other nodes".into(),
+        )
+        .raise(),
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
+            finish(true);
+            remote::end_of_transaction();
+        }
+        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
+            finish(false);
+            remote::end_of_transaction();
+        }
+        _ => {}
+    }
+}
+
+/// Does this transaction write on more than one node?
+fn needs_two_phase(remote_writers: usize) -> bool {
+    // SAFETY: reads the current transaction's xid without assigning one.
+    let local_write = unsafe { pg_sys::GetTopTransactionIdIfAny() } != pg_sys::InvalidTransactionId;
+    remote_writers >= 2 || (remote_writers == 1 && local_write)
+}
+
+fn local_node() -> String {
+    crate::guc::node_name().unwrap_or_else(|| "node".into())
+}
+
+fn pre_commit() -> Result<(), RemusError> {
+    let mut writers = Vec::new();
+    remote::for_each_in_transaction(|c| {
+        if c.modified {
+            writers.push(c.addr.clone());
+        }
+    });
+    if !needs_two_phase(writers.len()) {
+        let mut failure = None;
+        remote::for_each_in_transaction(|c| {
+            if failure.is_none() {
+                if let Err(e) = c.exec("COMMIT") {
+                    failure = Some(e);
+                }
+                c.in_transaction = false;
+            }
+        });
+        return failure.map_or(Ok(()), Err);
+    }
+    // SAFETY: assigns (or returns) the top-level xid; the decision rows below need one anyway.
+    let xid = unsafe { pg_sys::GetTopTransactionId() };
+    let me = local_node();
+    // PRE_COMMIT runs after the portal's snapshot is gone; SPI needs an active one.
+    // SAFETY: push/pop are paired on every path below (errors abort the transaction, and
+    // abort processing pops the active-snapshot stack).
+    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
+    for w in &writers {
+        let gid = format!("remus_{me}_{xid}_{}", w.name);
+        Spi::run_with_args(
+            "INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, $2)",
+            &[gid.as_str().into(), w.name.as_str().into()],
+        )?;
+    }
+    // SAFETY: pairs the push above.
+    unsafe { pg_sys::PopActiveSnapshot() };
+    let mut failure = None;
+    remote::for_each_in_transaction(|c| {
+        if failure.is_some() {
+            return;
+        }
+        let sql = if c.modified {
+            let gid = format!("remus_{me}_{xid}_{}", c.addr.name);
+            let r = c.exec(&format!("PREPARE TRANSACTION {}", quote_literal(&gid)));
+            if r.is_ok() {
+                c.prepared_gid = Some(gid);
+            }
+            r
+        } else {
+            let r = c.exec("COMMIT");
+            c.in_transaction = false;
+            r
+        };
+        if let Err(e) = sql {
+            failure = Some(e);
+        }
+    });
+    failure.map_or(Ok(()), Err)
+}
+
+/// Second phase (commit) or rollback. Never raises: the local outcome is already decided.
+fn finish(commit: bool) {
+    remote::for_each_in_transaction(|c| {
+        let sql = match (&c.prepared_gid, commit) {
+            (Some(gid), true) => format!("COMMIT PREPARED {}", quote_literal(gid)),
+            (Some(gid), false) => format!("ROLLBACK PREPARED {}", quote_literal(gid)),
+            (None, _) => {
+                c.cancel_running();
+                if c.transaction_idle() {
+                    return;
+                }
+                "ROLLBACK".to_string()
+            }
+        };
+        if let Err(e) = c.exec_uninterruptible(&sql) {
+            // Commit: recovery finishes it from the decision record. Abort: recovery rolls back
+            // a prepared orphan (no record), and a plain remote transaction dies with the
+            // connection, which we drop.
+            pgrx::warning!("pg_remus: {sql} on node {} failed: {e}", c.addr.name);
+            c.broken = true;
+        }
+    });
+}
+
+/// Opens (once per local transaction) a remote transaction on `addr` at the local isolation
+/// level, then runs `sql` in it. `writes` marks the participant for two-phase commit.
+pub fn exec_in_transaction(
+    addr: &remote::NodeAddr,
+    sql: &str,
+    writes: bool,
+) -> Result<remote::RemoteResult, RemusError> {
+    remote::with_connection(addr, |c| {
+        if !c.in_transaction {
+            // SAFETY: plain read of a backend global.
+            let iso = match unsafe { pg_sys::XactIsoLevel } as u32 {
+                pg_sys::XACT_SERIALIZABLE => "SERIALIZABLE",
+                pg_sys::XACT_REPEATABLE_READ => "REPEATABLE READ",
+                _ => "READ COMMITTED",
+            };
+            c.exec(&format!("BEGIN ISOLATION LEVEL {iso}"))?;
+            c.in_transaction = true;
+        }
+        if writes {
+            c.modified = true;
+        }
+        c.exec(sql)
+    })
+}

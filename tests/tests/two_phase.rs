@@ -1,0 +1,125 @@
+//! Cross-node transactions: 2PC commit, all-or-nothing on failure, in-doubt recovery, and
+//! errors / cancels reaching the participants. Real 3-node cluster.
+
+use std::time::{Duration, Instant};
+
+use integration::TestCluster;
+
+fn sqlstate(e: &postgres::Error) -> String {
+    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no sqlstate: {e:?}"))
+}
+
+fn count(db: &mut postgres::Client, sql: &str) -> i64 {
+    db.query_one(sql, &[]).unwrap().get(0)
+}
+
+#[test]
+fn cross_node_transactions_are_atomic() {
+    let c = TestCluster::start(3, 19001).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    for db in [&mut n1, &mut n2] {
+        db.batch_execute("CREATE TABLE t (id int PRIMARY KEY, v text)").unwrap();
+    }
+    n2.batch_execute(
+        "CREATE TABLE d (id int, CONSTRAINT d_u UNIQUE (id) DEFERRABLE INITIALLY DEFERRED);
+         INSERT INTO d VALUES (1);",
+    )
+    .unwrap();
+
+    // Commit: writes on n1 and n2 both land, through PREPARE / COMMIT PREPARED.
+    n1.batch_execute(
+        "BEGIN; INSERT INTO t VALUES (1, 'local');
+         SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES (2, ''remote'')');
+         COMMIT;",
+    )
+    .unwrap();
+    assert_eq!(count(&mut n1, "SELECT count(*) FROM t WHERE id = 1"), 1);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM t WHERE id = 2"), 1);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);
+
+    // The remote count of affected rows comes back.
+    let affected: i64 = n1
+        .query_one("SELECT remus_run_on_node('n2', 'UPDATE public.t SET v = ''x''')", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(affected, 1);
+
+    // A participant that fails at PREPARE (deferred unique violation) aborts everything.
+    let err = n1
+        .batch_execute(
+            "BEGIN; INSERT INTO t VALUES (3, 'local');
+             SELECT remus_run_on_node('n2', 'INSERT INTO public.d VALUES (1)');
+             COMMIT;",
+        )
+        .unwrap_err();
+    assert_eq!(sqlstate(&err), "23505", "{err:?}");
+    assert!(format!("{err:?}").contains("raised on node n2"), "{err:?}");
+    let _ = n1.batch_execute("ROLLBACK");
+    assert_eq!(count(&mut n1, "SELECT count(*) FROM t WHERE id = 3"), 0);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM d"), 1);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);
+
+    // ROLLBACK reaches the participant.
+    n1.batch_execute(
+        "BEGIN; INSERT INTO t VALUES (4, 'local');
+         SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES (4, ''remote'')');
+         ROLLBACK;",
+    )
+    .unwrap();
+    assert_eq!(count(&mut n1, "SELECT count(*) FROM t WHERE id = 4"), 0);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM t WHERE id = 4"), 0);
+
+    // Remote errors keep their SQLSTATE; bad input is refused with its own.
+    let e = n1.query_one("SELECT remus_run_on_node('n2', 'SELECT 1/0')", &[]).unwrap_err();
+    assert_eq!(sqlstate(&e), "22012");
+    let e = n1.query_one("SELECT remus_run_on_node('n1', 'SELECT 1')", &[]).unwrap_err();
+    assert_eq!(sqlstate(&e), "22023");
+    let e = n1.query_one("SELECT remus_run_on_node('n9', 'SELECT 1')", &[]).unwrap_err();
+    assert_eq!(sqlstate(&e), "42704");
+
+    // A statement timeout cancels the remote command too.
+    n1.batch_execute("SET statement_timeout = '500ms'").unwrap();
+    let t0 = Instant::now();
+    let e = n1
+        .query_one("SELECT remus_run_on_node('n2', 'SELECT pg_sleep(60)')", &[])
+        .unwrap_err();
+    assert_eq!(sqlstate(&e), "57014");
+    assert!(t0.elapsed() < Duration::from_secs(30));
+    n1.batch_execute("RESET statement_timeout").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while count(&mut n2, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(60)%' AND state = 'active' AND pid <> pg_backend_pid()") > 0 {
+        assert!(Instant::now() < deadline, "remote pg_sleep was not cancelled");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn in_doubt_transactions_follow_the_recorded_decision() {
+    let c = TestCluster::start(2, 19301).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)").unwrap();
+    // Two transactions left prepared on n2 as if n1 had crashed between PREPARE and COMMIT
+    // PREPARED: one whose decision n1 recorded (commit), one without a record (roll back).
+    // Their xids are finished transactions of n1.
+    let xid_commit: String = n1.query_one("SELECT txid_current()::text", &[]).unwrap().get(0);
+    let xid_abort: String = n1.query_one("SELECT txid_current()::text", &[]).unwrap().get(0);
+    let gid_commit = format!("remus_n1_{xid_commit}_n2");
+    let gid_abort = format!("remus_n1_{xid_abort}_n2");
+    n2.batch_execute(&format!("BEGIN; INSERT INTO r VALUES (1); PREPARE TRANSACTION '{gid_commit}'")).unwrap();
+    n2.batch_execute(&format!("BEGIN; INSERT INTO r VALUES (2); PREPARE TRANSACTION '{gid_abort}'")).unwrap();
+    n1.execute(
+        "INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, 'n2')",
+        &[&gid_commit],
+    )
+    .unwrap();
+
+    let row = n1.query_one("SELECT committed, rolled_back, in_progress FROM remus_recover_prepared()", &[]).unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1), row.get::<_, i64>(2)), (1, 1, 0));
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);
+    let ids: Vec<i32> = n2.query("SELECT id FROM r", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(ids, vec![1]);
+    // Decision rows of finished work are cleaned up.
+    assert_eq!(count(&mut n1, "SELECT count(*) FROM remus.commit_decisions"), 0);
+}
