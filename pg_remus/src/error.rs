@@ -36,6 +36,16 @@ pub enum RemusError {
         detail: Option<String>,
         hint: Option<String>,
     },
+    #[error("type with oid {0} has no hash function, so it cannot be a shard key")]
+    NoHashFunction(u32),
+    #[error("{0}")]
+    UndefinedColumn(String),
+    #[error("{0}")]
+    InvalidTableDefinition(String),
+    #[error("{0}")]
+    DuplicateObject(String),
+    #[error("{0}")]
+    ObjectInUse(String),
     #[error("catalog access failed: {0}")]
     Spi(#[from] pgrx::spi::Error),
 }
@@ -52,6 +62,11 @@ impl RemusError {
             Self::NodeVanished(_) => ERRCODE_T_R_SERIALIZATION_FAILURE,
             Self::Spi(_) => ERRCODE_INTERNAL_ERROR,
             Self::InvalidArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
+            Self::NoHashFunction(_) => ERRCODE_UNDEFINED_FUNCTION,
+            Self::UndefinedColumn(_) => ERRCODE_UNDEFINED_COLUMN,
+            Self::InvalidTableDefinition(_) => ERRCODE_INVALID_TABLE_DEFINITION,
+            Self::DuplicateObject(_) => ERRCODE_DUPLICATE_OBJECT,
+            Self::ObjectInUse(_) => ERRCODE_OBJECT_IN_USE,
             Self::FeatureNotSupported(_) => ERRCODE_FEATURE_NOT_SUPPORTED,
             Self::UnknownNode(_) => ERRCODE_UNDEFINED_OBJECT,
             Self::Connection { .. } => ERRCODE_CONNECTION_FAILURE,

@@ -13,8 +13,11 @@
 
 use pgrx::prelude::*;
 
+pub mod catalog;
+pub mod distribute;
 pub mod error;
 pub mod guc;
+pub mod hashing;
 pub mod nodes;
 pub mod recovery;
 pub mod remote;
@@ -26,7 +29,7 @@ pub mod twophase;
 // extension's schema (public by default) so they are callable without qualification.
 pgrx::extension_sql!(
     r#"
-CREATE SCHEMA remus;
+CREATE SCHEMA IF NOT EXISTS remus;
 
 CREATE TABLE remus.nodes (
     name     text PRIMARY KEY,

@@ -308,6 +308,65 @@ impl RemoteConnection {
         }
     }
 
+    /// Runs a `COPY … FROM STDIN` command and streams `data` (COPY text format) into it.
+    pub fn copy_in(&mut self, sql: &str, data: &[u8]) -> Result<RemoteResult, RemusError> {
+        let c = cstring(sql)?;
+        // SAFETY: live PGconn, NUL-terminated query.
+        if unsafe { pq::PQsendQuery(self.conn.as_ptr(), c.as_ptr()) } == 0 {
+            return Err(self.connection_error());
+        }
+        self.flush(true)?;
+        loop {
+            // SAFETY: live PGconn.
+            while unsafe { pq::PQisBusy(self.conn.as_ptr()) } != 0 {
+                self.wait(pg_sys::WL_SOCKET_READABLE as i32, true);
+                // SAFETY: as above.
+                if unsafe { pq::PQconsumeInput(self.conn.as_ptr()) } == 0 {
+                    return Err(self.connection_error());
+                }
+            }
+            // SAFETY: as above; cleared by the guard.
+            let res = unsafe { pq::PQgetResult(self.conn.as_ptr()) };
+            let Some(res) = NonNull::new(res) else {
+                return Err(self.connection_error());
+            };
+            let res = ResultGuard(res);
+            match res.status() {
+                pq::ExecStatusType::PGRES_COPY_IN => break,
+                pq::ExecStatusType::PGRES_COMMAND_OK | pq::ExecStatusType::PGRES_TUPLES_OK => continue,
+                _ => {
+                    let e = res.error(&self.addr.name);
+                    drop(res);
+                    let _ = self.collect(true);
+                    return Err(e);
+                }
+            }
+        }
+        for chunk in data.chunks(64 * 1024) {
+            loop {
+                // SAFETY: live PGconn in COPY IN state; chunk is valid for its length.
+                match unsafe {
+                    pq::PQputCopyData(self.conn.as_ptr(), chunk.as_ptr() as *const i8, chunk.len() as i32)
+                } {
+                    1 => break,
+                    0 => self.wait(pg_sys::WL_SOCKET_WRITEABLE as i32, true),
+                    _ => return Err(self.connection_error()),
+                }
+            }
+            self.flush(true)?;
+        }
+        loop {
+            // SAFETY: live PGconn in COPY IN state.
+            match unsafe { pq::PQputCopyEnd(self.conn.as_ptr(), std::ptr::null()) } {
+                1 => break,
+                0 => self.wait(pg_sys::WL_SOCKET_WRITEABLE as i32, true),
+                _ => return Err(self.connection_error()),
+            }
+        }
+        self.flush(true)?;
+        self.collect(true)
+    }
+
     /// Asks the remote backend to cancel what it is running, then drains its results.
     pub fn cancel_running(&mut self) {
         // SAFETY: live PGconn; the PGcancel object is freed right after use.
