@@ -475,7 +475,8 @@ fn start_node(state: &ClusterState, node: &NodeState) -> Result<()> {
             "start",
         ],
         // The servers' own connections to their peers (2PC, forwarding) authenticate with this.
-        &[("PGPASSFILE", &pgpass)],
+        // Error details carry no Rust backtraces: they are for developers, not for clients.
+        &[("PGPASSFILE", &pgpass), ("RUST_BACKTRACE", "0"), ("RUST_LIB_BACKTRACE", "0")],
     );
     if let Err(e) = res {
         bail!(

@@ -6,6 +6,7 @@
 //! - [`nodes`]: cluster membership in this node's catalog (`remus.nodes`, `remus_nodes`).
 //! - [`remote`]: libpq connections from this backend to other nodes, interruptible waits.
 //! - [`twophase`]: atomic commit over every node a transaction wrote (2PC).
+//! - [`router`]: planning and executing statements on distributed tables, from any node.
 //! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
 //!
 //! The library must be in `shared_preload_libraries`: later modules install hooks and shared
@@ -21,6 +22,7 @@ pub mod hashing;
 pub mod nodes;
 pub mod recovery;
 pub mod remote;
+pub mod router;
 pub mod twophase;
 
 ::pgrx::pg_module_magic!(name, version);
@@ -66,6 +68,7 @@ COMMENT ON VIEW remus_nodes IS 'Nodes this node knows: name, host, port';
 pub extern "C-unwind" fn _PG_init() {
     guc::register();
     twophase::register_callbacks();
+    router::install_hooks();
 }
 
 #[cfg(any(test, feature = "pg_test"))]

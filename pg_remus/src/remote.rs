@@ -135,7 +135,7 @@ impl RemoteConnection {
             ("dbname", dbname),
             ("user", user),
             ("application_name", "pg_remus".into()),
-            ("options", "-c remus.forwarded=on -c client_connection_check_interval=1000 -c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3".into()),
+            ("options", "-c remus.forwarded=on -c client_connection_check_interval=1000 -c standard_conforming_strings=on -c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3".into()),
             ("client_encoding", "UTF8".into()),
             ("connect_timeout", "10".into()),
         ];
@@ -249,6 +249,43 @@ impl RemoteConnection {
         }
         self.flush(interruptible)?;
         self.collect(interruptible)
+    }
+
+    /// One statement with `$n` parameters in text form. `types[i]` is a built-in type OID, or
+    /// 0 to let the remote infer it (user types have different OIDs on every node).
+    pub fn exec_params(
+        &mut self,
+        sql: &str,
+        params: &[Option<String>],
+        types: &[u32],
+    ) -> Result<RemoteResult, RemusError> {
+        if params.is_empty() {
+            return self.exec(sql);
+        }
+        let c = cstring(sql)?;
+        let values: Vec<Option<CString>> =
+            params.iter().map(|p| p.as_deref().map(cstring).transpose()).collect::<Result<_, _>>()?;
+        let ptrs: Vec<*const i8> =
+            values.iter().map(|v| v.as_ref().map_or(std::ptr::null(), |v| v.as_ptr())).collect();
+        let oids: Vec<pq::Oid> = types.iter().map(|t| *t as pq::Oid).collect();
+        // SAFETY: arrays of `params.len()` entries that outlive the call; text format.
+        let sent = unsafe {
+            pq::PQsendQueryParams(
+                self.conn.as_ptr(),
+                c.as_ptr(),
+                params.len() as i32,
+                oids.as_ptr(),
+                ptrs.as_ptr(),
+                std::ptr::null(),
+                std::ptr::null(),
+                0,
+            )
+        };
+        if sent == 0 {
+            return Err(self.connection_error());
+        }
+        self.flush(true)?;
+        self.collect(true)
     }
 
     fn flush(&mut self, interruptible: bool) -> Result<(), RemusError> {

@@ -155,6 +155,17 @@ pub fn exec_in_transaction(
     sql: &str,
     writes: bool,
 ) -> Result<remote::RemoteResult, RemusError> {
+    exec_params_in_transaction(addr, sql, &[], &[], writes)
+}
+
+/// [`exec_in_transaction`] for one statement with text parameters.
+pub fn exec_params_in_transaction(
+    addr: &remote::NodeAddr,
+    sql: &str,
+    params: &[Option<String>],
+    types: &[u32],
+    writes: bool,
+) -> Result<remote::RemoteResult, RemusError> {
     remote::with_connection(addr, |c| {
         if !c.in_transaction {
             // SAFETY: plain read of a backend global.
@@ -169,6 +180,6 @@ pub fn exec_in_transaction(
         if writes {
             c.modified = true;
         }
-        c.exec(sql)
+        c.exec_params(sql, params, types)
     })
 }

@@ -1,0 +1,348 @@
+//! INSERT / UPDATE / DELETE on distributed tables.
+//!
+//! The plan is a single `RemusModify` CustomScan carrying the rewritten Query. At execution it
+//! finds the shard(s) the statement touches, deparses the statement (the full original text:
+//! RETURNING, ON CONFLICT, defaults already expanded by the rewriter), and runs it per shard
+//! where the shard lives, inside the current transaction. Remote writers join two-phase commit.
+
+use std::collections::BTreeMap;
+use std::ffi::CStr;
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use super::{is_tag, list_ptrs, Params};
+use crate::catalog::{DistTable, ShardPlacement};
+use crate::error::RemusError;
+
+static mut SCAN_METHODS: pg_sys::CustomScanMethods = unsafe { std::mem::zeroed() };
+static mut EXEC_METHODS: pg_sys::CustomExecMethods = unsafe { std::mem::zeroed() };
+const NAME: &CStr = c"RemusModify";
+
+#[repr(C)]
+struct ModifyState {
+    css: pg_sys::CustomScanState,
+    tstore: *mut pg_sys::Tuplestorestate,
+    /// Tuplestores hand out minimal tuples; the scan slot of a CustomScan is not of that kind.
+    store_slot: *mut pg_sys::TupleTableSlot,
+    done: bool,
+}
+
+pub fn register_methods() {
+    // SAFETY: one-time initialisation at preload.
+    unsafe {
+        SCAN_METHODS.CustomName = NAME.as_ptr();
+        SCAN_METHODS.CreateCustomScanState = Some(create_state);
+        EXEC_METHODS.CustomName = NAME.as_ptr();
+        EXEC_METHODS.BeginCustomScan = Some(begin);
+        EXEC_METHODS.ExecCustomScan = Some(exec);
+        EXEC_METHODS.EndCustomScan = Some(end);
+        EXEC_METHODS.ReScanCustomScan = Some(rescan);
+        pg_sys::RegisterCustomScanMethods(&raw const SCAN_METHODS);
+    }
+}
+
+fn unsupported(what: &str) -> RemusError {
+    RemusError::FeatureNotSupported(format!("{what} is not supported on distributed tables"))
+}
+
+/// Checks that the statement is a form we run correctly, and builds its plan.
+///
+/// # Safety
+/// `parse` must be a valid rewritten Query whose result relation is `table`'s shell.
+pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
+    let q = &*parse;
+    if !q.cteList.is_null() {
+        return Err(unsupported("WITH in INSERT/UPDATE/DELETE"));
+    }
+    if q.hasSubLinks {
+        return Err(unsupported("a subquery in INSERT/UPDATE/DELETE"));
+    }
+    if q.hasTargetSRFs {
+        return Err(unsupported("a set-returning function in INSERT/UPDATE/DELETE"));
+    }
+    let key_attno = super::key_attno(table)?;
+    let rtes = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable);
+    match q.commandType {
+        pg_sys::CmdType::CMD_INSERT => {
+            let excluded = if q.onConflict.is_null() { 0 } else { (*q.onConflict).exclRelIndex as usize };
+            for (i, rte) in rtes.iter().enumerate() {
+                // ON CONFLICT DO UPDATE adds the `excluded` pseudo-relation.
+                if i + 1 != q.resultRelation as usize && i + 1 != excluded && (**rte).rtekind != pg_sys::RTEKind::RTE_VALUES {
+                    return Err(unsupported("INSERT … SELECT"));
+                }
+            }
+            if !q.onConflict.is_null() {
+                let oc = q.onConflict;
+                if (*oc).constraint != pg_sys::InvalidOid {
+                    return Err(unsupported("ON CONFLICT ON CONSTRAINT (name the conflict columns instead)"));
+                }
+                for te in list_ptrs::<pg_sys::TargetEntry>((*oc).onConflictSet) {
+                    if (*te).resno == key_attno {
+                        return Err(unsupported("ON CONFLICT DO UPDATE of the shard key"));
+                    }
+                }
+            }
+        }
+        _ => {
+            if rtes.len() != 1 {
+                return Err(unsupported("UPDATE … FROM / DELETE … USING"));
+            }
+            if q.commandType == pg_sys::CmdType::CMD_UPDATE {
+                for te in list_ptrs::<pg_sys::TargetEntry>(q.targetList) {
+                    if (*te).resno == key_attno && !(*te).resjunk {
+                        return Err(unsupported("UPDATE of the shard key"));
+                    }
+                }
+            }
+        }
+    }
+
+    let cscan = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
+    (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
+    (*cscan).scan.plan.plan_rows = 1.0;
+    (*cscan).scan.scanrelid = 0;
+    (*cscan).methods = &raw const SCAN_METHODS;
+    // Output: the RETURNING list. The scan tuple has those columns; the plan's target list
+    // reads them back by position (INDEX_VAR), so no projection happens.
+    let mut scan_tlist: *mut pg_sys::List = std::ptr::null_mut();
+    let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
+    for (i, te) in list_ptrs::<pg_sys::TargetEntry>(q.returningList).into_iter().enumerate() {
+        let resno = (i + 1) as i16;
+        let expr = (*te).expr as *mut pg_sys::Node;
+        let st = pg_sys::makeTargetEntry((*te).expr, resno, (*te).resname, false);
+        scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
+        let var = pg_sys::makeVar(
+            pg_sys::INDEX_VAR as i32,
+            resno,
+            pg_sys::exprType(expr),
+            pg_sys::exprTypmod(expr),
+            pg_sys::exprCollation(expr),
+            0,
+        );
+        let out = pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (*te).resname, false);
+        tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
+    }
+    (*cscan).custom_scan_tlist = scan_tlist;
+    (*cscan).scan.plan.targetlist = tlist;
+    let copy = pg_sys::copyObjectImpl(parse as *const std::ffi::c_void);
+    (*cscan).custom_private = pg_sys::lappend(std::ptr::null_mut(), copy);
+
+    let stmt = pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannedStmt>()) as *mut pg_sys::PlannedStmt;
+    (*stmt).type_ = pg_sys::NodeTag::T_PlannedStmt;
+    (*stmt).commandType = q.commandType;
+    (*stmt).queryId = q.queryId;
+    (*stmt).hasReturning = !q.returningList.is_null();
+    (*stmt).canSetTag = q.canSetTag;
+    (*stmt).planTree = cscan as *mut pg_sys::Plan;
+    // Kept for permission checks on the shell; no relation of it is scanned here.
+    (*stmt).rtable = q.rtable;
+    // A change to the shell (distribution, DDL) invalidates cached plans of this statement.
+    (*stmt).relationOids = pg_sys::lappend_oid(std::ptr::null_mut(), table.relid);
+    (*stmt).stmt_location = q.stmt_location;
+    (*stmt).stmt_len = q.stmt_len;
+    Ok(stmt)
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn create_state(_cscan: *mut pg_sys::CustomScan) -> *mut pg_sys::Node {
+    let s = pg_sys::palloc0(std::mem::size_of::<ModifyState>()) as *mut ModifyState;
+    (*s).css.ss.ps.type_ = pg_sys::NodeTag::T_CustomScanState;
+    (*s).css.methods = &raw const EXEC_METHODS;
+    s as *mut pg_sys::Node
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn begin(node: *mut pg_sys::CustomScanState, estate: *mut pg_sys::EState, _eflags: i32) {
+    let s = node as *mut ModifyState;
+    let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+    (*s).store_slot = pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn exec(node: *mut pg_sys::CustomScanState) -> *mut pg_sys::TupleTableSlot {
+    let s = node as *mut ModifyState;
+    if !(*s).done {
+        (*s).done = true;
+        if let Err(e) = run(s) {
+            e.raise();
+        }
+    }
+    super::next_from_store((*s).tstore, (*s).store_slot, (*node).ss.ss_ScanTupleSlot)
+}
+
+/// One statement per target shard.
+struct ShardWork {
+    placement: ShardPlacement,
+    query: *mut pg_sys::Query,
+}
+
+unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
+    let ps = &mut (*s).css.ss.ps;
+    let estate = ps.state;
+    let cscan = ps.plan as *mut pg_sys::CustomScan;
+    let query = list_ptrs::<pg_sys::Query>((*cscan).custom_private)[0];
+    let rt = (*query).resultRelation as usize;
+    let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
+    let table = super::dist_table(shell)?
+        .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
+    let key_attno = super::key_attno(&table)?;
+    let all = super::placements(shell)?;
+    let work = targets(query, &table, key_attno, &all, ps)?;
+
+    let params = Params::from_list((*estate).es_param_list_info);
+    let out_types: Vec<(pg_sys::Oid, i32)> = list_ptrs::<pg_sys::TargetEntry>((*query).returningList)
+        .into_iter()
+        .map(|te| {
+            let e = (*te).expr as *const pg_sys::Node;
+            (pg_sys::exprType(e), pg_sys::exprTypmod(e))
+        })
+        .collect();
+    let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+    if !out_types.is_empty() {
+        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+        (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
+        pg_sys::MemoryContextSwitchTo(old);
+    }
+    let mut affected = 0u64;
+    for w in work {
+        let sql = super::deparse(w.query);
+        let r = super::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
+        affected += r.affected;
+        let n = out_types.len();
+        for row in r.rows {
+            let mut values: Vec<pg_sys::Datum> = row.iter().map(|v| v.unwrap_or(pg_sys::Datum::from(0usize))).collect();
+            let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
+            values.resize(n, pg_sys::Datum::from(0usize));
+            nulls.resize(n, true);
+            pg_sys::tuplestore_putvalues((*s).tstore, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+        }
+    }
+    // The executor counts only SELECT rows itself; DML reports what the shards changed.
+    (*estate).es_processed += affected;
+    Ok(())
+}
+
+/// The shards a statement touches, each with the (sub)statement to run there.
+unsafe fn targets(
+    query: *mut pg_sys::Query,
+    table: &DistTable,
+    key_attno: i16,
+    all: &[ShardPlacement],
+    ps: *mut pg_sys::PlanState,
+) -> Result<Vec<ShardWork>, RemusError> {
+    let rt = (*query).resultRelation;
+    if (*query).commandType != pg_sys::CmdType::CMD_INSERT {
+        let quals = (*(*query).jointree).quals as *mut pg_sys::Node;
+        let mut conjuncts = vec![quals];
+        if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
+            && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
+        {
+            conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
+        }
+        for c in conjuncts {
+            if let Some(v) = super::key_equality_value(c, rt, key_attno) {
+                let (value, isnull, ty) = super::eval_expr(v, ps);
+                if isnull {
+                    return Ok(vec![]);
+                }
+                let p = super::placement_for(table, all, value, ty)?;
+                return Ok(vec![ShardWork { placement: p, query }]);
+            }
+        }
+        // No key filter: every shard, in the same transaction.
+        return Ok(all.iter().map(|p| ShardWork { placement: p.clone(), query }).collect());
+    }
+
+    // INSERT: the key's target entry is either the value itself (one row) or a column of a
+    // VALUES list (several rows), which is then split by shard.
+    let key_te = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
+        .into_iter()
+        .find(|te| (**te).resno == key_attno)
+        .ok_or_else(|| null_key(table))?;
+    let expr = (*key_te).expr as *mut pg_sys::Node;
+    let values_rte = list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)
+        .into_iter()
+        .enumerate()
+        .find(|(_, r)| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES);
+    let stripped = {
+        let mut n = expr;
+        while is_tag(n, pg_sys::NodeTag::T_RelabelType) {
+            n = (*(n as *mut pg_sys::RelabelType)).arg as *mut _;
+        }
+        n
+    };
+    match values_rte {
+        None => {
+            if !super::is_routable_value(expr) {
+                return Err(RemusError::FeatureNotSupported(format!(
+                    "the shard key of an INSERT into {} must be a constant or a parameter",
+                    table.qualified_name
+                )));
+            }
+            let (value, isnull, ty) = super::eval_expr(expr as *mut pg_sys::Expr, ps);
+            if isnull {
+                return Err(null_key(table));
+            }
+            let p = super::placement_for(table, all, value, ty)?;
+            Ok(vec![ShardWork { placement: p, query }])
+        }
+        Some((vidx, vrte)) => {
+            if !is_tag(stripped, pg_sys::NodeTag::T_Var) || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1 {
+                return Err(RemusError::FeatureNotSupported(
+                    "the shard key of a multi-row INSERT must come straight from its VALUES list".into(),
+                ));
+            }
+            let col = (*(stripped as *mut pg_sys::Var)).varattno as usize - 1;
+            let mut groups: BTreeMap<i64, (ShardPlacement, *mut pg_sys::List)> = BTreeMap::new();
+            for row in list_ptrs::<pg_sys::List>((*vrte).values_lists) {
+                let cell = list_ptrs::<pg_sys::Node>(row)[col];
+                if !super::is_routable_value(cell) {
+                    return Err(RemusError::FeatureNotSupported(
+                        "shard key values of a multi-row INSERT must be constants or parameters".into(),
+                    ));
+                }
+                let (value, isnull, ty) = super::eval_expr(cell as *mut pg_sys::Expr, ps);
+                if isnull {
+                    return Err(null_key(table));
+                }
+                let p = super::placement_for(table, all, value, ty)?;
+                let entry = groups.entry(p.shard_id).or_insert((p, std::ptr::null_mut()));
+                entry.1 = pg_sys::lappend(entry.1, row as *mut std::ffi::c_void);
+            }
+            let mut out = Vec::new();
+            for (_, (placement, rows)) in groups {
+                let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
+                let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
+                (*r).values_lists = rows;
+                out.push(ShardWork { placement, query: q });
+            }
+            Ok(out)
+        }
+    }
+}
+
+fn null_key(table: &DistTable) -> RemusError {
+    RemusError::NullShardKey {
+        column: table.shard_key.clone().unwrap_or_default(),
+        table: table.qualified_name.clone(),
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn end(node: *mut pg_sys::CustomScanState) {
+    let s = node as *mut ModifyState;
+    if !(*s).tstore.is_null() {
+        pg_sys::tuplestore_end((*s).tstore);
+        (*s).tstore = std::ptr::null_mut();
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn rescan(node: *mut pg_sys::CustomScanState) {
+    // Never re-run DML: rewind what it returned.
+    let s = node as *mut ModifyState;
+    if !(*s).tstore.is_null() {
+        pg_sys::tuplestore_rescan((*s).tstore);
+    }
+}

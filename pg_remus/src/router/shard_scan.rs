@@ -1,0 +1,250 @@
+//! `RemusShardScan`: the scan of a distributed table's shell, reading its shards.
+//!
+//! Planned through `set_rel_pathlist_hook` as the only path of the shell's base relation, so
+//! PostgreSQL plans everything above it (joins, aggregates, sorts, limits) exactly as for a
+//! local table and computes the same answers. A `key = <constant or parameter>` restriction
+//! prunes the scan to one shard and is shipped with it; every restriction is also rechecked
+//! locally by `ExecScan`, so shipping is an optimisation, never a source of truth.
+
+use std::ffi::CStr;
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use super::{list_ptrs, Params};
+use crate::error::RemusError;
+
+static mut PREV_PATHLIST: pg_sys::set_rel_pathlist_hook_type = None;
+
+/// Method tables must have stable addresses for PostgreSQL; they are filled once at preload.
+static mut PATH_METHODS: pg_sys::CustomPathMethods = unsafe { std::mem::zeroed() };
+static mut SCAN_METHODS: pg_sys::CustomScanMethods = unsafe { std::mem::zeroed() };
+static mut EXEC_METHODS: pg_sys::CustomExecMethods = unsafe { std::mem::zeroed() };
+const NAME: &CStr = c"RemusShardScan";
+
+#[repr(C)]
+struct ShardScanState {
+    css: pg_sys::CustomScanState,
+    tstore: *mut pg_sys::Tuplestorestate,
+    /// Tuplestores hand out minimal tuples; the scan slot of a CustomScan is not of that kind.
+    store_slot: *mut pg_sys::TupleTableSlot,
+    key_expr: *mut pg_sys::Expr,
+    fetched: bool,
+}
+
+pub fn install() {
+    // SAFETY: one-time initialisation of process-global tables and hook at preload.
+    unsafe {
+        PATH_METHODS.CustomName = NAME.as_ptr();
+        PATH_METHODS.PlanCustomPath = Some(plan_custom_path);
+        SCAN_METHODS.CustomName = NAME.as_ptr();
+        SCAN_METHODS.CreateCustomScanState = Some(create_state);
+        EXEC_METHODS.CustomName = NAME.as_ptr();
+        EXEC_METHODS.BeginCustomScan = Some(begin);
+        EXEC_METHODS.ExecCustomScan = Some(exec);
+        EXEC_METHODS.EndCustomScan = Some(end);
+        EXEC_METHODS.ReScanCustomScan = Some(rescan);
+        pg_sys::RegisterCustomScanMethods(&raw const SCAN_METHODS);
+        PREV_PATHLIST = pg_sys::set_rel_pathlist_hook;
+        pg_sys::set_rel_pathlist_hook = Some(pathlist_hook);
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn pathlist_hook(
+    root: *mut pg_sys::PlannerInfo,
+    rel: *mut pg_sys::RelOptInfo,
+    rti: pg_sys::Index,
+    rte: *mut pg_sys::RangeTblEntry,
+) {
+    if let Some(prev) = PREV_PATHLIST {
+        prev(root, rel, rti, rte);
+    }
+    if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL {
+        return;
+    }
+    let table = match super::dist_table((*rte).relid) {
+        Ok(Some(t)) => t,
+        Ok(None) => return,
+        Err(e) => e.raise(),
+    };
+    if table.kind != 'h' {
+        return;
+    }
+    let path = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomPath>()) as *mut pg_sys::CustomPath;
+    (*path).path.type_ = pg_sys::NodeTag::T_CustomPath;
+    (*path).path.pathtype = pg_sys::NodeTag::T_CustomScan;
+    (*path).path.parent = rel;
+    (*path).path.pathtarget = (*rel).reltarget;
+    (*path).path.rows = (*rel).rows.max(1.0);
+    // Remote work is expensive; the numbers only need to rank our single path sensibly.
+    (*path).path.startup_cost = 100.0;
+    (*path).path.total_cost = 100.0 + (*path).path.rows;
+    (*path).methods = &raw const PATH_METHODS;
+    // Ours is the only way to read a shell: its heap is empty by construction.
+    (*rel).pathlist = std::ptr::null_mut();
+    (*rel).partial_pathlist = std::ptr::null_mut();
+    pg_sys::add_path(rel, path as *mut pg_sys::Path);
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn plan_custom_path(
+    _root: *mut pg_sys::PlannerInfo,
+    rel: *mut pg_sys::RelOptInfo,
+    _best_path: *mut pg_sys::CustomPath,
+    tlist: *mut pg_sys::List,
+    clauses: *mut pg_sys::List,
+    _custom_plans: *mut pg_sys::List,
+) -> *mut pg_sys::Plan {
+    let cscan = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
+    (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
+    (*cscan).scan.plan.targetlist = tlist;
+    (*cscan).scan.plan.qual = pg_sys::extract_actual_clauses(clauses, false);
+    (*cscan).scan.scanrelid = (*rel).relid;
+    (*cscan).methods = &raw const SCAN_METHODS;
+    // Remember the routable `key = value` restriction, if any, as the scan's only custom expr.
+    let rte = pg_sys::planner_rt_fetch((*rel).relid, _root);
+    if let Ok(Some(table)) = super::dist_table((*rte).relid) {
+        if let Ok(attno) = super::key_attno(&table) {
+            for rinfo in list_ptrs::<pg_sys::RestrictInfo>(clauses) {
+                if let Some(v) = super::key_equality_value((*rinfo).clause as *mut _, (*rel).relid as i32, attno) {
+                    (*cscan).custom_exprs = pg_sys::lappend(std::ptr::null_mut(), v as *mut std::ffi::c_void);
+                    break;
+                }
+            }
+        }
+    }
+    cscan as *mut pg_sys::Plan
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn create_state(cscan: *mut pg_sys::CustomScan) -> *mut pg_sys::Node {
+    let s = pg_sys::palloc0(std::mem::size_of::<ShardScanState>()) as *mut ShardScanState;
+    (*s).css.ss.ps.type_ = pg_sys::NodeTag::T_CustomScanState;
+    (*s).css.methods = &raw const EXEC_METHODS;
+    let exprs = list_ptrs::<pg_sys::Expr>((*cscan).custom_exprs);
+    (*s).key_expr = exprs.first().copied().unwrap_or(std::ptr::null_mut());
+    s as *mut pg_sys::Node
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn begin(node: *mut pg_sys::CustomScanState, estate: *mut pg_sys::EState, _eflags: i32) {
+    // No I/O here: Begin also runs for EXPLAIN and at Bind time.
+    let s = node as *mut ShardScanState;
+    let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+    (*s).store_slot = pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn exec(node: *mut pg_sys::CustomScanState) -> *mut pg_sys::TupleTableSlot {
+    pg_sys::ExecScan(&mut (*node).ss, Some(next_tuple), Some(recheck))
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn recheck(_node: *mut pg_sys::ScanState, _slot: *mut pg_sys::TupleTableSlot) -> bool {
+    true
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn next_tuple(ss: *mut pg_sys::ScanState) -> *mut pg_sys::TupleTableSlot {
+    let s = ss as *mut ShardScanState;
+    if !(*s).fetched {
+        if let Err(e) = fetch(s) {
+            e.raise();
+        }
+        (*s).fetched = true;
+    }
+    super::next_from_store((*s).tstore, (*s).store_slot, (*ss).ss_ScanTupleSlot)
+}
+
+/// Reads the rows of every shard this scan needs into a tuplestore.
+unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
+    let ss = &mut (*s).css.ss;
+    let estate = ss.ps.state;
+    let relid = (*ss.ss_currentRelation).rd_id;
+    let table = super::dist_table(relid)?
+        .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared during the scan".into()))?;
+    let all = super::placements(relid)?;
+
+    let desc = (*ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+    let natts = (*desc).natts as usize;
+    let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+    (*s).tstore = pg_sys::tuplestore_begin_heap(true, false, pg_sys::work_mem);
+    pg_sys::MemoryContextSwitchTo(old);
+
+    let (targets, params, filter) = if (*s).key_expr.is_null() {
+        (all, Params::none(), String::new())
+    } else {
+        let (value, isnull, ty) = super::eval_expr((*s).key_expr, &mut ss.ps);
+        if isnull {
+            // `key = NULL` is never true.
+            return Ok(());
+        }
+        let target = super::placement_for(&table, &all, value, ty)?;
+        let key_value = crate::distribute::coerce_via_text(value, ty, table.key_type);
+        let key = crate::catalog::quote_ident(table.shard_key.as_deref().unwrap_or_default());
+        (
+            vec![target],
+            Params { types: vec![table.key_type], values: vec![key_value], nulls: vec![false] },
+            format!(" WHERE {key} = $1"),
+        )
+    };
+
+    // Live columns of the shell, in order; dropped ones stay NULL in the scan tuple.
+    let mut cols = Vec::new();
+    let mut positions = Vec::new();
+    let mut types = Vec::new();
+    for i in 0..natts {
+        let attr = (*desc).attrs.as_ptr().add(i);
+        if (*attr).attisdropped {
+            continue;
+        }
+        let name = CStr::from_ptr((*attr).attname.data.as_ptr()).to_string_lossy();
+        cols.push(crate::catalog::quote_ident(&name));
+        positions.push(i);
+        types.push(((*attr).atttypid, (*attr).atttypmod));
+    }
+    let select_list = if cols.is_empty() { "NULL".to_string() } else { cols.join(", ") };
+    let sql = format!("SELECT {select_list} FROM {}{filter}", table.qualified_name);
+
+    let mut values = vec![pg_sys::Datum::from(0usize); natts];
+    let mut nulls = vec![true; natts];
+    for p in &targets {
+        let r = super::run_on_shard(p, &sql, &params, &types, false)?;
+        for row in r.rows {
+            for (j, v) in row.into_iter().enumerate().take(positions.len()) {
+                let pos = positions[j];
+                match v {
+                    Some(d) => {
+                        values[pos] = d;
+                        nulls[pos] = false;
+                    }
+                    None => nulls[pos] = true,
+                }
+            }
+            pg_sys::tuplestore_putvalues((*s).tstore, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+        }
+    }
+    Ok(())
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn end(node: *mut pg_sys::CustomScanState) {
+    let s = node as *mut ShardScanState;
+    if !(*s).tstore.is_null() {
+        pg_sys::tuplestore_end((*s).tstore);
+        (*s).tstore = std::ptr::null_mut();
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn rescan(node: *mut pg_sys::CustomScanState) {
+    let s = node as *mut ShardScanState;
+    // The routing key is a constant or external parameter, fixed for the whole execution, so
+    // the rows already read are still the right ones.
+    if !(*s).tstore.is_null() {
+        pg_sys::tuplestore_rescan((*s).tstore);
+    }
+    pg_sys::ExecScanReScan(&mut (*node).ss);
+}
+
