@@ -140,6 +140,18 @@ fn inspect(client: &SpiClient<'_>, relid: pg_sys::Oid, key: &str) -> Result<Tabl
             "{qualified} has identity or serial columns; each node would draw its own values, so they are not supported on distributed tables (use uuid defaults such as gen_random_uuid())"
         )));
     }
+    let dropped = client
+        .select(
+            "SELECT 1 FROM pg_attribute WHERE attrelid = $1 AND attisdropped",
+            Some(1),
+            &[relid.into()],
+        )?
+        .len();
+    if dropped > 0 {
+        return Err(RemusError::FeatureNotSupported(format!(
+            "{qualified} has dropped columns; shards are planned with the shell's column numbers, so recreate the table (CREATE TABLE … AS) before distributing it"
+        )));
+    }
     let copy_columns = client
         .select(
             "SELECT quote_ident(attname) FROM pg_attribute
@@ -369,14 +381,14 @@ fn create(
             );
             crate::twophase::exec_in_transaction(n, &sql, true)?;
         }
-        // This node.
-        client.update(&catalog_sql, None, &[])?;
+        // This node. Rows move before the local catalog says the table is distributed: from
+        // then on the router reads its shards instead of the shell's heap.
         let local_ddl = shard_ddl(&me);
         if !local_ddl.is_empty() {
             client.update(&local_ddl, None, &[])?;
         }
-
         move_rows(client, &info, key, &shards, &me, &nodes)?;
+        client.update(&catalog_sql, None, &[])?;
         client.update(&format!("TRUNCATE ONLY {}", info.qualified), None, &[])?;
         client.update(&guard_ddl(&info.qualified), None, &[])?;
         Ok(())
