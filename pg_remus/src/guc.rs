@@ -12,7 +12,38 @@ pub static NODE_NAME: GucSetting<Option<CString>> = GucSetting::<Option<CString>
 /// never forwards again.
 pub static FORWARDED: GucSetting<bool> = GucSetting::<bool>::new(false);
 
+/// How often the recovery worker looks for in-doubt prepared transactions.
+pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
+
+/// The database the background workers connect to (where pg_remus is created).
+pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+
+pub fn database() -> String {
+    DATABASE
+        .get()
+        .and_then(|c| c.to_str().ok().map(str::to_string))
+        .unwrap_or_else(|| "postgres".into())
+}
+
 pub fn register() {
+    GucRegistry::define_int_guc(
+        c"remus.recovery_interval",
+        c"Milliseconds between rounds of in-doubt 2PC recovery.",
+        c"The recovery worker commits or rolls back prepared transactions this node coordinated.",
+        &RECOVERY_INTERVAL_MS,
+        100,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_string_guc(
+        c"remus.database",
+        c"Database in which pg_remus is created; background workers connect to it.",
+        c"",
+        &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
     GucRegistry::define_bool_guc(
         c"remus.forwarded",
         c"This session was opened by another pg_remus node.",

@@ -8,6 +8,7 @@
 //! - [`twophase`]: atomic commit over every node a transaction wrote (2PC).
 //! - [`router`]: planning and executing statements on distributed tables, from any node.
 //! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
+//! - [`recovery_worker`]: the background worker that runs recovery on every node.
 //!
 //! The library must be in `shared_preload_libraries`: later modules install hooks and shared
 //! memory, which PostgreSQL only allows while the postmaster starts.
@@ -21,6 +22,7 @@ pub mod guc;
 pub mod hashing;
 pub mod nodes;
 pub mod recovery;
+pub mod recovery_worker;
 pub mod remote;
 pub mod router;
 pub mod twophase;
@@ -69,6 +71,10 @@ pub extern "C-unwind" fn _PG_init() {
     guc::register();
     twophase::register_callbacks();
     router::install_hooks();
+    // SAFETY: reads a postmaster global; workers can only be registered while preloading.
+    if unsafe { pgrx::pg_sys::process_shared_preload_libraries_in_progress } {
+        recovery_worker::register();
+    }
 }
 
 #[cfg(any(test, feature = "pg_test"))]

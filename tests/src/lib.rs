@@ -7,6 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub mod pgbench;
+
 use anyhow::{bail, Context, Result};
 pub use coordinator::local_cluster::ClusterState;
 

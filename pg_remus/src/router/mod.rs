@@ -65,6 +65,11 @@ unsafe extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, relid: pg_sys
     EXTENSION_OID.with(|e| e.set(0));
 }
 
+/// Is pg_remus created in this database?
+pub fn extension_present() -> bool {
+    extension_ready()
+}
+
 /// Is pg_remus created in this database (and not being created right now)?
 fn extension_ready() -> bool {
     // SAFETY: catalog lookup by name; `true` makes a missing extension return InvalidOid.

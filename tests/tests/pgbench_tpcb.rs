@@ -1,0 +1,62 @@
+//! The routing issue's acceptance: pgbench TPC-B through all three nodes at once, and the same
+//! with one postmaster killed with SIGKILL and restarted mid-run.
+
+use std::time::{Duration, Instant};
+
+use coordinator::local_cluster::pg_bindir;
+use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere, start_tpcb};
+use integration::TestCluster;
+
+#[test]
+fn tpcb_through_every_node_keeps_the_balances() {
+    let c = TestCluster::start(3, 21001).expect("cluster up");
+    init_tpcb(&c, 10);
+    let runs: Vec<_> = c.node_names().iter().map(|n| start_tpcb(&c, n, 8, 60)).collect();
+    let mut processed = 0;
+    for r in runs.into_iter().map(finish) {
+        assert_eq!(r.failed, 0, "{}", r.output);
+        assert_eq!(r.aborted_clients, 0, "{}", r.output);
+        assert!(r.processed > 0, "{}", r.output);
+        processed += r.processed;
+    }
+    let (a, b, t, h) = balances(&c, "n2");
+    assert_eq!((a, b, t), (h, h, h), "balances diverge");
+    let mut n3 = c.connect("n3").unwrap();
+    let hist: i64 = n3.query_one("SELECT count(*) FROM pgbench_history", &[]).unwrap().get(0);
+    assert_eq!(hist as u64, processed, "every committed transaction left one history row");
+    assert_eq!(prepared_everywhere(&c), 0);
+}
+
+#[test]
+fn a_killed_node_loses_nothing_and_in_doubt_work_resolves() {
+    let c = TestCluster::start(3, 22001).expect("cluster up");
+    init_tpcb(&c, 2);
+    let state = c.state().unwrap();
+    let runs: Vec<_> = c.node_names().iter().map(|n| start_tpcb(&c, n, 8, 25)).collect();
+    std::thread::sleep(Duration::from_secs(6));
+    let victim = state.node("n3").unwrap().clone();
+    let pid = victim.postmaster_pid().expect("n3 runs");
+    // SAFETY: SIGKILL to the postmaster this test's cluster started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    std::thread::sleep(Duration::from_secs(3));
+    // Restart it the way `cluster up` starts a node.
+    let out = std::process::Command::new("runuser")
+        .args(["-u", "postgres", "--", "env", &format!("PGPASSFILE={}", state.pgpass.display()), "RUST_BACKTRACE=0"])
+        .arg(pg_bindir().join("pg_ctl"))
+        .args(["-D", &victim.data_dir.to_string_lossy(), "-l", &victim.log.to_string_lossy(), "-w", "-t", "120", "start"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "restart n3: {}", String::from_utf8_lossy(&out.stderr));
+    for r in runs.into_iter().map(finish) {
+        // Clients of the killed node lose their connection; others may see its errors. What
+        // matters is what committed.
+        assert!(r.processed > 0, "{}", r.output);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while prepared_everywhere(&c) > 0 {
+        assert!(Instant::now() < deadline, "in-doubt transactions left after a minute");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (a, b, t, h) = balances(&c, "n1");
+    assert_eq!((a, b, t), (h, h, h), "balances diverge after the crash");
+}
