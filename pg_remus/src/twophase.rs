@@ -29,6 +29,12 @@ pub fn register_callbacks() {
 #[pg_guard]
 unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
     use pg_sys::XactEvent::*;
+    if matches!(
+        event,
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE
+    ) {
+        crate::router::ownership::end_of_transaction();
+    }
     if !remote::any_in_transaction() {
         return;
     }
@@ -182,4 +188,12 @@ pub fn exec_params_in_transaction(
         }
         c.exec_params(sql, params, types)
     })
+}
+
+/// Streams COPY text into `sql` (a `COPY … FROM STDIN`) on `addr`, as a writing participant of
+/// the current transaction.
+pub fn copy_in_transaction(addr: &remote::NodeAddr, sql: &str, data: &[u8]) -> Result<(), RemusError> {
+    exec_in_transaction(addr, "SELECT 1", true)?;
+    remote::with_connection(addr, |c| c.copy_in(sql, data))?;
+    Ok(())
 }

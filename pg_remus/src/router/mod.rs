@@ -16,7 +16,9 @@
 //!   outlive migrations.
 
 pub mod modify;
+pub mod ownership;
 pub mod shard_scan;
+pub mod utility;
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -50,6 +52,8 @@ pub fn install_hooks() {
     }
     shard_scan::install();
     modify::register_methods();
+    ownership::install();
+    utility::install();
 }
 
 #[pg_guard]
@@ -106,16 +110,21 @@ pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
     Ok(found)
 }
 
-/// Placements read with the current snapshot (never cached: ownership can change).
+/// Placements as this transaction uses them: read with the current statement's snapshot, and
+/// pinned per shard at first use until the transaction ends.
 pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
     IN_LOOKUP.with(|f| f.set(true));
     let r = catalog::placements(relid);
     IN_LOOKUP.with(|f| f.set(false));
-    r
+    let mut r = r?;
+    for p in &mut r {
+        p.node_name = ownership::pinned_owner(p.shard_id, &p.node_name);
+    }
+    Ok(r)
 }
 
 /// `/*remus:shard=N*/` at the start of the statement text.
-fn shard_marker(query_string: *const std::ffi::c_char) -> Option<i64> {
+pub(crate) fn shard_marker(query_string: *const std::ffi::c_char) -> Option<i64> {
     if query_string.is_null() {
         return None;
     }
@@ -125,7 +134,7 @@ fn shard_marker(query_string: *const std::ffi::c_char) -> Option<i64> {
     rest[..rest.find("*/")?].parse().ok()
 }
 
-fn marker_honoured() -> bool {
+pub(crate) fn marker_honoured() -> bool {
     crate::guc::FORWARDED.get() || LOCAL_SHARD_DEPTH.with(|d| d.get()) > 0
 }
 

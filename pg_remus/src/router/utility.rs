@@ -1,0 +1,306 @@
+//! Utility statements on distributed tables: COPY FROM is routed row by row, TRUNCATE goes to
+//! every shard, and statements that would silently act on the empty shell or make shells and
+//! shards diverge are refused with 0A000.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::ffi::{CStr, CString};
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use super::list_ptrs;
+use crate::catalog::{shard_table_name, DistTable, ShardPlacement};
+use crate::error::RemusError;
+
+static mut PREV_UTILITY: pg_sys::ProcessUtility_hook_type = None;
+const FLUSH_BYTES: usize = 4 << 20;
+
+thread_local! {
+    /// COPY text handed to a local `CopyFrom` through its data-source callback (which takes no
+    /// argument, hence a backend-global buffer).
+    static LOCAL_COPY: RefCell<(Vec<u8>, usize)> = const { RefCell::new((Vec::new(), 0)) };
+}
+
+pub fn install() {
+    // SAFETY: process-global hook set once at preload, previous value chained.
+    unsafe {
+        PREV_UTILITY = pg_sys::ProcessUtility_hook;
+        pg_sys::ProcessUtility_hook = Some(process_utility);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[pg_guard]
+unsafe extern "C-unwind" fn process_utility(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query_string: *const std::ffi::c_char,
+    read_only_tree: bool,
+    context: pg_sys::ProcessUtilityContext::Type,
+    params: pg_sys::ParamListInfo,
+    query_env: *mut pg_sys::QueryEnvironment,
+    dest: *mut pg_sys::DestReceiver,
+    qc: *mut pg_sys::QueryCompletion,
+) {
+    match intercept(pstmt, query_string, qc) {
+        Ok(true) => return,
+        Ok(false) => {}
+        Err(e) => e.raise(),
+    }
+    match PREV_UTILITY {
+        Some(prev) => prev(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
+        None => pg_sys::standard_ProcessUtility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
+    }
+}
+
+unsafe fn shell_of(rv: *mut pg_sys::RangeVar) -> Result<Option<DistTable>, RemusError> {
+    if rv.is_null() {
+        return Ok(None);
+    }
+    let relid = pg_sys::RangeVarGetRelidExtended(rv, pg_sys::NoLock as i32, pg_sys::RVROption::RVR_MISSING_OK, None, std::ptr::null_mut());
+    if relid == pg_sys::InvalidOid {
+        return Ok(None);
+    }
+    super::dist_table(relid)
+}
+
+/// `Ok(true)`: handled here.
+unsafe fn intercept(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query_string: *const std::ffi::c_char,
+    qc: *mut pg_sys::QueryCompletion,
+) -> Result<bool, RemusError> {
+    let stmt = (*pstmt).utilityStmt;
+    if stmt.is_null() || !super::extension_present() {
+        return Ok(false);
+    }
+    match (*stmt).type_ {
+        pg_sys::NodeTag::T_CopyStmt => {
+            let copy = stmt as *mut pg_sys::CopyStmt;
+            let Some(table) = shell_of((*copy).relation)? else { return Ok(false) };
+            if !(*copy).is_from {
+                return Err(RemusError::FeatureNotSupported(format!(
+                    "COPY {} TO is not supported; use COPY (SELECT * FROM {}) TO …",
+                    table.qualified_name, table.qualified_name
+                )));
+            }
+            if !(*copy).whereClause.is_null() {
+                return Err(RemusError::FeatureNotSupported("COPY … FROM … WHERE on a distributed table".into()));
+            }
+            let n = copy_from(copy, &table, query_string)?;
+            if !qc.is_null() {
+                pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_COPY, n);
+            }
+            Ok(true)
+        }
+        pg_sys::NodeTag::T_TruncateStmt => {
+            let t = stmt as *mut pg_sys::TruncateStmt;
+            let rels = list_ptrs::<pg_sys::RangeVar>((*t).relations);
+            let mut shells = Vec::new();
+            for rv in &rels {
+                if let Some(d) = shell_of(*rv)? {
+                    shells.push(d);
+                }
+            }
+            if shells.is_empty() {
+                return Ok(false);
+            }
+            if shells.len() != rels.len() {
+                return Err(RemusError::FeatureNotSupported(
+                    "TRUNCATE of distributed and local tables in one statement".into(),
+                ));
+            }
+            for d in &shells {
+                for p in super::placements(d.relid)? {
+                    run_on_owner(&p, &format!("TRUNCATE {}", shard_table_name(&d.rel_name, p.shard_id)))?;
+                }
+            }
+            if !qc.is_null() {
+                pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_TRUNCATE_TABLE, 0);
+            }
+            Ok(true)
+        }
+        pg_sys::NodeTag::T_AlterTableStmt => {
+            let a = stmt as *mut pg_sys::AlterTableStmt;
+            if let Some(d) = shell_of((*a).relation)? {
+                return Err(RemusError::FeatureNotSupported(format!(
+                    "ALTER TABLE on distributed table {} is not supported yet (shards would diverge from the shell)",
+                    d.qualified_name
+                )));
+            }
+            Ok(false)
+        }
+        pg_sys::NodeTag::T_DropStmt => {
+            let d = stmt as *mut pg_sys::DropStmt;
+            if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
+                for obj in list_ptrs::<pg_sys::List>((*d).objects) {
+                    let rv = pg_sys::makeRangeVarFromNameList(obj);
+                    if let Some(t) = shell_of(rv)? {
+                        return Err(RemusError::FeatureNotSupported(format!(
+                            "DROP TABLE on distributed table {} is not supported yet",
+                            t.qualified_name
+                        )));
+                    }
+                }
+            }
+            Ok(false)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// Runs a utility command on the shard's owner, inside the current transaction.
+unsafe fn run_on_owner(p: &ShardPlacement, sql: &str) -> Result<(), RemusError> {
+    if crate::guc::node_name().as_deref() == Some(p.node_name.as_str()) {
+        Spi::run(sql)?;
+    } else {
+        let addr = crate::nodes::lookup(&p.node_name)?;
+        crate::twophase::exec_in_transaction(&addr, sql, true)?;
+    }
+    Ok(())
+}
+
+fn escape_into(v: &[u8], out: &mut Vec<u8>) {
+    for &b in v {
+        match b {
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            _ => out.push(b),
+        }
+    }
+}
+
+/// Parses the client's COPY data on this node (any format and options the user gave), routes
+/// each row by its shard key, and streams the rows to their shards as COPY text.
+unsafe fn copy_from(
+    copy: *mut pg_sys::CopyStmt,
+    table: &DistTable,
+    query_string: *const std::ffi::c_char,
+) -> Result<u64, RemusError> {
+    let rel = pg_sys::table_open(table.relid, pg_sys::RowExclusiveLock as i32);
+    let desc = (*rel).rd_att;
+    let natts = (*desc).natts as usize;
+    let key_attno = super::key_attno(table)? as usize;
+    // Columns carried to the shards: live, not generated (the shard computes those).
+    let mut cols = Vec::new();
+    let mut out_fns = Vec::new();
+    for i in 0..natts {
+        let a = (*desc).attrs.as_ptr().add(i);
+        if (*a).attisdropped || (*a).attgenerated != 0 {
+            continue;
+        }
+        let mut f = pg_sys::InvalidOid;
+        let mut varlena = false;
+        pg_sys::getTypeOutputInfo((*a).atttypid, &mut f, &mut varlena);
+        cols.push((i, CStr::from_ptr((*a).attname.data.as_ptr()).to_string_lossy().into_owned()));
+        out_fns.push(f);
+    }
+    let col_list = cols.iter().map(|(_, n)| crate::catalog::quote_ident(n)).collect::<Vec<_>>().join(", ");
+
+    let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
+    (*pstate).p_sourcetext = query_string;
+    let cstate = pg_sys::BeginCopyFrom(
+        pstate,
+        rel,
+        std::ptr::null_mut(),
+        (*copy).filename,
+        (*copy).is_program,
+        None,
+        (*copy).attlist,
+        (*copy).options,
+    );
+    let estate = pg_sys::CreateExecutorState();
+    let econtext = pg_sys::CreateExprContext(estate);
+    let all = super::placements(table.relid)?;
+    let mut values = vec![pg_sys::Datum::from(0usize); natts];
+    let mut nulls = vec![false; natts];
+    let mut buffers: BTreeMap<i64, (ShardPlacement, Vec<u8>)> = BTreeMap::new();
+    let mut rows = 0u64;
+    while pg_sys::NextCopyFrom(cstate, econtext, values.as_mut_ptr(), nulls.as_mut_ptr()) {
+        pgrx::check_for_interrupts!();
+        if nulls[key_attno - 1] {
+            return Err(RemusError::NullShardKey {
+                column: table.shard_key.clone().unwrap_or_default(),
+                table: table.qualified_name.clone(),
+            });
+        }
+        let key_type = (*(*desc).attrs.as_ptr().add(key_attno - 1)).atttypid;
+        let p = super::placement_for(table, &all, values[key_attno - 1], key_type)?;
+        let entry = buffers.entry(p.shard_id).or_insert_with(|| (p.clone(), Vec::new()));
+        for (j, (i, _)) in cols.iter().enumerate() {
+            if j > 0 {
+                entry.1.push(b'\t');
+            }
+            if nulls[*i] {
+                entry.1.extend_from_slice(b"\\N");
+            } else {
+                let s = pg_sys::OidOutputFunctionCall(out_fns[j], values[*i]);
+                escape_into(CStr::from_ptr(s).to_bytes(), &mut entry.1);
+            }
+        }
+        entry.1.push(b'\n');
+        rows += 1;
+        if entry.1.len() >= FLUSH_BYTES {
+            let data = std::mem::take(&mut entry.1);
+            let placement = entry.0.clone();
+            flush(table, &placement, &col_list, &data)?;
+        }
+        pg_sys::MemoryContextReset((*econtext).ecxt_per_tuple_memory);
+    }
+    pg_sys::EndCopyFrom(cstate);
+    pg_sys::FreeExecutorState(estate);
+    for (_, (placement, data)) in buffers {
+        if !data.is_empty() {
+            flush(table, &placement, &col_list, &data)?;
+        }
+    }
+    pg_sys::table_close(rel, pg_sys::NoLock as i32);
+    Ok(rows)
+}
+
+unsafe fn flush(table: &DistTable, p: &ShardPlacement, cols: &str, data: &[u8]) -> Result<(), RemusError> {
+    let shard = shard_table_name(&table.rel_name, p.shard_id);
+    if crate::guc::node_name().as_deref() != Some(p.node_name.as_str()) {
+        let addr = crate::nodes::lookup(&p.node_name)?;
+        let sql = format!("COPY {shard} ({cols}) FROM STDIN");
+        return crate::twophase::copy_in_transaction(&addr, &sql, data);
+    }
+    // Local shard: PostgreSQL's own COPY into the shard table, fed from memory.
+    let name = CString::new(format!("{}_{}", table.rel_name, p.shard_id)).expect("no NUL in names");
+    let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
+    let shard_relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+    if shard_relid == pg_sys::InvalidOid {
+        return Err(RemusError::NotShardOwner { shard_id: p.shard_id, node: p.node_name.clone() });
+    }
+    LOCAL_COPY.with(|b| *b.borrow_mut() = (data.to_vec(), 0));
+    let rel = pg_sys::table_open(shard_relid, pg_sys::RowExclusiveLock as i32);
+    let mut attlist: *mut pg_sys::List = std::ptr::null_mut();
+    for c in cols.split(", ") {
+        let c = CString::new(c.trim_matches('"').replace("\"\"", "\"")).expect("no NUL in names");
+        attlist = pg_sys::lappend(attlist, pg_sys::makeString(pg_sys::pstrdup(c.as_ptr())) as *mut std::ffi::c_void);
+    }
+    let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
+    // CopyFrom finds its target through the parse state's range table, as for a COPY command.
+    let nsitem = pg_sys::addRangeTableEntryForRelation(pstate, rel, pg_sys::RowExclusiveLock as i32, std::ptr::null_mut(), false, false);
+    (*(*nsitem).p_rte).requiredPerms = pg_sys::ACL_INSERT;
+    let cstate = pg_sys::BeginCopyFrom(pstate, rel, std::ptr::null_mut(), std::ptr::null(), false, Some(local_source), attlist, std::ptr::null_mut());
+    pg_sys::CopyFrom(cstate);
+    pg_sys::EndCopyFrom(cstate);
+    pg_sys::table_close(rel, pg_sys::NoLock as i32);
+    LOCAL_COPY.with(|b| *b.borrow_mut() = (Vec::new(), 0));
+    Ok(())
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn local_source(outbuf: *mut std::ffi::c_void, _minread: i32, maxread: i32) -> i32 {
+    LOCAL_COPY.with(|b| {
+        let mut b = b.borrow_mut();
+        let (data, pos) = &mut *b;
+        let n = (data.len() - *pos).min(maxread as usize);
+        std::ptr::copy_nonoverlapping(data.as_ptr().add(*pos), outbuf as *mut u8, n);
+        *pos += n;
+        n as i32
+    })
+}
