@@ -144,6 +144,21 @@ pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError>
     .map_err(RemusError::from)
 }
 
+/// The single shard of a reference table (present on every node).
+pub fn reference_shard(relid: pg_sys::Oid) -> Result<i64, RemusError> {
+    Spi::get_one_with_args::<i64>("SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1", &[relid.into()])?
+        .ok_or_else(|| RemusError::InvalidArgument("reference table has no shard".into()))
+}
+
+/// A reference table's placements: its one shard, on every node.
+pub fn reference_placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
+    let shard_id = reference_shard(relid)?;
+    Ok(crate::nodes::all_nodes()?
+        .into_iter()
+        .map(|n| ShardPlacement { shard_id, shard_index: 0, hash_min: i32::MIN, hash_max: i32::MAX, node_name: n.name })
+        .collect())
+}
+
 /// Size of a shard's table on its owner, asked of the owner when it is another node.
 #[pg_extern(volatile, parallel_unsafe)]
 fn remus_shard_size(shard_id: i64) -> Option<i64> {
@@ -184,9 +199,9 @@ CREATE VIEW remus_shards AS
            m.node_name, d.colocation_id, remus_shard_size(s.shard_id) AS size_bytes
       FROM remus.shards s
       JOIN remus.distributed_tables d USING (logicalrelid)
-      JOIN remus.shard_map m USING (shard_id)
+      LEFT JOIN remus.shard_map m USING (shard_id)
      ORDER BY s.shard_id;
-COMMENT ON VIEW remus_shards IS 'Every shard: table, key, hash range, owner node, size on the owner';
+COMMENT ON VIEW remus_shards IS 'Every shard: table, key, hash range, owner node (NULL: a reference table, on every node), size on the owner';
 "#,
     name = "shards_view",
     requires = ["distribution_catalog", remus_shard_size]

@@ -477,6 +477,125 @@ fn move_rows(
     Ok(())
 }
 
+fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
+    let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
+    let nodes = crate::nodes::all_nodes()?;
+    if !nodes.iter().any(|n| n.name == me) {
+        return Err(RemusError::InvalidArgument(format!(
+            "this node ({me}) is not in remus_nodes; add it with remus_add_node first"
+        )));
+    }
+    Spi::connect_mut(|client| -> Result<(), RemusError> {
+        let r = client.select(
+            "SELECT c.relkind::text, format('%I.%I', n.nspname, c.relname), c.relname::text, c.relpersistence::text,
+                    EXISTS (SELECT 1 FROM remus.distributed_tables WHERE logicalrelid = c.oid),
+                    EXISTS (SELECT 1 FROM pg_constraint WHERE contype = 'f' AND (conrelid = c.oid OR confrelid = c.oid)),
+                    EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attisdropped)
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
+            Some(1),
+            &[relid.into()],
+        )?;
+        let r = r.first();
+        let qualified = r.get::<String>(2)?.unwrap_or_default();
+        let rel_name = r.get::<String>(3)?.unwrap_or_default();
+        if r.get::<String>(1)?.as_deref() != Some("r") || r.get::<String>(4)?.as_deref() != Some("p") {
+            return Err(RemusError::FeatureNotSupported(format!(
+                "{qualified} is not an ordinary permanent table"
+            )));
+        }
+        if r.get::<bool>(5)? == Some(true) {
+            return Err(RemusError::DuplicateObject(format!("table {qualified} is already distributed")));
+        }
+        if r.get::<bool>(6)? == Some(true) {
+            return Err(RemusError::FeatureNotSupported(format!(
+                "{qualified} has foreign keys; foreign keys on distributed tables are not supported"
+            )));
+        }
+        if r.get::<bool>(7)? == Some(true) {
+            return Err(RemusError::FeatureNotSupported(format!(
+                "{qualified} has dropped columns; recreate the table before distributing it"
+            )));
+        }
+        client.update(&format!("LOCK TABLE {qualified} IN ACCESS EXCLUSIVE MODE"), None, &[])?;
+        client.update("LOCK TABLE remus.shards IN EXCLUSIVE MODE", None, &[])?;
+        let shard_id = client
+            .select("SELECT coalesce(max(shard_id), 0) + 1 FROM remus.shards", Some(1), &[])?
+            .first()
+            .get::<i64>(1)?
+            .unwrap_or(1);
+        let rel = quote_literal(&qualified);
+        let catalog_sql = format!(
+            "INSERT INTO remus.distributed_tables VALUES ({rel}::regclass, NULL, NULL, 'r', 1, 0);\n\
+             INSERT INTO remus.shards VALUES ({shard_id}, {rel}::regclass, 0, {}, {});\n",
+            i32::MIN,
+            i32::MAX
+        );
+        let shard = shard_table_name(&rel_name, shard_id);
+        let shard_ddl = format!("CREATE TABLE {shard} (LIKE {qualified} INCLUDING ALL);\n");
+        let shell = shell_ddl(client, relid, &qualified)?;
+        let copy_columns = client
+            .select(
+                "SELECT quote_ident(attname) FROM pg_attribute
+                  WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
+                None,
+                &[relid.into()],
+            )?
+            .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let cols = copy_columns.join(", ");
+        // The rows as COPY text, once, for every other node.
+        let text_cols: Vec<String> = copy_columns.iter().map(|c| format!("{c}::text")).collect();
+        let mut data = String::new();
+        let mut cursor = client.open_cursor(&format!("SELECT {} FROM ONLY {qualified}", text_cols.join(", ")), &[]);
+        loop {
+            let batch = cursor.fetch(10_000)?;
+            if batch.is_empty() {
+                break;
+            }
+            for row in batch {
+                for i in 0..copy_columns.len() {
+                    if i > 0 {
+                        data.push('\t');
+                    }
+                    match row.get::<String>(i + 1)? {
+                        Some(v) => copy_escape(&v, &mut data),
+                        None => data.push_str("\\N"),
+                    }
+                }
+                data.push('\n');
+            }
+        }
+        drop(cursor);
+        for n in nodes.iter().filter(|n| n.name != me) {
+            let exists = crate::twophase::exec_in_transaction(
+                n,
+                &format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(&qualified)),
+                true,
+            )?;
+            if exists.rows.first().and_then(|r| r[0].as_deref()) == Some("t") {
+                return Err(RemusError::DuplicateObject(format!(
+                    "table {qualified} already exists on node {}; drop it there first",
+                    n.name
+                )));
+            }
+            let sql = format!(
+                "LOCK TABLE remus.shards IN EXCLUSIVE MODE;\n{shell}{}{catalog_sql}{shard_ddl}",
+                guard_ddl(&qualified)
+            );
+            crate::twophase::exec_in_transaction(n, &sql, true)?;
+            if !data.is_empty() {
+                crate::twophase::copy_in_transaction(n, &format!("COPY {shard} ({cols}) FROM STDIN"), data.as_bytes())?;
+            }
+        }
+        client.update(&shard_ddl, None, &[])?;
+        client.update(&format!("INSERT INTO {shard} ({cols}) SELECT {cols} FROM ONLY {qualified}"), None, &[])?;
+        client.update(&catalog_sql, None, &[])?;
+        client.update(&format!("TRUNCATE ONLY {qualified}"), None, &[])?;
+        client.update(&guard_ddl(&qualified), None, &[])?;
+        Ok(())
+    })
+}
+
 #[pg_schema]
 mod remus {
     use pgrx::datum::AnyElement;
@@ -492,6 +611,11 @@ mod remus {
         colocate_with: Option<pg_sys::Oid>,
     ) {
         super::create(relid, shard_key, shard_count, colocate_with).or_raise();
+    }
+
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn create_reference_table(relid: pg_sys::Oid) {
+        super::create_reference(relid).or_raise();
     }
 
     /// The int4 hash of a shard-key value (its type's standard hash function).
@@ -559,6 +683,11 @@ $$;
 COMMENT ON FUNCTION remus_create_distributed_table(regclass, text, int, regclass) IS
     'Hash-shard a table over all nodes (atomic across nodes; existing rows move into the shards)';
 
+CREATE FUNCTION remus_create_reference_table(table_name regclass) RETURNS void
+LANGUAGE sql VOLATILE AS $$ SELECT remus.create_reference_table(table_name::oid) $$;
+COMMENT ON FUNCTION remus_create_reference_table(regclass) IS
+    'Copy a table to every node: reads are local, writes go to every node in one 2PC transaction';
+
 CREATE FUNCTION remus_shard_id_for(table_name regclass, value anyelement) RETURNS bigint
 LANGUAGE sql STABLE STRICT AS $$ SELECT remus.shard_id_for(table_name::oid, value) $$;
 "#,
@@ -566,4 +695,4 @@ LANGUAGE sql STABLE STRICT AS $$ SELECT remus.shard_id_for(table_name::oid, valu
     requires = ["distribution_catalog", "remus_schema_fns"]
 );
 
-pgrx::extension_sql!("", name = "remus_schema_fns", requires = [create_distributed_table, shard_id_for]);
+pgrx::extension_sql!("", name = "remus_schema_fns", requires = [create_distributed_table, shard_id_for, create_reference_table]);

@@ -128,3 +128,36 @@ fn remus_recover_prepared() -> TableIterator<
     let s = crate::recovery::recover().or_raise();
     TableIterator::once((s.committed, s.rolled_back, s.in_progress))
 }
+
+fn remove_node(name: &str) -> Result<(), RemusError> {
+    let owned = Spi::get_one_with_args::<i64>(
+        "SELECT count(*) FROM remus.shard_map WHERE node_name = $1",
+        &[name.into()],
+    )?
+    .unwrap_or(0);
+    if owned > 0 {
+        return Err(RemusError::ObjectInUse(format!(
+            "node {name} still owns {owned} shards; move them away first (remus_migrate_shard)"
+        )));
+    }
+    let nodes = all_nodes()?;
+    if !nodes.iter().any(|n| n.name == name) {
+        return Err(RemusError::UnknownNode(name.to_string()));
+    }
+    let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
+    let sql = format!("DELETE FROM remus.nodes WHERE name = {}", crate::remote::quote_literal(name));
+    // Every remaining node forgets it, in one 2PC transaction. The leaving node is not asked:
+    // it may well be down, which is a common reason to remove it.
+    for n in nodes.iter().filter(|n| n.name != me && n.name != name) {
+        crate::twophase::exec_in_transaction(n, &sql, true)?;
+    }
+    Spi::run(&sql)?;
+    Ok(())
+}
+
+/// Removes a node from the cluster's membership on every node. Refused (55006) while the node
+/// owns shards.
+#[pg_extern]
+fn remus_remove_node(name: &str) {
+    remove_node(name).or_raise();
+}

@@ -113,12 +113,16 @@ pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
 /// Placements as this transaction uses them: read with the current statement's snapshot, and
 /// pinned per shard at first use until the transaction ends.
 pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
+    let reference = matches!(dist_table(relid), Ok(Some(t)) if t.kind == 'r');
     IN_LOOKUP.with(|f| f.set(true));
-    let r = catalog::placements(relid);
+    let r = if reference { catalog::reference_placements(relid) } else { catalog::placements(relid) };
     IN_LOOKUP.with(|f| f.set(false));
     let mut r = r?;
-    for p in &mut r {
-        p.node_name = ownership::pinned_owner(p.shard_id, &p.node_name);
+    // A reference table's shard is on every node: there is no owner to pin.
+    if !reference {
+        for p in &mut r {
+            p.node_name = ownership::pinned_owner(p.shard_id, &p.node_name);
+        }
     }
     Ok(r)
 }

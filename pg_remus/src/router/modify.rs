@@ -61,7 +61,26 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
     if q.hasTargetSRFs {
         return Err(unsupported("a set-returning function in INSERT/UPDATE/DELETE"));
     }
-    let key_attno = super::key_attno(table)?;
+    // Reference tables have no key; 0 never matches a column.
+    let key_attno = if table.kind == 'r' { 0 } else { super::key_attno(table)? };
+    if table.kind == 'r' {
+        // Every node evaluates the statement for its own copy: a volatile expression (now(),
+        // random(), a gen_random_uuid() default) would give each copy a different value.
+        let mut exprs = q.targetList as *mut pg_sys::Node;
+        if pg_sys::contain_volatile_functions(exprs) {
+            return Err(unsupported("a volatile expression (such as now(), random() or a gen_random_uuid() default) in a write to a reference table"));
+        }
+        exprs = q.returningList as *mut pg_sys::Node;
+        let quals = if q.jointree.is_null() { std::ptr::null_mut() } else { (*q.jointree).quals };
+        if pg_sys::contain_volatile_functions(exprs) || pg_sys::contain_volatile_functions(quals) {
+            return Err(unsupported("a volatile expression in a write to a reference table"));
+        }
+        for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
+            if (*rte).rtekind == pg_sys::RTEKind::RTE_VALUES && pg_sys::contain_volatile_functions((*rte).values_lists as *mut pg_sys::Node) {
+                return Err(unsupported("a volatile expression in a write to a reference table"));
+            }
+        }
+    }
     let rtes = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable);
     match q.commandType {
         pg_sys::CmdType::CMD_INSERT => {
@@ -186,9 +205,16 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
     let table = super::dist_table(shell)?
         .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
-    let key_attno = super::key_attno(&table)?;
     let all = super::placements(shell)?;
-    let work = targets(query, &table, key_attno, &all, ps)?;
+    let reference = table.kind == 'r';
+    let work = if reference {
+        // One copy per node, all in this transaction (2PC).
+        all.iter().map(|p| ShardWork { placement: p.clone(), query }).collect()
+    } else {
+        let key_attno = super::key_attno(&table)?;
+        targets(query, &table, key_attno, &all, ps)?
+    };
+    let me = crate::guc::node_name().unwrap_or_default();
 
     let params = Params::from_list((*estate).es_param_list_info);
     let out_types: Vec<(pg_sys::Oid, i32)> = list_ptrs::<pg_sys::TargetEntry>((*query).returningList)
@@ -208,6 +234,10 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     for w in work {
         let sql = super::deparse(w.query);
         let r = super::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
+        // A reference table's copies all change alike: report (and return) one of them.
+        if reference && w.placement.node_name != me {
+            continue;
+        }
         affected += r.affected;
         let n = out_types.len();
         for row in r.rows {

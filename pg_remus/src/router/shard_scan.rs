@@ -63,13 +63,10 @@ unsafe extern "C-unwind" fn pathlist_hook(
     if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL {
         return;
     }
-    let table = match super::dist_table((*rte).relid) {
-        Ok(Some(t)) => t,
+    match super::dist_table((*rte).relid) {
+        Ok(Some(_)) => {}
         Ok(None) => return,
         Err(e) => e.raise(),
-    };
-    if table.kind != 'h' {
-        return;
     }
     let path = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomPath>()) as *mut pg_sys::CustomPath;
     (*path).path.type_ = pg_sys::NodeTag::T_CustomPath;
@@ -172,7 +169,11 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
     (*s).tstore = pg_sys::tuplestore_begin_heap(true, false, pg_sys::work_mem);
     pg_sys::MemoryContextSwitchTo(old);
 
-    let (targets, params, filter) = if (*s).key_expr.is_null() {
+    let me = crate::guc::node_name().unwrap_or_default();
+    let (targets, params, filter) = if table.kind == 'r' {
+        // Every node holds the whole table: read the local copy.
+        (all.into_iter().filter(|p| p.node_name == me).collect(), Params::none(), String::new())
+    } else if (*s).key_expr.is_null() {
         (all, Params::none(), String::new())
     } else {
         let (value, isnull, ty) = super::eval_expr((*s).key_expr, &mut ss.ps);

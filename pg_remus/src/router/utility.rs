@@ -182,7 +182,7 @@ unsafe fn copy_from(
     let rel = pg_sys::table_open(table.relid, pg_sys::RowExclusiveLock as i32);
     let desc = (*rel).rd_att;
     let natts = (*desc).natts as usize;
-    let key_attno = super::key_attno(table)? as usize;
+    let key_attno = if table.kind == 'r' { 0 } else { super::key_attno(table)? as usize };
     // Columns carried to the shards: live, not generated (the shard computes those).
     let mut cols = Vec::new();
     let mut out_fns = Vec::new();
@@ -216,37 +216,47 @@ unsafe fn copy_from(
     let all = super::placements(table.relid)?;
     let mut values = vec![pg_sys::Datum::from(0usize); natts];
     let mut nulls = vec![false; natts];
-    let mut buffers: BTreeMap<i64, (ShardPlacement, Vec<u8>)> = BTreeMap::new();
+    let mut buffers: BTreeMap<(i64, String), (ShardPlacement, Vec<u8>)> = BTreeMap::new();
     let mut rows = 0u64;
     while pg_sys::NextCopyFrom(cstate, econtext, values.as_mut_ptr(), nulls.as_mut_ptr()) {
         pgrx::check_for_interrupts!();
-        if nulls[key_attno - 1] {
+        if table.kind != 'r' && nulls[key_attno - 1] {
             return Err(RemusError::NullShardKey {
                 column: table.shard_key.clone().unwrap_or_default(),
                 table: table.qualified_name.clone(),
             });
         }
-        let key_type = (*(*desc).attrs.as_ptr().add(key_attno - 1)).atttypid;
-        let p = super::placement_for(table, &all, values[key_attno - 1], key_type)?;
-        let entry = buffers.entry(p.shard_id).or_insert_with(|| (p.clone(), Vec::new()));
+        let mut line = Vec::new();
         for (j, (i, _)) in cols.iter().enumerate() {
             if j > 0 {
-                entry.1.push(b'\t');
+                line.push(b'\t');
             }
             if nulls[*i] {
-                entry.1.extend_from_slice(b"\\N");
+                line.extend_from_slice(b"\\N");
             } else {
                 let s = pg_sys::OidOutputFunctionCall(out_fns[j], values[*i]);
-                escape_into(CStr::from_ptr(s).to_bytes(), &mut entry.1);
+                escape_into(CStr::from_ptr(s).to_bytes(), &mut line);
             }
         }
-        entry.1.push(b'\n');
-        rows += 1;
-        if entry.1.len() >= FLUSH_BYTES {
-            let data = std::mem::take(&mut entry.1);
-            let placement = entry.0.clone();
-            flush(table, &placement, &col_list, &data)?;
+        line.push(b'\n');
+        // A reference table's row goes to every copy; a distributed table's to its shard.
+        let targets: Vec<ShardPlacement> = if table.kind == 'r' {
+            all.clone()
+        } else {
+            let key_type = (*(*desc).attrs.as_ptr().add(key_attno - 1)).atttypid;
+            vec![super::placement_for(table, &all, values[key_attno - 1], key_type)?]
+        };
+        for p in targets {
+            let key = (p.shard_id, p.node_name.clone());
+            let entry = buffers.entry(key).or_insert_with(|| (p.clone(), Vec::new()));
+            entry.1.extend_from_slice(&line);
+            if entry.1.len() >= FLUSH_BYTES {
+                let data = std::mem::take(&mut entry.1);
+                let placement = entry.0.clone();
+                flush(table, &placement, &col_list, &data)?;
+            }
         }
+        rows += 1;
         pg_sys::MemoryContextReset((*econtext).ecxt_per_tuple_memory);
     }
     pg_sys::EndCopyFrom(cstate);
