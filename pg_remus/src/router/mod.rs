@@ -230,6 +230,11 @@ unsafe fn route(
             "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet".into(),
         ));
     }
+    if cmd == pg_sys::CmdType::CMD_SELECT {
+        if let Some((anchor_table, anchor_value)) = colocated_anchor(parse)? {
+            return modify::plan_single_shard_select(parse, &anchor_table, anchor_value).map(Some);
+        }
+    }
     Ok(None)
 }
 
@@ -237,34 +242,173 @@ unsafe fn route(
 /// must be here: the coordinating node decided it is.
 unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64) -> Result<(), RemusError> {
     let shells = shells_in(parse)?;
-    let Some((_, table)) = shells.first() else {
+    if shells.is_empty() {
         return Err(RemusError::FeatureNotSupported(format!(
             "a statement for shard {shard_id} must reference its distributed table"
         )));
-    };
-    // One table, possibly twice (ON CONFLICT's `excluded` is the same relation).
-    if shells.iter().any(|(_, t)| t.relid != table.relid) {
+    }
+    // The marker names one shard; every distributed table of the statement uses the shard with
+    // the same index in the same co-location group (the same table twice for ON CONFLICT's
+    // `excluded`).
+    IN_LOOKUP.with(|f| f.set(true));
+    let index = Spi::get_one_with_args::<i32>("SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1", &[shard_id.into()]);
+    IN_LOOKUP.with(|f| f.set(false));
+    let index = index?.ok_or_else(|| RemusError::NotShardOwner {
+        shard_id,
+        node: crate::guc::node_name().unwrap_or_default(),
+    })?;
+    let colocation = shells[0].1.colocation_id;
+    if shells.iter().any(|(_, t)| t.colocation_id != colocation || t.kind != 'h') {
         return Err(RemusError::FeatureNotSupported(format!(
-            "a statement for shard {shard_id} must reference exactly one distributed table"
+            "a statement for shard {shard_id} may only reference tables co-located with it"
         )));
     }
-    let shard_name = CString::new(format!("{}_{shard_id}", table.rel_name)).expect("no NUL in names");
     let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
-    let shard_relid = pg_sys::get_relname_relid(shard_name.as_ptr(), nsp);
-    if shard_relid == pg_sys::InvalidOid {
-        return Err(RemusError::NotShardOwner {
-            shard_id,
-            node: crate::guc::node_name().unwrap_or_default(),
-        });
-    }
     let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable);
-    for (rti, _) in &shells {
+    for (rti, table) in &shells {
+        IN_LOOKUP.with(|f| f.set(true));
+        let sid = Spi::get_one_with_args::<i64>(
+            "SELECT max(shard_id) FROM remus.shards WHERE logicalrelid = $1 AND shard_index = $2",
+            &[table.relid.into(), index.into()],
+        );
+        IN_LOOKUP.with(|f| f.set(false));
+        let sid = sid?.unwrap_or(shard_id);
+        let shard_name = CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");
+        let shard_relid = pg_sys::get_relname_relid(shard_name.as_ptr(), nsp);
+        if shard_relid == pg_sys::InvalidOid {
+            return Err(RemusError::NotShardOwner {
+                shard_id: sid,
+                node: crate::guc::node_name().unwrap_or_default(),
+            });
+        }
         let rte = rtes[rti - 1];
         // The parser locked the shell, not the shard; the executor expects its relations locked.
         pg_sys::LockRelationOid(shard_relid, (*rte).rellockmode);
         (*rte).relid = shard_relid;
     }
     Ok(())
+}
+
+/// Collects the conjuncts of a query's WHERE and of its inner joins' ON clauses; `None` when
+/// the FROM clause holds anything but plain relations and inner joins.
+unsafe fn inner_conjuncts(node: *mut pg_sys::Node, out: &mut Vec<*mut pg_sys::Node>) -> bool {
+    if node.is_null() {
+        return true;
+    }
+    match (*node).type_ {
+        pg_sys::NodeTag::T_RangeTblRef => true,
+        pg_sys::NodeTag::T_FromExpr => {
+            let f = node as *mut pg_sys::FromExpr;
+            for item in list_ptrs::<pg_sys::Node>((*f).fromlist) {
+                if !inner_conjuncts(item, out) {
+                    return false;
+                }
+            }
+            flatten_and((*f).quals, out);
+            true
+        }
+        pg_sys::NodeTag::T_JoinExpr => {
+            let j = node as *mut pg_sys::JoinExpr;
+            if (*j).jointype != pg_sys::JoinType::JOIN_INNER {
+                return false;
+            }
+            if !inner_conjuncts((*j).larg, out) || !inner_conjuncts((*j).rarg, out) {
+                return false;
+            }
+            flatten_and((*j).quals, out);
+            true
+        }
+        _ => false,
+    }
+}
+
+unsafe fn flatten_and(node: *mut pg_sys::Node, out: &mut Vec<*mut pg_sys::Node>) {
+    if node.is_null() {
+        return;
+    }
+    if is_tag(node, pg_sys::NodeTag::T_BoolExpr) && (*(node as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR {
+        for a in list_ptrs::<pg_sys::Node>((*(node as *mut pg_sys::BoolExpr)).args) {
+            flatten_and(a, out);
+        }
+    } else if !is_tag(node, pg_sys::NodeTag::T_List) {
+        out.push(node);
+    } else {
+        for a in list_ptrs::<pg_sys::Node>(node as *mut pg_sys::List) {
+            flatten_and(a, out);
+        }
+    }
+}
+
+/// A SELECT over two or more co-located distributed tables whose shard keys are all tied
+/// together by equalities and to one routable value: it reads a single shard group, so it can
+/// run there as one statement. Returns the table and value that pick the group.
+unsafe fn colocated_anchor(parse: *mut pg_sys::Query) -> Result<Option<(DistTable, *mut pg_sys::Expr)>, RemusError> {
+    let q = &*parse;
+    if !q.cteList.is_null() || q.hasSubLinks || !q.setOperations.is_null() || q.hasTargetSRFs {
+        return Ok(None);
+    }
+    let mut rels = Vec::new();
+    for (i, rte) in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable).into_iter().enumerate() {
+        match (*rte).rtekind {
+            pg_sys::RTEKind::RTE_JOIN => {}
+            pg_sys::RTEKind::RTE_RELATION => match dist_table((*rte).relid)? {
+                Some(t) if t.kind == 'h' => rels.push((i + 1, t)),
+                _ => return Ok(None),
+            },
+            _ => return Ok(None),
+        }
+    }
+    if rels.len() < 2 || rels.iter().any(|(_, t)| t.colocation_id != rels[0].1.colocation_id) {
+        return Ok(None);
+    }
+    let mut quals = Vec::new();
+    if !inner_conjuncts(q.jointree as *mut pg_sys::Node, &mut quals) {
+        return Ok(None);
+    }
+    let keys: Vec<(usize, i16)> = rels.iter().map(|(rti, t)| Ok((*rti, key_attno(t)?))).collect::<Result<_, RemusError>>()?;
+    // Union-find over the tables' shard keys.
+    let mut parent: Vec<usize> = (0..rels.len()).collect();
+    fn find(p: &mut [usize], i: usize) -> usize {
+        if p[i] == i { i } else { let r = find(p, p[i]); p[i] = r; r }
+    }
+    let key_of = |var: *mut pg_sys::Var| -> Option<usize> {
+        keys.iter().position(|(rti, attno)| (*var).varno as usize == *rti && (*var).varattno == *attno && (*var).varlevelsup == 0)
+    };
+    let mut anchor = None;
+    for c in quals {
+        for (i, (rti, attno)) in keys.iter().enumerate() {
+            if anchor.is_none() {
+                if let Some(v) = key_equality_value(c, *rti as i32, *attno) {
+                    anchor = Some((i, v));
+                }
+            }
+        }
+        if !is_tag(c, pg_sys::NodeTag::T_OpExpr) {
+            continue;
+        }
+        let op = c as *mut pg_sys::OpExpr;
+        let args = list_ptrs::<pg_sys::Node>((*op).args);
+        if args.len() != 2 || (*op).opno.to_u32() >= pg_sys::FirstNormalObjectId {
+            continue;
+        }
+        let name = pg_sys::get_opname((*op).opno);
+        if name.is_null() || CStr::from_ptr(name).to_bytes() != b"=" {
+            continue;
+        }
+        let (a, b) = (strip_relabel(args[0]), strip_relabel(args[1]));
+        if is_tag(a, pg_sys::NodeTag::T_Var) && is_tag(b, pg_sys::NodeTag::T_Var) {
+            if let (Some(x), Some(y)) = (key_of(a as *mut _), key_of(b as *mut _)) {
+                let (rx, ry) = (find(&mut parent, x), find(&mut parent, y));
+                parent[rx] = ry;
+            }
+        }
+    }
+    let Some((i, value)) = anchor else { return Ok(None) };
+    let root = find(&mut parent, 0);
+    if (0..rels.len()).any(|k| find(&mut parent, k) != root) {
+        return Ok(None);
+    }
+    Ok(Some((rels[i].1.clone(), value)))
 }
 
 /// Where a statement for one shard runs, and what it returns.

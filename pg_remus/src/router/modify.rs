@@ -1,4 +1,5 @@
-//! INSERT / UPDATE / DELETE on distributed tables.
+//! INSERT / UPDATE / DELETE on distributed tables, and SELECTs that read a single shard group
+//! of co-located tables.
 //!
 //! The plan is a single `RemusModify` CustomScan carrying the rewritten Query. At execution it
 //! finds the shard(s) the statement touches, deparses the statement (the full original text:
@@ -17,7 +18,7 @@ use crate::error::RemusError;
 
 static mut SCAN_METHODS: pg_sys::CustomScanMethods = unsafe { std::mem::zeroed() };
 static mut EXEC_METHODS: pg_sys::CustomExecMethods = unsafe { std::mem::zeroed() };
-const NAME: &CStr = c"RemusModify";
+const NAME: &CStr = c"RemusRouter";
 
 #[repr(C)]
 struct ModifyState {
@@ -117,19 +118,66 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
         }
     }
 
+    let returning = list_ptrs::<pg_sys::TargetEntry>(q.returningList);
+    let private = pg_sys::lappend(std::ptr::null_mut(), pg_sys::copyObjectImpl(parse as *const std::ffi::c_void));
+    Ok(build_stmt(parse, &returning, &[table.relid], private))
+}
+
+/// A SELECT that reads one shard group of co-located tables runs there as one statement. The
+/// anchor value (a constant or parameter) picks the group at execution time.
+///
+/// # Safety
+/// `parse` must be a valid rewritten SELECT over tables co-located with `anchor`.
+pub unsafe fn plan_single_shard_select(
+    parse: *mut pg_sys::Query,
+    anchor: &DistTable,
+    value: *mut pg_sys::Expr,
+) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
+    let q = &*parse;
+    let outputs: Vec<*mut pg_sys::TargetEntry> =
+        list_ptrs::<pg_sys::TargetEntry>(q.targetList).into_iter().filter(|te| !(**te).resjunk).collect();
+    let mut relids = Vec::new();
+    for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
+        if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
+            relids.push((*rte).relid);
+        }
+    }
+    let mut private = pg_sys::lappend(std::ptr::null_mut(), pg_sys::copyObjectImpl(parse as *const std::ffi::c_void));
+    private = pg_sys::lappend(private, pg_sys::copyObjectImpl(value as *const std::ffi::c_void));
+    let anchor_const = pg_sys::makeConst(
+        pg_sys::OIDOID,
+        -1,
+        pg_sys::InvalidOid,
+        4,
+        pg_sys::Datum::from(anchor.relid.to_u32() as usize),
+        false,
+        true,
+    );
+    private = pg_sys::lappend(private, anchor_const as *mut std::ffi::c_void);
+    Ok(build_stmt(parse, &outputs, &relids, private))
+}
+
+/// A PlannedStmt whose whole plan is one CustomScan returning `outputs` (by position).
+unsafe fn build_stmt(
+    parse: *mut pg_sys::Query,
+    outputs: &[*mut pg_sys::TargetEntry],
+    relids: &[pg_sys::Oid],
+    private: *mut pg_sys::List,
+) -> *mut pg_sys::PlannedStmt {
+    let q = &*parse;
     let cscan = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
     (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
     (*cscan).scan.plan.plan_rows = 1.0;
     (*cscan).scan.scanrelid = 0;
     (*cscan).methods = &raw const SCAN_METHODS;
-    // Output: the RETURNING list. The scan tuple has those columns; the plan's target list
-    // reads them back by position (INDEX_VAR), so no projection happens.
+    // The scan tuple has the output columns; the plan's target list reads them back by
+    // position (INDEX_VAR), so no projection happens.
     let mut scan_tlist: *mut pg_sys::List = std::ptr::null_mut();
     let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
-    for (i, te) in list_ptrs::<pg_sys::TargetEntry>(q.returningList).into_iter().enumerate() {
+    for (i, te) in outputs.iter().enumerate() {
         let resno = (i + 1) as i16;
-        let expr = (*te).expr as *mut pg_sys::Node;
-        let st = pg_sys::makeTargetEntry((*te).expr, resno, (*te).resname, false);
+        let expr = (**te).expr as *mut pg_sys::Node;
+        let st = pg_sys::makeTargetEntry((**te).expr, resno, (**te).resname, false);
         scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
         let var = pg_sys::makeVar(
             pg_sys::INDEX_VAR as i32,
@@ -139,13 +187,12 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
             pg_sys::exprCollation(expr),
             0,
         );
-        let out = pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (*te).resname, false);
+        let out = pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (**te).resname, false);
         tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
     }
     (*cscan).custom_scan_tlist = scan_tlist;
     (*cscan).scan.plan.targetlist = tlist;
-    let copy = pg_sys::copyObjectImpl(parse as *const std::ffi::c_void);
-    (*cscan).custom_private = pg_sys::lappend(std::ptr::null_mut(), copy);
+    (*cscan).custom_private = private;
 
     let stmt = pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannedStmt>()) as *mut pg_sys::PlannedStmt;
     (*stmt).type_ = pg_sys::NodeTag::T_PlannedStmt;
@@ -154,13 +201,15 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
     (*stmt).hasReturning = !q.returningList.is_null();
     (*stmt).canSetTag = q.canSetTag;
     (*stmt).planTree = cscan as *mut pg_sys::Plan;
-    // Kept for permission checks on the shell; no relation of it is scanned here.
+    // Kept for permission checks on the shells; no relation of it is scanned here.
     (*stmt).rtable = q.rtable;
-    // A change to the shell (distribution, DDL) invalidates cached plans of this statement.
-    (*stmt).relationOids = pg_sys::lappend_oid(std::ptr::null_mut(), table.relid);
+    // A change to a shell (distribution, DDL) invalidates cached plans of this statement.
+    for relid in relids {
+        (*stmt).relationOids = pg_sys::lappend_oid((*stmt).relationOids, *relid);
+    }
     (*stmt).stmt_location = q.stmt_location;
     (*stmt).stmt_len = q.stmt_len;
-    Ok(stmt)
+    stmt
 }
 
 #[pg_guard]
@@ -200,7 +249,11 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     let ps = &mut (*s).css.ss.ps;
     let estate = ps.state;
     let cscan = ps.plan as *mut pg_sys::CustomScan;
-    let query = list_ptrs::<pg_sys::Query>((*cscan).custom_private)[0];
+    let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
+    let query = private[0] as *mut pg_sys::Query;
+    if (*query).commandType == pg_sys::CmdType::CMD_SELECT {
+        return run_select(s, query, private[1] as *mut pg_sys::Expr, private[2] as *mut pg_sys::Const);
+    }
     let rt = (*query).resultRelation as usize;
     let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
     let table = super::dist_table(shell)?
@@ -250,6 +303,51 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     }
     // The executor counts only SELECT rows itself; DML reports what the shards changed.
     (*estate).es_processed += affected;
+    Ok(())
+}
+
+/// A co-located single-shard-group SELECT: one statement on the group's owner.
+unsafe fn run_select(
+    s: *mut ModifyState,
+    query: *mut pg_sys::Query,
+    value: *mut pg_sys::Expr,
+    anchor: *mut pg_sys::Const,
+) -> Result<(), RemusError> {
+    let ps = &mut (*s).css.ss.ps;
+    let estate = ps.state;
+    let anchor_relid = pg_sys::Oid::from((*anchor).constvalue.value() as u32);
+    let table = super::dist_table(anchor_relid)?
+        .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
+    let all = super::placements(anchor_relid)?;
+    let (v, isnull, ty) = super::eval_expr(value, ps);
+    if isnull {
+        // `key = NULL` selects nothing.
+        return Ok(());
+    }
+    let placement = super::placement_for(&table, &all, v, ty)?;
+    let out_types: Vec<(pg_sys::Oid, i32)> = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
+        .into_iter()
+        .filter(|te| !(**te).resjunk)
+        .map(|te| {
+            let e = (*te).expr as *const pg_sys::Node;
+            (pg_sys::exprType(e), pg_sys::exprTypmod(e))
+        })
+        .collect();
+    let params = Params::from_list((*estate).es_param_list_info);
+    let sql = super::deparse(query);
+    let r = super::run_on_shard(&placement, &sql, &params, &out_types, false)?;
+    let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+    let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+    (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
+    pg_sys::MemoryContextSwitchTo(old);
+    let n = out_types.len();
+    for row in r.rows {
+        let mut values: Vec<pg_sys::Datum> = row.iter().map(|v| v.unwrap_or(pg_sys::Datum::from(0usize))).collect();
+        let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
+        values.resize(n, pg_sys::Datum::from(0usize));
+        nulls.resize(n, true);
+        pg_sys::tuplestore_putvalues((*s).tstore, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+    }
     Ok(())
 }
 
@@ -345,6 +443,19 @@ unsafe fn targets(
                 let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
                 let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
                 (*r).values_lists = rows;
+                // The rewriter added the defaults of unlisted columns to the target list, which
+                // ruleutils cannot print next to a VALUES list; the shard fills them in itself.
+                let mut kept: *mut pg_sys::List = std::ptr::null_mut();
+                for te in list_ptrs::<pg_sys::TargetEntry>((*q).targetList) {
+                    let mut e = (*te).expr as *mut pg_sys::Node;
+                    while is_tag(e, pg_sys::NodeTag::T_RelabelType) {
+                        e = (*(e as *mut pg_sys::RelabelType)).arg as *mut _;
+                    }
+                    if is_tag(e, pg_sys::NodeTag::T_Var) && (*(e as *mut pg_sys::Var)).varno as usize == vidx + 1 {
+                        kept = pg_sys::lappend(kept, te as *mut std::ffi::c_void);
+                    }
+                }
+                (*q).targetList = kept;
                 out.push(ShardWork { placement, query: q });
             }
             Ok(out)
