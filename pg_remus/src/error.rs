@@ -126,61 +126,67 @@ impl RemusError {
     }
 
     /// Raises this error as a PostgreSQL ERROR; never returns.
+    ///
+    /// Always through pgrx's report path (a Rust panic turned into an ERROR at the pg_guard
+    /// boundary, after every Rust frame has unwound). pgrx can only carry SQLSTATEs it has a
+    /// name for; any other code (pg_remus's own class RM, or a remote node's code passed
+    /// through) is remembered here and put back by the `emit_log_hook` below when the error
+    /// is reported, whatever guards it crossed on the way.
     pub fn raise(self) -> ! {
         let code = self.code();
         let known = PgSqlErrorCode::from(code);
-        if known as i32 == code {
-            // The usual path: a Rust panic carrying the report, turned into an ERROR by the
-            // pg_guard boundary after every Rust frame has been unwound.
-            let mut report = ErrorReport::new(known, self.to_string(), "pg_remus");
-            if let Some(h) = self.full_hint() {
-                report = report.set_hint(h);
-            }
-            if let Some(d) = self.detail() {
-                report = report.set_detail(d);
-            }
-            report.report(PgLogLevel::ERROR);
-            unreachable!("ERROR does not return")
+        let message = self.to_string();
+        if known as i32 != code {
+            PENDING_CODE.with(|p| *p.borrow_mut() = Some((message.clone(), code)));
         }
-        raise_with_code(code, self.to_string(), self.detail(), self.full_hint())
+        let mut report = ErrorReport::new(known, message, "pg_remus");
+        if let Some(h) = self.full_hint() {
+            report = report.set_hint(h);
+        }
+        if let Some(d) = self.detail() {
+            report = report.set_detail(d);
+        }
+        report.report(PgLogLevel::ERROR);
+        unreachable!("ERROR does not return")
     }
 }
 
-/// ERROR with a SQLSTATE that pgrx's `PgSqlErrorCode` cannot name (pg_remus's own class RM,
-/// or a remote node's code passed through). Strings are copied into PostgreSQL memory and every
-/// Rust value is dropped before `errfinish` jumps out, so nothing with a destructor is skipped.
-fn raise_with_code(code: i32, message: String, detail: Option<String>, hint: Option<String>) -> ! {
-    unsafe extern "C-unwind" {
-        fn errstart(elevel: std::ffi::c_int, domain: *const std::ffi::c_char) -> bool;
-        fn errcode(sqlerrcode: std::ffi::c_int) -> std::ffi::c_int;
-        fn errmsg(fmt: *const std::ffi::c_char, ...) -> std::ffi::c_int;
-        fn errdetail(fmt: *const std::ffi::c_char, ...) -> std::ffi::c_int;
-        fn errhint(fmt: *const std::ffi::c_char, ...) -> std::ffi::c_int;
-        fn errfinish(filename: *const std::ffi::c_char, lineno: std::ffi::c_int, funcname: *const std::ffi::c_char);
-    }
-    let to_pg = |s: Option<String>| -> *mut std::ffi::c_char {
-        match s.and_then(|s| std::ffi::CString::new(s).ok()) {
-            // SAFETY: pstrdup copies into the current (per-query or error) memory context.
-            Some(c) => unsafe { pgrx::pg_sys::pstrdup(c.as_ptr()) },
-            None => std::ptr::null_mut(),
-        }
-    };
-    let (m, d, h) = (to_pg(Some(message)), to_pg(detail), to_pg(hint));
-    // SAFETY: the standard ereport sequence; all arguments are PostgreSQL-allocated C strings.
+thread_local! {
+    /// (message, SQLSTATE) of the last error raised with a code pgrx cannot name.
+    static PENDING_CODE: std::cell::RefCell<Option<(String, i32)>> = const { std::cell::RefCell::new(None) };
+}
+
+static mut PREV_EMIT_LOG_HOOK: pgrx::pg_sys::emit_log_hook_type = None;
+
+pub fn install_emit_log_hook() {
+    // SAFETY: process-global hook set once at preload, previous value chained.
     unsafe {
-        if errstart(PgLogLevel::ERROR as i32, std::ptr::null()) {
-            errcode(code);
-            errmsg(c"%s".as_ptr(), m);
-            if !d.is_null() {
-                errdetail(c"%s".as_ptr(), d);
-            }
-            if !h.is_null() {
-                errhint(c"%s".as_ptr(), h);
-            }
-            errfinish(c"error.rs".as_ptr(), line!() as i32, c"pg_remus".as_ptr());
-        }
+        PREV_EMIT_LOG_HOOK = pgrx::pg_sys::emit_log_hook;
+        pgrx::pg_sys::emit_log_hook = Some(restore_sqlstate);
     }
-    unreachable!("ERROR does not return")
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn restore_sqlstate(edata: *mut pgrx::pg_sys::ErrorData) {
+    if !edata.is_null()
+        && (*edata).elevel >= PgLogLevel::ERROR as i32
+        && (*edata).sqlerrcode == PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32
+        && !(*edata).message.is_null()
+    {
+        let msg = std::ffi::CStr::from_ptr((*edata).message).to_string_lossy();
+        PENDING_CODE.with(|p| {
+            let mut p = p.borrow_mut();
+            if let Some((m, code)) = p.as_ref() {
+                if *m == msg {
+                    (*edata).sqlerrcode = *code;
+                    *p = None;
+                }
+            }
+        });
+    }
+    if let Some(prev) = PREV_EMIT_LOG_HOOK {
+        prev(edata);
+    }
 }
 
 /// Unwraps a result at the SQL boundary.

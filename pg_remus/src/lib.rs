@@ -68,13 +68,16 @@ COMMENT ON VIEW remus_nodes IS 'Nodes this node knows: name, host, port';
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    // SAFETY: reads a postmaster global that is only true while preloading.
+    if !unsafe { pgrx::pg_sys::process_shared_preload_libraries_in_progress } {
+        pgrx::error!("pg_remus must be loaded via shared_preload_libraries (it installs hooks, shared memory and a background worker)");
+    }
     guc::register();
+    error::install_emit_log_hook();
     twophase::register_callbacks();
     router::install_hooks();
-    // SAFETY: reads a postmaster global; workers can only be registered while preloading.
-    if unsafe { pgrx::pg_sys::process_shared_preload_libraries_in_progress } {
-        recovery_worker::register();
-    }
+    router::map_cache::init_shmem();
+    recovery_worker::register();
 }
 
 #[cfg(any(test, feature = "pg_test"))]

@@ -96,3 +96,53 @@ fn copy_truncate_guards_and_ownership() {
         assert_eq!(db.query_one("SELECT count(*) FROM c", &[]).unwrap().get::<_, i64>(0), 0, "{name}");
     }
 }
+
+/// The per-backend shard-map cache: used until the map generation is bumped, bypassed while
+/// read-through is on (what a migration's ownership flip relies on).
+#[test]
+fn shard_map_cache_follows_generation_and_read_through() {
+    let c = TestCluster::start(3, 25201).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY, v text); SELECT remus_create_distributed_table('t', 'id', 3); INSERT INTO t VALUES (1, 'x');").unwrap();
+    let (shard, owner): (i64, String) = {
+        let r = n1.query_one("SELECT shard_id, node_name FROM remus_shards WHERE shard_id = remus_shard_id_for('t', 1)", &[]).unwrap();
+        (r.get(0), r.get(1))
+    };
+    let other = c.node_names().into_iter().find(|n| *n != owner).unwrap();
+    let set_owner = |to: &str| {
+        for name in c.node_names() {
+            let mut db = c.connect(&name).unwrap();
+            db.execute("UPDATE remus.shard_map SET node_name = $1 WHERE shard_id = $2", &[&to, &shard]).unwrap();
+        }
+    };
+    let bump = || {
+        for name in c.node_names() {
+            c.connect(&name).unwrap().batch_execute("SELECT remus.bump_map_generation()").unwrap();
+        }
+    };
+    // A session that has routed to the shard once.
+    let mut s = c.connect("n2").unwrap();
+    let read = |s: &mut postgres::Client| s.query_one("SELECT v FROM t WHERE id = 1", &[]).map(|r| r.get::<_, String>(0));
+    assert_eq!(read(&mut s).unwrap(), "x");
+
+    // The map now names a node without the shard table (a simulated flip, data not moved).
+    set_owner(&other);
+    assert_eq!(read(&mut s).unwrap(), "x", "the cached map is used until the change is announced");
+    bump();
+    let e = read(&mut s).unwrap_err();
+    assert_eq!(sqlstate(&e), "RM001", "after the bump the new owner is used: {e:?}");
+
+    // Back, announced: routing works again.
+    set_owner(&owner);
+    bump();
+    assert_eq!(read(&mut s).unwrap(), "x");
+
+    // With read-through on, a change is seen at once, without a bump.
+    s.batch_execute("SELECT remus.begin_read_through()").unwrap();
+    set_owner(&other);
+    let e = read(&mut s).unwrap_err();
+    assert_eq!(sqlstate(&e), "RM001");
+    set_owner(&owner);
+    assert_eq!(read(&mut s).unwrap(), "x");
+    s.batch_execute("SELECT remus.end_read_through()").unwrap();
+}

@@ -15,6 +15,7 @@
 //! - Routing decisions read the shard map at execution time, never at plan time: cached plans
 //!   outlive migrations.
 
+pub mod map_cache;
 pub mod modify;
 pub mod ownership;
 pub mod shard_scan;
@@ -62,8 +63,10 @@ unsafe extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, relid: pg_sys
         let mut c = c.borrow_mut();
         if relid == pg_sys::InvalidOid {
             c.clear();
+            map_cache::clear();
         } else {
             c.remove(&relid.to_u32());
+            map_cache::forget(relid.to_u32());
         }
     });
     EXTENSION_OID.with(|e| e.set(0));
@@ -114,10 +117,18 @@ pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
 /// pinned per shard at first use until the transaction ends.
 pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
     let reference = matches!(dist_table(relid), Ok(Some(t)) if t.kind == 'r');
-    IN_LOOKUP.with(|f| f.set(true));
-    let r = if reference { catalog::reference_placements(relid) } else { catalog::placements(relid) };
-    IN_LOOKUP.with(|f| f.set(false));
-    let mut r = r?;
+    let mut r = match map_cache::get(relid.to_u32()) {
+        Some(hit) => hit,
+        None => {
+            let gen = map_cache::generation();
+            IN_LOOKUP.with(|f| f.set(true));
+            let r = if reference { catalog::reference_placements(relid) } else { catalog::placements(relid) };
+            IN_LOOKUP.with(|f| f.set(false));
+            let r = r?;
+            map_cache::put(relid.to_u32(), gen, r.clone());
+            r
+        }
+    };
     // A reference table's shard is on every node: there is no owner to pin.
     if !reference {
         for p in &mut r {
