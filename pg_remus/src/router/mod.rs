@@ -268,8 +268,9 @@ unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64) -> Result
         shard_id,
         node: crate::guc::node_name().unwrap_or_default(),
     })?;
+    let single_table = shells.iter().all(|(_, t)| t.relid == shells[0].1.relid);
     let colocation = shells[0].1.colocation_id;
-    if shells.iter().any(|(_, t)| t.colocation_id != colocation || t.kind != 'h') {
+    if !single_table && shells.iter().any(|(_, t)| t.colocation_id != colocation || t.kind != 'h') {
         return Err(RemusError::FeatureNotSupported(format!(
             "a statement for shard {shard_id} may only reference tables co-located with it"
         )));
@@ -277,13 +278,17 @@ unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64) -> Result
     let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
     let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable);
     for (rti, table) in &shells {
-        IN_LOOKUP.with(|f| f.set(true));
-        let sid = Spi::get_one_with_args::<i64>(
-            "SELECT max(shard_id) FROM remus.shards WHERE logicalrelid = $1 AND shard_index = $2",
-            &[table.relid.into(), index.into()],
-        );
-        IN_LOOKUP.with(|f| f.set(false));
-        let sid = sid?.unwrap_or(shard_id);
+        let sid = if single_table {
+            shard_id
+        } else {
+            IN_LOOKUP.with(|f| f.set(true));
+            let sid = Spi::get_one_with_args::<i64>(
+                "SELECT max(shard_id) FROM remus.shards WHERE logicalrelid = $1 AND shard_index = $2",
+                &[table.relid.into(), index.into()],
+            );
+            IN_LOOKUP.with(|f| f.set(false));
+            sid?.unwrap_or(shard_id)
+        };
         let shard_name = CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");
         let shard_relid = pg_sys::get_relname_relid(shard_name.as_ptr(), nsp);
         if shard_relid == pg_sys::InvalidOid {
