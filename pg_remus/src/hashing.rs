@@ -45,7 +45,7 @@ pub unsafe fn hash_datum(
         return Err(RemusError::NoHashFunction(typid.to_u32()));
     }
     let collation = if collation == pg_sys::InvalidOid {
-        pg_sys::Oid::from(pg_sys::DEFAULT_COLLATION_OID)
+        pg_sys::DEFAULT_COLLATION_OID
     } else {
         collation
     };

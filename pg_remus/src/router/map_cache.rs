@@ -8,6 +8,7 @@
 //!   held by a migration around its ownership flip) the cache is not used at all and every
 //!   transaction reads the map with its own snapshot. This closes the window in which the
 //!   flip is visible to new snapshots but a backend has not yet seen the generation bump.
+//!
 //! Relcache invalidation of a shell (its distribution changed) drops its entry too.
 //! Whatever the source, the placements a transaction uses are pinned per shard for the rest
 //! of that transaction (`ownership::pinned_owner`).

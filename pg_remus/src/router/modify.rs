@@ -180,7 +180,7 @@ unsafe fn build_stmt(
         let st = pg_sys::makeTargetEntry((**te).expr, resno, (**te).resname, false);
         scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
         let var = pg_sys::makeVar(
-            pg_sys::INDEX_VAR as i32,
+            pg_sys::INDEX_VAR,
             resno,
             pg_sys::exprType(expr),
             pg_sys::exprTypmod(expr),
@@ -361,7 +361,7 @@ unsafe fn targets(
 ) -> Result<Vec<ShardWork>, RemusError> {
     let rt = (*query).resultRelation;
     if (*query).commandType != pg_sys::CmdType::CMD_INSERT {
-        let quals = (*(*query).jointree).quals as *mut pg_sys::Node;
+        let quals = (*(*query).jointree).quals;
         let mut conjuncts = vec![quals];
         if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
             && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
