@@ -31,6 +31,38 @@ done
 echo
 echo "== registered with the coordinator (etcd) =="
 "$ctl" nodes --dir "$dir"
+echo
+echo "== distributed pgbench tables, TPC-B through all three nodes at once =="
+if [ "$(psql -XAtc "SELECT count(*) FROM remus_shards WHERE table_name = 'pgbench_accounts'")" = 0 ]; then
+    pgbench -i -s "${REMUS_DEMO_SCALE:-2}" -q >/dev/null 2>&1
+    psql -Xq -o /dev/null <<'SQL'
+ALTER TABLE pgbench_history ADD COLUMN hid uuid NOT NULL DEFAULT gen_random_uuid();
+ALTER TABLE pgbench_history ADD PRIMARY KEY (aid, hid);
+SELECT remus_create_distributed_table('pgbench_accounts', 'aid');
+SELECT remus_create_distributed_table('pgbench_branches', 'bid');
+SELECT remus_create_distributed_table('pgbench_tellers', 'tid');
+SELECT remus_create_distributed_table('pgbench_history', 'aid', colocate_with => 'pgbench_accounts');
+SQL
+fi
+psql -XAtc "SELECT 'shards per node: ' || string_agg(node_name || '=' || n, ', ') FROM (SELECT node_name, count(*) n FROM remus_shards WHERE table_name = 'pgbench_accounts' GROUP BY 1 ORDER BY 1) s"
+secs=${REMUS_DEMO_SECONDS:-10}
+for n in n1 n2 n3; do
+    (eval "$("$ctl" cluster env --dir "$dir" --node "$n")"; pgbench -n -c 4 -j 2 -T "$secs" --max-tries=1 > "/tmp/remus-demo-$n.log" 2>&1) &
+done
+wait
+printf '%-6s %10s %10s %12s\n' node committed failed tps
+for n in n1 n2 n3; do
+    f=/tmp/remus-demo-$n.log
+    printf '%-6s %10s %10s %12s\n' "$n" \
+        "$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$f")" \
+        "$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' "$f")" \
+        "$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' "$f")"
+done
+psql -XAtc "SELECT format('balances: accounts %s, branches %s, tellers %s, history deltas %s -> %s',
+    a, b, t, h, CASE WHEN a = b AND b = t AND t = h THEN 'consistent' ELSE 'INCONSISTENT' END)
+  FROM (SELECT (SELECT sum(abalance) FROM pgbench_accounts) a, (SELECT sum(bbalance) FROM pgbench_branches) b,
+               (SELECT sum(tbalance) FROM pgbench_tellers) t, (SELECT coalesce(sum(delta), 0) FROM pgbench_history) h) s"
+
 cat <<MSG
 
 Connect to node n1:
