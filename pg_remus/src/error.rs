@@ -54,6 +54,8 @@ pub enum RemusError {
     NotShardOwner { shard_id: i64, node: String },
     #[error("null value in column \"{column}\" of relation {table} violates not-null constraint")]
     NullShardKey { column: String, table: String },
+    #[error("a node of this transaction could not follow a savepoint; the transaction cannot commit")]
+    TransactionDoomed,
     #[error("catalog access failed: {0}")]
     Spi(#[from] pgrx::spi::Error),
 }
@@ -79,6 +81,7 @@ impl RemusError {
             Self::UnknownNode(_) => ERRCODE_UNDEFINED_OBJECT,
             Self::Connection { .. } => ERRCODE_CONNECTION_FAILURE,
             Self::NullShardKey { .. } => ERRCODE_NOT_NULL_VIOLATION,
+            Self::TransactionDoomed => ERRCODE_IN_FAILED_SQL_TRANSACTION,
             Self::NotShardOwner { .. } => PgSqlErrorCode::from(crate::remote::sqlstate_code(NOT_SHARD_OWNER)),
             Self::Remote { sqlstate, .. } => {
                 PgSqlErrorCode::from(crate::remote::sqlstate_code(sqlstate))

@@ -32,6 +32,10 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
     let mut stats = RecoveryStats::default();
     let mut still_prepared: Vec<String> = Vec::new();
+    // Peers whose prepared transactions were listed in this round. A decision row may only be
+    // dropped when its participant was listed: a peer that is down right now may still hold
+    // the prepared transaction, and without the row it would be rolled back after its restart.
+    let mut listed: Vec<String> = Vec::new();
     for peer in nodes::all_nodes()?.into_iter().filter(|n| n.name != me) {
         let pattern = format!("remus\\_{me}\\_%");
         let listing = remote::with_connection(&peer, |c| {
@@ -41,7 +45,10 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
             ))
         });
         let rows = match listing {
-            Ok(r) => r.rows,
+            Ok(r) => {
+                listed.push(peer.name.clone());
+                r.rows
+            }
             Err(e) => {
                 pgrx::warning!("pg_remus recovery: node {} unreachable: {e}", peer.name);
                 continue;
@@ -75,16 +82,16 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
         }
     }
     // Rows of transactions still running locally may not be prepared yet: keep those.
-    let rows: Vec<String> = Spi::connect(|c| {
-        c.select("SELECT gid FROM remus.commit_decisions", None, &[])?
-            .map(|r| r.get::<String>(1).map(|g| g.unwrap_or_default()))
-            .collect::<Result<Vec<_>, _>>()
+    let rows: Vec<(String, String)> = Spi::connect(|c| {
+        c.select("SELECT gid, participant FROM remus.commit_decisions", None, &[])?
+            .map(|r| Ok((r.get::<String>(1)?.unwrap_or_default(), r.get::<String>(2)?.unwrap_or_default())))
+            .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })?;
-    for gid in rows {
+    for (gid, participant) in rows {
         let running = parse_xid(&gid, &me)
             // SAFETY: read-only probe of the proc array.
             .is_some_and(|x| unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(x)) });
-        if !running && !still_prepared.contains(&gid) {
+        if !running && listed.contains(&participant) && !still_prepared.contains(&gid) {
             Spi::run_with_args(
                 "DELETE FROM remus.commit_decisions WHERE gid = $1",
                 &[gid.as_str().into()],

@@ -21,9 +21,75 @@ use pgrx::prelude::*;
 use crate::error::RemusError;
 use crate::remote::{self, quote_literal};
 
+thread_local! {
+    /// Open subtransactions (innermost last). Each has a savepoint on every remote transaction.
+    static SUBXACTS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A remote participant could not follow a savepoint release or rollback: the transaction
+    /// can no longer commit consistently.
+    static DOOMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 pub fn register_callbacks() {
-    // SAFETY: registering a static function pointer with no argument; done once at preload.
-    unsafe { pg_sys::RegisterXactCallback(Some(xact_callback), std::ptr::null_mut()) };
+    // SAFETY: registering static function pointers with no argument; done once at preload.
+    unsafe {
+        pg_sys::RegisterXactCallback(Some(xact_callback), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(subxact_callback), std::ptr::null_mut());
+    }
+}
+
+fn savepoint_name(subid: u32) -> String {
+    format!("remus_s{subid}")
+}
+
+/// Savepoints follow subtransactions onto every remote transaction (PL/pgSQL exception blocks,
+/// SAVEPOINT / ROLLBACK TO), so rolling back a subtransaction also undoes its remote work.
+#[pg_guard]
+unsafe extern "C-unwind" fn subxact_callback(
+    event: pg_sys::SubXactEvent::Type,
+    my_subid: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    use pg_sys::SubXactEvent::*;
+    let subid: u32 = my_subid;
+    match event {
+        SUBXACT_EVENT_START_SUB => {
+            SUBXACTS.with(|s| s.borrow_mut().push(subid));
+            let mut failure = None;
+            remote::for_each_in_transaction(|c| {
+                if failure.is_none() {
+                    if let Err(e) = c.exec(&format!("SAVEPOINT {}", savepoint_name(subid))) {
+                        failure = Some(e);
+                    }
+                }
+            });
+            if let Some(e) = failure {
+                e.raise();
+            }
+        }
+        SUBXACT_EVENT_COMMIT_SUB | SUBXACT_EVENT_ABORT_SUB => {
+            SUBXACTS.with(|s| s.borrow_mut().retain(|x| *x != subid));
+            let commit = event == SUBXACT_EVENT_COMMIT_SUB;
+            remote::for_each_in_transaction(|c| {
+                if !commit {
+                    c.cancel_running();
+                }
+                let sql = if commit {
+                    format!("RELEASE SAVEPOINT {}", savepoint_name(subid))
+                } else {
+                    format!("ROLLBACK TO SAVEPOINT {}", savepoint_name(subid))
+                };
+                // No ERROR here (we may be in abort processing): a participant that cannot
+                // follow dooms the transaction, which then fails at commit.
+                if let Err(e) = c.exec_uninterruptible(&sql) {
+                    pgrx::warning!("pg_remus: {sql} on node {} failed: {e}", c.addr.name);
+                    c.broken = true;
+                    DOOMED.with(|d| d.set(true));
+                }
+            });
+        }
+        _ => {}
+    }
 }
 
 #[pg_guard]
@@ -34,6 +100,8 @@ unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: 
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE
     ) {
         crate::router::ownership::end_of_transaction();
+        SUBXACTS.with(|s| s.borrow_mut().clear());
+        DOOMED.with(|d| d.set(false));
     }
     if !remote::any_in_transaction() {
         return;
@@ -72,6 +140,9 @@ fn local_node() -> String {
 }
 
 fn pre_commit() -> Result<(), RemusError> {
+    if DOOMED.with(|d| d.get()) {
+        return Err(RemusError::TransactionDoomed);
+    }
     let mut writers = Vec::new();
     remote::for_each_in_transaction(|c| {
         if c.modified {
@@ -182,6 +253,11 @@ pub fn exec_params_in_transaction(
             };
             c.exec(&format!("BEGIN ISOLATION LEVEL {iso}"))?;
             c.in_transaction = true;
+            // Joining inside subtransactions: recreate their savepoints here too.
+            let open: Vec<u32> = SUBXACTS.with(|s| s.borrow().clone());
+            for subid in open {
+                c.exec(&format!("SAVEPOINT {}", savepoint_name(subid)))?;
+            }
         }
         if writes {
             c.modified = true;

@@ -81,6 +81,36 @@ impl TestCluster {
             .with_context(|| format!("connecting to {name}"))
     }
 
+    /// Starts node `name` again the way `cluster up` does (after a crash or a stop).
+    pub fn start_node(&self, name: &str) -> Result<()> {
+        let state = self.state()?;
+        let n = state.node(name)?;
+        let out = Command::new("runuser")
+            .args(["-u", "postgres", "--", "env", &format!("PGPASSFILE={}", state.pgpass.display()), "RUST_BACKTRACE=0"])
+            .arg(coordinator::local_cluster::pg_bindir().join("pg_ctl"))
+            .args(["-D", &n.data_dir.to_string_lossy(), "-l", &n.log.to_string_lossy(), "-w", "-t", "120", "start"])
+            .output()?;
+        if !out.status.success() {
+            bail!("starting {name}: {}", stderr(&out));
+        }
+        Ok(())
+    }
+
+    /// Stops node `name` cleanly (prepared transactions survive, as after a crash).
+    pub fn stop_node(&self, name: &str) -> Result<()> {
+        let state = self.state()?;
+        let n = state.node(name)?;
+        let out = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(coordinator::local_cluster::pg_bindir().join("pg_ctl"))
+            .args(["-D", &n.data_dir.to_string_lossy(), "-m", "fast", "-w", "stop"])
+            .output()?;
+        if !out.status.success() {
+            bail!("stopping {name}: {}", stderr(&out));
+        }
+        Ok(())
+    }
+
     pub fn node_names(&self) -> Vec<String> {
         (1..=self.nodes).map(|i| format!("n{i}")).collect()
     }

@@ -129,3 +129,105 @@ fn in_doubt_transactions_follow_the_recorded_decision() {
     // Decision rows of finished work are cleaned up.
     assert_eq!(count(&mut n1, "SELECT count(*) FROM remus.commit_decisions"), 0);
 }
+
+/// A client that disappears mid-transaction does not leave its remote work holding locks.
+#[test]
+fn a_vanished_client_releases_remote_locks() {
+    let c = TestCluster::start(3, 19501).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute("CREATE TABLE k (id int PRIMARY KEY, v int); SELECT remus_create_distributed_table('k', 'id', 3); INSERT INTO k VALUES (1, 0), (2, 0), (3, 0);").unwrap();
+    // A key owned by another node than n1.
+    let id: i32 = n1
+        .query_one("SELECT min(id) FROM k WHERE (SELECT node_name FROM remus_shards s WHERE s.shard_id = remus_shard_id_for('k', k.id)) <> 'n1'", &[])
+        .unwrap()
+        .get(0);
+    {
+        let mut doomed = c.connect("n1").unwrap();
+        doomed.batch_execute(&format!("BEGIN; UPDATE k SET v = 1 WHERE id = {id};")).unwrap();
+        // Dropped without COMMIT or ROLLBACK: the connection just closes.
+    }
+    let mut other = c.connect("n2").unwrap();
+    other.batch_execute("SET lock_timeout = '20s'").unwrap();
+    let t0 = Instant::now();
+    assert_eq!(other.execute(&format!("UPDATE k SET v = 2 WHERE id = {id}"), &[]).unwrap(), 1);
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    let v: i32 = other.query_one(&format!("SELECT v FROM k WHERE id = {id}"), &[]).unwrap().get(0);
+    assert_eq!(v, 2, "the vanished client's update must not have committed");
+}
+
+/// Savepoints and PL/pgSQL exception blocks roll back remote work too.
+#[test]
+fn subtransactions_reach_the_participants() {
+    let c = TestCluster::start(3, 19701).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute("CREATE TABLE s (id int PRIMARY KEY, v int); SELECT remus_create_distributed_table('s', 'id', 3);").unwrap();
+    n1.batch_execute("INSERT INTO s VALUES (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0)").unwrap();
+    let remote: Vec<i32> = n1
+        .query("SELECT id FROM s WHERE (SELECT node_name FROM remus_shards r WHERE r.shard_id = remus_shard_id_for('s', s.id)) <> 'n1' ORDER BY id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(remote.len() >= 2, "need two keys owned by other nodes: {remote:?}");
+    let (a, b) = (remote[0], remote[1]);
+    let v = |db: &mut postgres::Client, id: i32| -> i32 { db.query_one("SELECT v FROM s WHERE id = $1", &[&id]).unwrap().get(0) };
+
+    // ROLLBACK TO SAVEPOINT undoes the remote update made after it, keeps the one before.
+    n1.batch_execute(&format!(
+        "BEGIN; UPDATE s SET v = 1 WHERE id = {a}; SAVEPOINT p; UPDATE s SET v = 2 WHERE id = {a}; ROLLBACK TO SAVEPOINT p; COMMIT;"
+    ))
+    .unwrap();
+    assert_eq!(v(&mut n1, a), 1);
+
+    // A participant first used inside a savepoint gets the savepoint too.
+    n1.batch_execute(&format!(
+        "BEGIN; SAVEPOINT p; UPDATE s SET v = 7 WHERE id = {b}; ROLLBACK TO SAVEPOINT p; UPDATE s SET v = 3 WHERE id = {a}; COMMIT;"
+    ))
+    .unwrap();
+    assert_eq!((v(&mut n1, a), v(&mut n1, b)), (3, 0));
+
+    // PL/pgSQL exception blocks are subtransactions.
+    n1.batch_execute(&format!(
+        "DO $$ BEGIN
+             UPDATE s SET v = 5 WHERE id = {a};
+             BEGIN
+                 UPDATE s SET v = 6 WHERE id = {a};
+                 UPDATE s SET v = 6 WHERE id = {b};
+                 PERFORM 1 / 0;
+             EXCEPTION WHEN division_by_zero THEN NULL;
+             END;
+         END $$;"
+    ))
+    .unwrap();
+    assert_eq!((v(&mut n1, a), v(&mut n1, b)), (5, 0));
+    let mut n2 = c.connect("n2").unwrap();
+    assert_eq!((v(&mut n2, a), v(&mut n2, b)), (5, 0), "seen through another node");
+}
+
+/// A participant that is down while the coordinator's recovery runs keeps its in-doubt
+/// transaction's decision: after it comes back, the transaction commits.
+#[test]
+fn decisions_survive_an_unreachable_participant() {
+    let c = TestCluster::start(2, 19901).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)").unwrap();
+    let xid: String = n1.query_one("SELECT txid_current()::text", &[]).unwrap().get(0);
+    let gid = format!("remus_n1_{xid}_n2");
+    n2.batch_execute(&format!("BEGIN; INSERT INTO r VALUES (7); PREPARE TRANSACTION '{gid}'")).unwrap();
+    drop(n2);
+    c.stop_node("n2").unwrap();
+    n1.execute("INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, 'n2')", &[&gid]).unwrap();
+    // Several recovery rounds (every 2 s) pass while n2 is unreachable.
+    std::thread::sleep(Duration::from_secs(7));
+    let kept: i64 = n1.query_one("SELECT count(*) FROM remus.commit_decisions WHERE gid = $1", &[&gid]).unwrap().get(0);
+    assert_eq!(kept, 1, "the decision of an unreachable participant was dropped");
+    c.start_node("n2").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") > 0 {
+        assert!(Instant::now() < deadline, "not resolved within a minute");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM r WHERE id = 7"), 1, "the decided commit was rolled back");
+}
