@@ -2,13 +2,14 @@
 # Sets everything up, then runs every test tier:
 #   1. Rust unit tests of every crate,
 #   2. #[pg_test] tests of the extension inside a real PostgreSQL 15 (as user postgres),
-#   3. integration tests against real local clusters (tests/).
+#   3. pg_regress golden files (sql/regress) against a real cluster: messages and SQLSTATEs,
+#   4. integration tests against real local clusters (tests/).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 cd "$REPO_ROOT"
 start=$SECONDS
 results=$(mktemp)
-trap 'rm -f "$results"' EXIT
+trap 'rm -f "$results" "$results".*' EXIT
 
 "$REPO_ROOT/scripts/setup.sh"
 
@@ -21,7 +22,7 @@ run_tier() {
     local rc=${PIPESTATUS[0]}
     set -e
     grep -h '^test result:' "$results.$name" >> "$results" || true
-    rm -f "$results.$name"
+    mv "$results.$name" "$results.$name.log"
     log "tier $name finished in $((SECONDS - t0)) s (exit $rc)"
     [ "$rc" -eq 0 ] || { summary; die "tier $name failed"; }
 }
@@ -41,6 +42,21 @@ stop_remus_servers
 run_tier pg_test bash -c "cd pg_remus && cargo pgrx test --release pg15 --runas postgres --pgdata $PGRX_PGDATA"
 # `cargo pgrx test` installed its test build; put the release build back for the clusters.
 install_extension
+
+regress() {
+    local dir
+    dir=$(mktemp -d /tmp/remus-regress-XXXXXX)
+    chmod 755 "$dir"
+    target/release/remusctl cluster up --nodes 3 --dir "$dir" --base-port 29001 >/dev/null
+    local rc=0
+    sql/regress/run.sh "$dir" || rc=$?
+    target/release/remusctl cluster down --dir "$dir" >/dev/null
+    rm -rf "$dir"
+    return $rc
+}
+run_tier regress regress
+# pg_regress prints "All N tests passed."; count its files like the other tiers' tests.
+sed -n 's/.*All \([0-9]*\) tests passed.*/test result: ok. \1 passed; 0 failed;/p' "$results.regress.log" >> "$results" 2>/dev/null || true
 
 run_tier integration cargo test --release -p integration -- --test-threads=2
 
