@@ -12,7 +12,9 @@ fn tpcb_through_every_node_keeps_the_balances() {
     init_tpcb(&c, 10);
     let runs: Vec<_> = c.node_names().iter().map(|n| start_tpcb(&c, n, 8, 60)).collect();
     let mut processed = 0;
-    for r in runs.into_iter().map(finish) {
+    for (node, r) in c.node_names().iter().zip(runs.into_iter().map(finish)) {
+        let tps = r.output.lines().find(|l| l.starts_with("tps = ")).unwrap_or("tps = ?").to_string();
+        println!("{node}: {} committed, {} failed, {tps}", r.processed, r.failed);
         assert_eq!(r.failed, 0, "{}", r.output);
         assert_eq!(r.aborted_clients, 0, "{}", r.output);
         assert!(r.processed > 0, "{}", r.output);
