@@ -30,14 +30,7 @@ plain pgbench -i -s "$scale" -q postgres >/dev/null 2>&1
 "$ctl" cluster up --dir "$work/cluster" --base-port 24001 >/dev/null
 node() { local n=$1; shift; (eval "$("$ctl" cluster env --dir "$work/cluster" --node "$n")"; "$@"); }
 node n1 pgbench -i -s "$scale" -q >/dev/null 2>&1
-node n1 psql -Xq -o /dev/null <<'SQL'
-ALTER TABLE pgbench_history ADD COLUMN hid uuid NOT NULL DEFAULT gen_random_uuid();
-ALTER TABLE pgbench_history ADD PRIMARY KEY (aid, hid);
-SELECT remus_create_distributed_table('pgbench_accounts', 'aid');
-SELECT remus_create_distributed_table('pgbench_branches', 'bid');
-SELECT remus_create_distributed_table('pgbench_tellers', 'tid');
-SELECT remus_create_distributed_table('pgbench_history', 'aid', colocate_with => 'pgbench_accounts');
-SQL
+node n1 psql -Xq -o /dev/null -f sql/pgbench_distribute.sql
 # Keys whose shards n1 owns, in plain local tables on n1 and n2 (read locally by \gset), so the
 # single-shard runs touch only n1's data whichever node they enter through.
 keys_sql="SELECT row_number() OVER (ORDER BY k), k FROM generate_series(1, %s) k

@@ -35,14 +35,7 @@ echo
 echo "== distributed pgbench tables, TPC-B through all three nodes at once =="
 if [ "$(psql -XAtc "SELECT count(*) FROM remus_shards WHERE table_name = 'pgbench_accounts'")" = 0 ]; then
     pgbench -i -s "${REMUS_DEMO_SCALE:-2}" -q >/dev/null 2>&1
-    psql -Xq -o /dev/null <<'SQL'
-ALTER TABLE pgbench_history ADD COLUMN hid uuid NOT NULL DEFAULT gen_random_uuid();
-ALTER TABLE pgbench_history ADD PRIMARY KEY (aid, hid);
-SELECT remus_create_distributed_table('pgbench_accounts', 'aid');
-SELECT remus_create_distributed_table('pgbench_branches', 'bid');
-SELECT remus_create_distributed_table('pgbench_tellers', 'tid');
-SELECT remus_create_distributed_table('pgbench_history', 'aid', colocate_with => 'pgbench_accounts');
-SQL
+    psql -Xq -o /dev/null -f "$REPO_ROOT/sql/pgbench_distribute.sql"
 fi
 psql -XAtc "SELECT 'shards per node: ' || string_agg(node_name || '=' || n, ', ') FROM (SELECT node_name, count(*) n FROM remus_shards WHERE table_name = 'pgbench_accounts' GROUP BY 1 ORDER BY 1) s"
 secs=${REMUS_DEMO_SECONDS:-10}

@@ -11,15 +11,7 @@ pub fn init_tpcb(c: &TestCluster, scale: u32) {
     let out = c.pgbench("n1", &["-i", "-s", &scale.to_string(), "-q"]).output().unwrap();
     assert!(out.status.success(), "pgbench -i: {}", String::from_utf8_lossy(&out.stderr));
     let mut n1 = c.connect("n1").unwrap();
-    n1.batch_execute(
-        "ALTER TABLE pgbench_history ADD COLUMN hid uuid NOT NULL DEFAULT gen_random_uuid();
-         ALTER TABLE pgbench_history ADD PRIMARY KEY (aid, hid);
-         SELECT remus_create_distributed_table('pgbench_accounts', 'aid');
-         SELECT remus_create_distributed_table('pgbench_branches', 'bid');
-         SELECT remus_create_distributed_table('pgbench_tellers', 'tid');
-         SELECT remus_create_distributed_table('pgbench_history', 'aid', colocate_with => 'pgbench_accounts');",
-    )
-    .unwrap();
+    n1.batch_execute(include_str!("../../sql/pgbench_distribute.sql")).unwrap();
 }
 
 /// The default TPC-B script against one node, no retries.

@@ -292,14 +292,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
             continue;
         }
         affected += r.affected;
-        let n = out_types.len();
-        for row in r.rows {
-            let mut values: Vec<pg_sys::Datum> = row.iter().map(|v| v.unwrap_or(pg_sys::Datum::from(0usize))).collect();
-            let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
-            values.resize(n, pg_sys::Datum::from(0usize));
-            nulls.resize(n, true);
-            pg_sys::tuplestore_putvalues((*s).tstore, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
-        }
+        store_rows((*s).tstore, desc, r.rows, out_types.len());
     }
     // The executor counts only SELECT rows itself; DML reports what the shards changed.
     (*estate).es_processed += affected;
@@ -340,15 +333,27 @@ unsafe fn run_select(
     let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
     (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
     pg_sys::MemoryContextSwitchTo(old);
-    let n = out_types.len();
-    for row in r.rows {
+    store_rows((*s).tstore, desc, r.rows, out_types.len());
+    Ok(())
+}
+
+/// Appends shard result rows (padded or cut to `n` columns) to the node's tuplestore.
+unsafe fn store_rows(
+    store: *mut pg_sys::Tuplestorestate,
+    desc: pg_sys::TupleDesc,
+    rows: Vec<Vec<Option<pg_sys::Datum>>>,
+    n: usize,
+) {
+    if store.is_null() {
+        return;
+    }
+    for row in rows {
         let mut values: Vec<pg_sys::Datum> = row.iter().map(|v| v.unwrap_or(pg_sys::Datum::from(0usize))).collect();
         let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
         values.resize(n, pg_sys::Datum::from(0usize));
         nulls.resize(n, true);
-        pg_sys::tuplestore_putvalues((*s).tstore, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+        pg_sys::tuplestore_putvalues(store, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
     }
-    Ok(())
 }
 
 /// The shards a statement touches, each with the (sub)statement to run there.
