@@ -1,13 +1,17 @@
 //! The pg_remus control plane.
 //!
 //! - [`node_registry`]: cluster membership kept in etcd.
+//! - [`migration`]: each shard migration's persisted state machine (phases, status, progress)
+//!   and the per-shard locks, kept in etcd.
 //! - [`service`]: the tonic gRPC service the coordinator process serves.
 //! - [`local_cluster`]: `remusctl cluster …`, a real multi-node cluster of PostgreSQL 15 servers,
 //!   etcd and the coordinator on loopback, for development, tests and the demo.
 //! - [`process`]: starting, probing and stopping the daemons that `local_cluster` owns.
+//! - [`client`]: small helpers for talking to the coordinator over gRPC.
 
 pub mod client;
 pub mod local_cluster;
+pub mod migration;
 pub mod node_registry;
 pub mod process;
 pub mod service;

@@ -2,11 +2,12 @@
 
 use remus_proto::v1::coordinator_server::Coordinator;
 use remus_proto::v1::{
-    HealthRequest, HealthResponse, ListNodesRequest, ListNodesResponse, Node, RegisterNodeRequest,
-    RegisterNodeResponse,
+    HealthRequest, HealthResponse, ListMigrationsRequest, ListMigrationsResponse, ListNodesRequest,
+    ListNodesResponse, Migration, Node, RegisterNodeRequest, RegisterNodeResponse,
 };
 use tonic::{Request, Response, Status};
 
+use crate::migration::{MigrationError, MigrationRecord, MigrationStore};
 use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
 
 pub struct CoordinatorService {
@@ -14,6 +15,7 @@ pub struct CoordinatorService {
     pub etcd_endpoint: String,
     pub etcd: etcd_client::Client,
     pub nodes: NodeRegistry,
+    pub migrations: MigrationStore,
 }
 
 impl From<RegistryError> for Status {
@@ -23,6 +25,47 @@ impl From<RegistryError> for Status {
             RegistryError::Conflict { .. } => Status::failed_precondition(e.to_string()),
             RegistryError::Etcd(_) => Status::unavailable(e.to_string()),
             RegistryError::Corrupt { .. } => Status::internal(e.to_string()),
+        }
+    }
+}
+
+impl From<MigrationError> for Status {
+    fn from(e: MigrationError) -> Self {
+        match e {
+            MigrationError::Invalid(_) => Status::invalid_argument(e.to_string()),
+            MigrationError::NotFound(_) => Status::not_found(e.to_string()),
+            MigrationError::ShardBusy { .. } | MigrationError::IllegalTransition { .. } => {
+                Status::failed_precondition(e.to_string())
+            }
+            MigrationError::Contention { .. } => Status::aborted(e.to_string()),
+            MigrationError::Etcd(_) => Status::unavailable(e.to_string()),
+            MigrationError::Corrupt { .. }
+            | MigrationError::CorruptValue { .. }
+            | MigrationError::Encode { .. } => Status::internal(e.to_string()),
+        }
+    }
+}
+
+impl From<MigrationRecord> for Migration {
+    fn from(r: MigrationRecord) -> Self {
+        Migration {
+            id: r.id.0,
+            shard_ids: r.shard_ids,
+            source: r.source,
+            target: r.target,
+            mode: r.mode.as_str().to_string(),
+            phase: r.phase.as_str().to_string(),
+            status: r.status.as_str().to_string(),
+            rows_copied: r.rows_copied,
+            bytes_copied: r.bytes_copied,
+            txns_replayed: r.txns_replayed,
+            aborted_by_migration: r.aborted_by_migration,
+            phase_ms: r.phase_ms.into_iter().collect(),
+            started_at_ms: r.started_at_ms,
+            finished_at_ms: r.finished_at_ms,
+            error: r.error,
+            waiting_on: r.waiting_on,
+            phase_started_at_ms: r.phase_started_at_ms,
         }
     }
 }
@@ -75,5 +118,19 @@ impl Coordinator for CoordinatorService {
             })
             .collect();
         Ok(Response::new(ListNodesResponse { nodes }))
+    }
+
+    async fn list_migrations(
+        &self,
+        _: Request<ListMigrationsRequest>,
+    ) -> Result<Response<ListMigrationsResponse>, Status> {
+        let migrations = self
+            .migrations
+            .list()
+            .await?
+            .into_iter()
+            .map(Migration::from)
+            .collect();
+        Ok(Response::new(ListMigrationsResponse { migrations }))
     }
 }

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::Parser;
+use coordinator::migration::MigrationStore;
 use coordinator::node_registry::NodeRegistry;
 use coordinator::service::CoordinatorService;
 use remus_proto::v1::coordinator_server::CoordinatorServer;
@@ -45,6 +46,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("connecting to etcd at {}", args.etcd))?;
     let service = CoordinatorService {
         nodes: NodeRegistry::new(etcd.clone(), &args.cluster),
+        migrations: MigrationStore::new(etcd.clone(), &args.cluster),
         cluster: args.cluster.clone(),
         etcd_endpoint: args.etcd.clone(),
         etcd,

@@ -26,6 +26,11 @@ enum Cmd {
         #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
         dir: PathBuf,
     },
+    /// Shard migrations known to the coordinator (in etcd), running and finished, by id.
+    Migrations {
+        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        dir: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -97,7 +102,57 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Migrations { dir } => {
+            let state = ClusterState::load(&dir)?;
+            let mut c = coordinator::client::connect(&state.coordinator_endpoint()).await?;
+            let migrations = c
+                .list_migrations(remus_proto::v1::ListMigrationsRequest {})
+                .await?
+                .into_inner()
+                .migrations;
+            let now = coordinator::migration::now_ms();
+            println!("{}", migration_header());
+            for m in &migrations {
+                println!("{}", migration_line(m, now));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+fn migration_header() -> String {
+    format!(
+        "{:>5} {:<16} {:<16} {:<13} {:<9} {:<11} {:>10}  {}",
+        "id", "shards", "source→target", "mode", "phase", "status", "total_ms", "error"
+    )
+}
+
+/// One row of `remusctl migrations`. `total_ms` of a running migration is its age so far. The
+/// last column is the error; a running migration that is blocked shows what it waits on there.
+fn migration_line(m: &remus_proto::v1::Migration, now_ms: u64) -> String {
+    let shards = m
+        .shard_ids
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let total = m.finished_at_ms.unwrap_or(now_ms).saturating_sub(m.started_at_ms);
+    let note = match (&m.error, &m.waiting_on) {
+        (Some(e), _) => e.clone(),
+        (None, Some(w)) if m.status == "running" => format!("(waiting: {w})"),
+        _ => "-".to_string(),
+    };
+    format!(
+        "{:>5} {:<16} {:<16} {:<13} {:<9} {:<11} {:>10}  {}",
+        m.id,
+        shards,
+        format!("{}→{}", m.source, m.target),
+        m.mode,
+        m.phase,
+        m.status,
+        total,
+        note
+    )
 }
 
 async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
@@ -153,5 +208,58 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
             print!("{}", local_cluster::env_lines(&state, &node)?);
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use remus_proto::v1::Migration;
+
+    fn sample() -> Migration {
+        Migration {
+            id: 12,
+            shard_ids: vec![3, 4],
+            source: "n1".into(),
+            target: "n2".into(),
+            mode: "remus".into(),
+            phase: "dual".into(),
+            status: "running".into(),
+            started_at_ms: 1_000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn running_line_shows_age_and_wait() {
+        let mut m = sample();
+        m.waiting_on = Some("slot creation waits for xid 1234".into());
+        let line = migration_line(&m, 3_500);
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(&cols[..7], ["12", "3,4", "n1→n2", "remus", "dual", "running", "2500"]);
+        assert!(line.ends_with("(waiting: slot creation waits for xid 1234)"), "{line}");
+    }
+
+    #[test]
+    fn finished_line_shows_duration_and_error() {
+        let mut m = sample();
+        m.status = "failed".into();
+        m.finished_at_ms = Some(1_750);
+        m.error = Some("target n2 unreachable".into());
+        m.waiting_on = Some("ignored once failed".into());
+        let line = migration_line(&m, 99_999);
+        assert!(line.contains(" 750  target n2 unreachable"), "{line}");
+        m.error = None;
+        assert!(migration_line(&m, 99_999).ends_with(" 750  -"));
+    }
+
+    #[test]
+    fn header_and_rows_align() {
+        let header = migration_header();
+        let line = migration_line(&sample(), 2_000);
+        assert_eq!(header.find("shards"), line.find("3,4"));
+        // Widths count characters, so the arrow does not shift the columns after it.
+        assert_eq!(header.find("mode"), line.find("remus"));
+        assert_eq!(header.find("total_ms").map(|p| p + "total_ms".len()), line.find("1000").map(|p| p + 4));
     }
 }
