@@ -11,10 +11,25 @@
 //!   feedback the client sends back);
 //! - [`assembler`] turns that message stream into [`CommittedTxn`]s, bounded in memory.
 //!
-//! The replication connection itself lives elsewhere; nothing here performs network I/O.
+//! Network I/O is in two modules on top of libpq (the only code that talks to it, and the only
+//! `unsafe` code of the crate, is the private `libpq` module):
+//!
+//! - [`replication`]: the walsender connection: slot with exported snapshot, `START_REPLICATION`
+//!   and the status updates that advance the slot;
+//! - [`snapshot_copy`]: the parallel binary COPY of the shard tables as of that snapshot.
+//!
+//! Both block the calling thread, but every wait has a timeout and can be cancelled from another
+//! thread with a [`CancelToken`].
+
+#![deny(unsafe_code)]
 
 pub mod assembler;
+#[allow(unsafe_code)]
+mod libpq;
 pub mod pgoutput;
+pub mod replication;
+mod session;
+pub mod snapshot_copy;
 
 pub use assembler::{
     AssembleError, Assembled, AssemblerConfig, Change, CommittedTxn, TxnAssembler, TxnMessage,
@@ -25,4 +40,13 @@ pub use pgoutput::{
     DecodeError, Delete, Insert, LogicalMessage, Lsn, LsnParseError, OldTuple, Origin,
     PgOutputMessage, PrimaryKeepalive, Relation, ReplicaIdentity, ReplicationMessage,
     StandbyStatusUpdate, Truncate, TupleData, TypeInfo, Update, XLogData, PG_EPOCH_UNIX_SECS,
+};
+pub use replication::{
+    CreatedSlot, ExportedSnapshot, ReplicationConnection, ReplicationError, ReplicationOptions,
+    ReplicationStream, SystemIdentity,
+};
+pub use session::{CancelToken, PgError, ServerError};
+pub use snapshot_copy::{
+    copy_tables, copy_tables_with, qualified_name, CopyError, CopyOptions, CopyStats,
+    TableCopyError,
 };
