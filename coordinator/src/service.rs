@@ -3,7 +3,7 @@
 use remus_proto::v1::coordinator_server::Coordinator;
 use remus_proto::v1::{
     HealthRequest, HealthResponse, ListMigrationsRequest, ListMigrationsResponse, ListNodesRequest,
-    ListNodesResponse, Migration, Node, RegisterNodeRequest, RegisterNodeResponse,
+    ListNodesResponse, MigrateShardsRequest, Migration, MigrationEvent, Node, RegisterNodeRequest, RegisterNodeResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -132,5 +132,15 @@ impl Coordinator for CoordinatorService {
             .map(Migration::from)
             .collect();
         Ok(Response::new(ListMigrationsResponse { migrations }))
+    }
+
+    type MigrateShardsStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<MigrationEvent, Status>> + Send>>;
+
+    async fn migrate_shards(
+        &self,
+        _req: Request<MigrateShardsRequest>,
+    ) -> Result<Response<Self::MigrateShardsStream>, Status> {
+        Err(Status::unimplemented("shard migration is not available yet"))
     }
 }
