@@ -9,7 +9,8 @@
 //!
 //! - [`pgoutput`] turns the bytes of the CopyBoth stream into typed messages (and encodes the
 //!   feedback the client sends back);
-//! - [`assembler`] turns that message stream into [`CommittedTxn`]s, bounded in memory.
+//! - [`assembler`] turns that message stream into [`CommittedTxn`]s, bounded in memory;
+//! - [`ship`] converts a [`CommittedTxn`] into the `ShadowTxn` message the replay worker applies.
 //!
 //! Network I/O is in two modules on top of libpq (the only code that talks to it, and the only
 //! `unsafe` code of the crate, is the private `libpq` module):
@@ -29,6 +30,7 @@ mod libpq;
 pub mod pgoutput;
 pub mod replication;
 mod session;
+pub mod ship;
 pub mod snapshot_copy;
 
 pub use assembler::{
@@ -46,6 +48,7 @@ pub use replication::{
     ReplicationStream, SystemIdentity,
 };
 pub use session::{CancelToken, PgError, ServerError};
+pub use ship::shadow_txn;
 pub use snapshot_copy::{
     copy_tables, copy_tables_with, qualified_name, CopyError, CopyOptions, CopyStats,
     TableCopyError,
