@@ -56,6 +56,40 @@ psql -XAtc "SELECT format('balances: accounts %s, branches %s, tellers %s, histo
   FROM (SELECT (SELECT sum(abalance) FROM pgbench_accounts) a, (SELECT sum(bbalance) FROM pgbench_branches) b,
                (SELECT sum(tbalance) FROM pgbench_tellers) t, (SELECT coalesce(sum(delta), 0) FROM pgbench_history) h) s"
 
+echo
+echo "== shards move while TPC-B keeps running on all three nodes =="
+secs=${REMUS_DEMO_MIGRATION_SECONDS:-40}
+for n in n1 n2 n3; do
+    (eval "$("$ctl" cluster env --dir "$dir" --node "$n")"; pgbench -n -c 4 -j 2 -T "$secs" --max-tries=1 > "/tmp/remus-demo-mig-$n.log" 2>&1) &
+done
+sleep 2
+# Two account shards of n3 (with their co-located history shards), one per baseline mode, then
+# back, through different nodes; every call returns when its migration has ended.
+mapfile -t movers < <(psql -XAtc "SELECT shard_id FROM remus_shards WHERE table_name = 'pgbench_accounts' AND node_name = 'n3' ORDER BY shard_id LIMIT 2")
+psql -XP pager=off -c "
+  SELECT migration_id, shard_ids, source, target, mode, status, copy_ms, catchup_ms, handover_ms,
+         cleanup_ms, total_ms, rows_copied, txns_replayed, aborted_by_migration
+    FROM remus_migrate_shard(${movers[0]}, 'n1', 'lock_abort')
+  UNION ALL
+  SELECT * FROM (SELECT migration_id, shard_ids, source, target, mode, status, copy_ms, catchup_ms,
+         handover_ms, cleanup_ms, total_ms, rows_copied, txns_replayed, aborted_by_migration
+    FROM remus_migrate_shard(${movers[1]}, 'n2', 'wait_remaster')) s"
+"$ctl" migrate --dir "$dir" --shard "${movers[0]}" --to n3 --mode wait_remaster
+wait
+printf '%-6s %10s %10s\n' node committed failed
+for n in n1 n2 n3; do
+    f=/tmp/remus-demo-mig-$n.log
+    printf '%-6s %10s %10s\n' "$n" \
+        "$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$f")" \
+        "$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' "$f")"
+done
+echo "(lock_abort's aborted_by_migration are pgbench's failed transactions; wait_remaster aborts none)"
+psql -XAtc "SELECT format('balances after the moves: accounts %s, branches %s, tellers %s, history deltas %s -> %s',
+    a, b, t, h, CASE WHEN a = b AND b = t AND t = h THEN 'consistent' ELSE 'INCONSISTENT' END)
+  FROM (SELECT (SELECT sum(abalance) FROM pgbench_accounts) a, (SELECT sum(bbalance) FROM pgbench_branches) b,
+               (SELECT sum(tbalance) FROM pgbench_tellers) t, (SELECT coalesce(sum(delta), 0) FROM pgbench_history) h) s"
+"$ctl" migrations --dir "$dir"
+
 cat <<MSG
 
 Connect to node n1:

@@ -7,11 +7,19 @@
 //! - [`local_cluster`]: `remusctl cluster …`, a real multi-node cluster of PostgreSQL 15 servers,
 //!   etcd and the coordinator on loopback, for development, tests and the demo.
 //! - [`process`]: starting, probing and stopping the daemons that `local_cluster` owns.
+//! - [`plan`]: checking a migration request and resolving co-location, or refusing it.
+//! - [`driver`]: running one migration through its phases and handover, or rolling it back.
+//! - [`propagator`]: the slot's pgoutput stream shipped to the replay worker over gRPC.
+//! - [`node_conn`]: conninfo and sessions of the migration machinery on the nodes.
 //! - [`client`]: small helpers for talking to the coordinator over gRPC.
 
 pub mod client;
+pub mod driver;
 pub mod local_cluster;
 pub mod migration;
+pub mod node_conn;
 pub mod node_registry;
+pub mod plan;
 pub mod process;
+pub mod propagator;
 pub mod service;

@@ -8,7 +8,8 @@
 //! - `nK/data`, `nK/run` (unix socket): node K, owned by `postgres`.
 //! - `etcd/`: etcd's data; `logs/`: one log per component.
 //!
-//! Ports: nodes P..P+N-1, etcd client P+100 and peer P+101, coordinator gRPC P+102.
+//! Ports: nodes P..P+N-1, etcd client P+100 and peer P+101, coordinator gRPC P+102, replay
+//! worker gRPC P+103.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,7 @@ pub const DEFAULT_BASE_PORT: u16 = 6001;
 pub const DEFAULT_NODES: usize = 3;
 pub const ETCD_PORT_OFFSET: u16 = 100;
 pub const COORDINATOR_PORT_OFFSET: u16 = 102;
+pub const REPLAY_WORKER_PORT_OFFSET: u16 = 103;
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -76,6 +78,7 @@ pub struct ClusterState {
     pub nodes: Vec<NodeState>,
     pub etcd: DaemonState,
     pub coordinator: DaemonState,
+    pub replay_worker: DaemonState,
 }
 
 impl ClusterState {
@@ -122,6 +125,10 @@ impl ClusterState {
         format!("http://127.0.0.1:{}", self.coordinator.port)
     }
 
+    pub fn replay_worker_endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.replay_worker.port)
+    }
+
     /// Every component that is running now, as (component, pid).
     pub fn running(&self) -> Vec<(String, u32)> {
         let mut out: Vec<(String, u32)> = self
@@ -134,6 +141,9 @@ impl ClusterState {
         }
         if let Some(p) = self.coordinator.live_pid() {
             out.push(("coordinator".into(), p));
+        }
+        if let Some(p) = self.replay_worker.live_pid() {
+            out.push(("replay worker".into(), p));
         }
         out
     }
@@ -167,15 +177,16 @@ fn which(program: &str) -> Option<PathBuf> {
     })
 }
 
-fn coordinator_binary() -> Result<PathBuf> {
+/// A daemon binary next to remusctl's own.
+fn sibling_binary(what: &str, name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let path = exe
         .parent()
-        .map(|d| d.join("remus-coordinator"))
+        .map(|d| d.join(name))
         .ok_or_else(|| anyhow!("cannot locate remusctl's directory"))?;
     if !path.is_file() {
         bail!(
-            "missing binary: coordinator ({} not found; build it with `cargo build --release`)",
+            "missing binary: {what} ({} not found; build it with `cargo build --release`)",
             path.display()
         );
     }
@@ -217,7 +228,7 @@ fn plan(opts: &UpOptions) -> Result<ClusterState> {
         }
         return Ok(state);
     }
-    let top = u32::from(opts.base_port) + u32::from(COORDINATOR_PORT_OFFSET);
+    let top = u32::from(opts.base_port) + u32::from(REPLAY_WORKER_PORT_OFFSET);
     if top > 65535 || opts.base_port < 1024 {
         bail!("--base-port must leave room for ports P..P+102 within 1024..65535");
     }
@@ -248,12 +259,17 @@ fn plan(opts: &UpOptions) -> Result<ClusterState> {
             pid: None,
             log: dir.join("logs").join("coordinator.log"),
         },
+        replay_worker: DaemonState {
+            port: opts.base_port + REPLAY_WORKER_PORT_OFFSET,
+            pid: None,
+            log: dir.join("logs").join("replay-worker.log"),
+        },
         nodes,
         dir,
     })
 }
 
-fn preflight(state: &ClusterState) -> Result<PathBuf> {
+fn preflight(state: &ClusterState) -> Result<Binaries> {
     let bindir = pg_bindir();
     for bin in ["initdb", "pg_ctl", "postgres"] {
         if !bindir.join(bin).is_file() {
@@ -270,23 +286,32 @@ fn preflight(state: &ClusterState) -> Result<PathBuf> {
         bail!("missing binary: runuser not found on PATH (util-linux)");
     }
     process::postgres_ids()?;
-    let coordinator = coordinator_binary()?;
+    let binaries = Binaries {
+        coordinator: sibling_binary("coordinator", "remus-coordinator")?,
+        replay_worker: sibling_binary("replay worker", "remus-replay-worker")?,
+    };
     let mut ports: Vec<(String, u16)> =
         state.nodes.iter().map(|n| (format!("{} (postgres)", n.name), n.port)).collect();
     ports.push(("etcd client".into(), state.etcd.port));
     ports.push(("etcd peer".into(), state.etcd.port + 1));
     ports.push(("coordinator".into(), state.coordinator.port));
+    ports.push(("replay worker".into(), state.replay_worker.port));
     for (what, port) in ports {
         if process::port_in_use(port) {
             bail!("port {port} needed by {what} is already in use on 127.0.0.1; pick another --base-port");
         }
     }
-    Ok(coordinator)
+    Ok(binaries)
+}
+
+struct Binaries {
+    coordinator: PathBuf,
+    replay_worker: PathBuf,
 }
 
 pub async fn up(opts: &UpOptions) -> Result<ClusterState> {
     let mut state = plan(opts)?;
-    let coordinator_bin = preflight(&state)?;
+    let binaries = preflight(&state)?;
     fs::create_dir_all(state.dir.join("logs"))
         .with_context(|| format!("creating {}", state.dir.display()))?;
     process::chown_postgres(&state.dir.join("logs"))?;
@@ -302,7 +327,7 @@ pub async fn up(opts: &UpOptions) -> Result<ClusterState> {
     };
     state.save()?;
 
-    let started = start_all(&mut state, &password, &coordinator_bin).await;
+    let started = start_all(&mut state, &password, &binaries).await;
     if let Err(e) = started {
         // Leave nothing half-started behind: a failed `up` stops what it started.
         let _ = stop_all(&mut state);
@@ -327,14 +352,16 @@ fn ensure_postgres_can_reach(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-async fn start_all(state: &mut ClusterState, password: &str, coordinator_bin: &Path) -> Result<()> {
+async fn start_all(state: &mut ClusterState, password: &str, binaries: &Binaries) -> Result<()> {
     for node in &state.nodes {
-        init_node(node, password)?;
+        init_node(node, password, state.coordinator.port)?;
         start_node(state, node)?;
     }
     start_etcd(state)?;
     state.save()?;
-    start_coordinator(state, coordinator_bin).await?;
+    start_replay_worker(state, &binaries.replay_worker)?;
+    state.save()?;
+    start_coordinator(state, &binaries.coordinator).await?;
     state.save()?;
     for node in &state.nodes {
         let client = connect(node, password).await?;
@@ -377,7 +404,7 @@ pub async fn connect(node: &NodeState, password: &str) -> Result<tokio_postgres:
     Ok(client)
 }
 
-fn init_node(node: &NodeState, password: &str) -> Result<()> {
+fn init_node(node: &NodeState, password: &str, coordinator_port: u16) -> Result<()> {
     let node_dir = node.data_dir.parent().expect("data dir has a parent");
     fs::create_dir_all(&node.socket_dir)?;
     process::chown_postgres(node_dir)?;
@@ -412,7 +439,7 @@ fn init_node(node: &NodeState, password: &str) -> Result<()> {
     let mut main = fs::read_to_string(&conf)?;
     main.push_str("\ninclude 'remus.conf'\n");
     fs::write(&conf, main)?;
-    fs::write(node.data_dir.join("remus.conf"), remus_conf(node))?;
+    fs::write(node.data_dir.join("remus.conf"), remus_conf(node, coordinator_port))?;
     fs::write(node.data_dir.join("pg_hba.conf"), PG_HBA)?;
     for f in ["remus.conf", "pg_hba.conf"] {
         process::chown_postgres(&node.data_dir.join(f))?;
@@ -430,7 +457,7 @@ host    replication  all   127.0.0.1/32  scram-sha-256
 ";
 
 /// Settings Remus needs on every node (../shared/DESIGN.md section 7); all need a restart.
-fn remus_conf(node: &NodeState) -> String {
+fn remus_conf(node: &NodeState, coordinator_port: u16) -> String {
     format!(
         "# Written by remusctl cluster up; edits are kept across restarts.
 listen_addresses = '127.0.0.1'
@@ -444,16 +471,19 @@ track_commit_timestamp = on
 max_prepared_transactions = 200
 max_replication_slots = 32
 max_wal_senders = 32
+max_replication_origins = 64
 max_worker_processes = 32
 logical_decoding_work_mem = '64MB'
 shared_buffers = '128MB'
 log_line_prefix = '%m [%p] {name} %q%u@%d '
 log_min_messages = warning
 remus.node_name = '{name}'
+remus.coordinator_address = 'http://127.0.0.1:{coordinator_port}'
 ",
         port = node.port,
         sock = node.socket_dir.display(),
         name = node.name,
+        coordinator_port = coordinator_port,
     )
 }
 
@@ -527,6 +557,25 @@ fn start_etcd(state: &mut ClusterState) -> Result<()> {
     })
 }
 
+fn start_replay_worker(state: &mut ClusterState, bin: &Path) -> Result<()> {
+    let mut cmd = Command::new(bin);
+    cmd.arg("--listen").arg(format!("127.0.0.1:{}", state.replay_worker.port));
+    let pid = process::spawn_daemon(&mut cmd, &state.replay_worker.log)?;
+    state.replay_worker.pid = Some(pid);
+    let port = state.replay_worker.port;
+    wait_until(START_TIMEOUT, || {
+        if !pid_alive(pid) {
+            bail!(
+                "replay worker exited during start; see {}:\n{}",
+                state.replay_worker.log.display(),
+                process::log_tail(&state.replay_worker.log, 15)
+            );
+        }
+        Ok(process::port_in_use(port))
+    })
+    .map_err(|e| anyhow!("replay worker on port {port} did not start ({e}); see {}", state.replay_worker.log.display()))
+}
+
 async fn start_coordinator(state: &mut ClusterState, bin: &Path) -> Result<()> {
     let mut cmd = Command::new(bin);
     cmd.arg("--listen")
@@ -534,7 +583,11 @@ async fn start_coordinator(state: &mut ClusterState, bin: &Path) -> Result<()> {
         .arg("--etcd")
         .arg(format!("http://127.0.0.1:{}", state.etcd.port))
         .arg("--cluster")
-        .arg(&state.name);
+        .arg(&state.name)
+        .arg("--replay-worker")
+        .arg(state.replay_worker_endpoint())
+        .arg("--pgpass")
+        .arg(&state.pgpass);
     let pid = process::spawn_daemon(&mut cmd, &state.coordinator.log)?;
     state.coordinator.pid = Some(pid);
     let deadline = Instant::now() + START_TIMEOUT;
@@ -603,6 +656,12 @@ pub fn stop_all(state: &mut ClusterState) -> Result<Vec<String>> {
             report.push(format!("{} (pid {pid}) stopped", node.name));
         }
     }
+    if let Some(pid) = state.replay_worker.live_pid() {
+        match process::stop_pid(pid, Duration::from_secs(10)) {
+            Ok(()) => report.push(format!("replay worker (pid {pid}) stopped")),
+            Err(e) => failures.push(format!("replay worker: {e}")),
+        }
+    }
     if let Some(pid) = state.etcd.live_pid() {
         match process::stop_pid(pid, Duration::from_secs(10)) {
             Ok(()) => report.push(format!("etcd (pid {pid}) stopped")),
@@ -610,6 +669,7 @@ pub fn stop_all(state: &mut ClusterState) -> Result<Vec<String>> {
         }
     }
     state.coordinator.pid = None;
+    state.replay_worker.pid = None;
     state.etcd.pid = None;
     state.save()?;
     if !failures.is_empty() {
@@ -654,6 +714,14 @@ pub async fn status(state: &ClusterState) -> Vec<ComponentStatus> {
         up: healthy,
         pid,
         log: state.coordinator.log.clone(),
+    });
+    let pid = state.replay_worker.live_pid();
+    out.push(ComponentStatus {
+        component: "replay worker".into(),
+        address: format!("127.0.0.1:{}", state.replay_worker.port),
+        up: pid.is_some() && process::port_in_use(state.replay_worker.port),
+        pid,
+        log: state.replay_worker.log.clone(),
     });
     out
 }
@@ -717,13 +785,15 @@ mod tests {
     fn conf_has_remus_requirements() {
         let dir = tempfile::tempdir().unwrap();
         let s = plan(&UpOptions { dir: dir.path().into(), nodes: 2, base_port: 7001 }).unwrap();
-        let conf = remus_conf(&s.nodes[1]);
+        let conf = remus_conf(&s.nodes[1], s.coordinator.port);
         for needle in [
             "wal_level = logical",
             "track_commit_timestamp = on",
             "shared_preload_libraries = 'pg_remus'",
             "remus.node_name = 'n2'",
             "port = 7002",
+            "remus.coordinator_address = 'http://127.0.0.1:7103'",
+            "max_replication_origins = 64",
         ] {
             assert!(conf.contains(needle), "missing {needle}");
         }

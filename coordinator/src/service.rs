@@ -7,7 +7,14 @@ use remus_proto::v1::{
 };
 use tonic::{Request, Response, Status};
 
-use crate::migration::{MigrationError, MigrationRecord, MigrationStore};
+use std::sync::Arc;
+
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+use crate::driver::{self, DriverConfig};
+use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode};
+use crate::plan::{self, Refusal};
 use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
 
 pub struct CoordinatorService {
@@ -16,6 +23,37 @@ pub struct CoordinatorService {
     pub etcd: etcd_client::Client,
     pub nodes: NodeRegistry,
     pub migrations: MigrationStore,
+    pub driver: Arc<DriverConfig>,
+    /// Migrations run on their own runtime ("migration-driver"), apart from the gRPC server's.
+    pub runtime: MigrationRuntime,
+}
+
+/// The named runtime the migration drivers run on.
+#[derive(Clone)]
+pub struct MigrationRuntime(pub tokio::runtime::Handle);
+
+impl MigrationRuntime {
+    /// Spawns `spawner` (which itself spawns the driver task) on the migration runtime and
+    /// hands back what it returns.
+    fn block_on_spawn<T: Send + 'static>(
+        &self,
+        spawner: impl FnOnce() -> T + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        self.0.spawn(async move { spawner() })
+    }
+}
+
+fn async_stream_until_terminal(
+    events: tokio_stream::wrappers::WatchStream<MigrationRecord>,
+) -> impl tokio_stream::Stream<Item = Result<MigrationEvent, Status>> + Send {
+    let mut done = false;
+    events
+        .take_while(move |r| {
+            let emit = !done;
+            done = r.is_terminal();
+            emit
+        })
+        .map(|r| Ok(MigrationEvent { migration: Some(Migration::from(r)) }))
 }
 
 impl From<RegistryError> for Status {
@@ -139,8 +177,42 @@ impl Coordinator for CoordinatorService {
 
     async fn migrate_shards(
         &self,
-        _req: Request<MigrateShardsRequest>,
+        req: Request<MigrateShardsRequest>,
     ) -> Result<Response<Self::MigrateShardsStream>, Status> {
-        Err(Status::unimplemented("shard migration is not available yet"))
+        let req = req.into_inner();
+        let mode = plan::parse_mode(&req.mode).map_err(Refusal::into_status)?;
+        if mode == Mode::Remus {
+            return Err(Refusal::new(
+                Code::Unimplemented,
+                "0A000",
+                "mode remus is not available yet; use lock_abort or wait_remaster",
+            )
+            .into_status());
+        }
+        let plan = plan::plan(&self.nodes, &self.driver.connector, &req.shard_ids, &req.target, mode)
+            .await
+            .map_err(Refusal::into_status)?;
+        let record = self
+            .migrations
+            .create(&plan.shard_ids, &plan.source.name, &plan.target.name, mode)
+            .await
+            .map_err(|e| match e {
+                MigrationError::ShardBusy { .. } => {
+                    Refusal::new(Code::AlreadyExists, "55006", e.to_string()).into_status()
+                }
+                other => Status::from(other),
+            })?;
+        tracing::info!(
+            migration_id = record.id.0, shards = ?plan.shard_ids, source = %plan.source.name,
+            target = %plan.target.name, %mode, "migration created"
+        );
+        let (config, store) = (self.driver.clone(), self.migrations.clone());
+        let rx = self
+            .runtime
+            .block_on_spawn(move || driver::spawn(config, store, plan, record));
+        let events = tokio_stream::wrappers::WatchStream::new(rx.await.map_err(|e| Status::internal(e.to_string()))?);
+        // Every change until (and including) the terminal one.
+        let stream = async_stream_until_terminal(events);
+        Ok(Response::new(Box::pin(stream)))
     }
 }

@@ -6,7 +6,12 @@ use anyhow::Context;
 use clap::Parser;
 use coordinator::migration::MigrationStore;
 use coordinator::node_registry::NodeRegistry;
-use coordinator::service::CoordinatorService;
+use std::sync::Arc;
+use std::time::Duration;
+
+use coordinator::driver::DriverConfig;
+use coordinator::node_conn::NodeConnector;
+use coordinator::service::{CoordinatorService, MigrationRuntime};
 use remus_proto::v1::coordinator_server::CoordinatorServer;
 
 #[derive(Parser)]
@@ -21,6 +26,27 @@ struct Args {
     /// Namespace of this cluster's keys in etcd.
     #[arg(long, default_value = "default")]
     cluster: String,
+    /// gRPC endpoint of the replay worker that applies migrations on their targets.
+    #[arg(long, default_value = "http://127.0.0.1:6103")]
+    replay_worker: String,
+    /// libpq password file with the nodes' password for user postgres.
+    #[arg(long, env = "PGPASSFILE")]
+    pgpass: Option<std::path::PathBuf>,
+    /// Database of the nodes that holds the distributed tables.
+    #[arg(long, default_value = "postgres")]
+    database: String,
+    /// Concurrent apply sessions per migration on the target.
+    #[arg(long, default_value_t = 4)]
+    apply_parallelism: u32,
+    /// lock_abort: idle writers holding a migrating shard are terminated after this long.
+    #[arg(long, default_value_t = 10_000)]
+    lock_grace_ms: u64,
+    /// wait_remaster: the admission gate reopens by itself after this long.
+    #[arg(long, default_value_t = 60_000)]
+    gate_timeout_ms: u64,
+    /// Compare source and target copies before every ownership flip (full read of both).
+    #[arg(long, env = "REMUS_VERIFY_HANDOVER")]
+    verify_handover: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,10 +63,19 @@ fn main() -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(serve(args))
+    // Migrations run apart from the gRPC server, so a busy migration never delays an RPC.
+    let migrations = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("migration-driver")
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let handle = migrations.handle().clone();
+    let result = runtime.block_on(serve(args, handle));
+    migrations.shutdown_timeout(std::time::Duration::from_secs(5));
+    result
 }
 
-async fn serve(args: Args) -> anyhow::Result<()> {
+async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result<()> {
     let etcd = etcd_client::Client::connect([args.etcd.as_str()], None)
         .await
         .with_context(|| format!("connecting to etcd at {}", args.etcd))?;
@@ -50,6 +85,15 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         cluster: args.cluster.clone(),
         etcd_endpoint: args.etcd.clone(),
         etcd,
+        driver: Arc::new(DriverConfig {
+            connector: NodeConnector::from_pgpass(args.pgpass.as_deref(), &args.database)?,
+            replay_endpoint: args.replay_worker.clone(),
+            apply_parallelism: args.apply_parallelism,
+            lock_grace: Duration::from_millis(args.lock_grace_ms),
+            gate_timeout: Duration::from_millis(args.gate_timeout_ms),
+            verify_handover: args.verify_handover,
+        }),
+        runtime: MigrationRuntime(migrations),
     };
     tracing::info!(listen = %args.listen, etcd = %args.etcd, cluster = %args.cluster, "coordinator serving");
     tonic::transport::Server::builder()

@@ -26,6 +26,21 @@ enum Cmd {
         #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
         dir: PathBuf,
     },
+    /// Move shards (and every shard co-located with them) to another node; prints a line per
+    /// phase and a summary. Exit status 0 when the migration succeeded, 1 otherwise.
+    Migrate {
+        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        dir: PathBuf,
+        /// Shard id; repeat to move several at once.
+        #[arg(long = "shard", required = true)]
+        shards: Vec<i64>,
+        /// Target node name.
+        #[arg(long)]
+        to: String,
+        /// remus | lock_abort | wait_remaster
+        #[arg(long, default_value = "remus")]
+        mode: String,
+    },
     /// Shard migrations known to the coordinator (in etcd), running and finished, by id.
     Migrations {
         #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
@@ -102,6 +117,39 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Migrate { dir, shards, to, mode } => {
+            let state = ClusterState::load(&dir)?;
+            let mut c = coordinator::client::connect(&state.coordinator_endpoint()).await?;
+            let mut events = match c
+                .migrate_shards(remus_proto::v1::MigrateShardsRequest { shard_ids: shards, target: to, mode })
+                .await
+            {
+                Ok(r) => r.into_inner(),
+                Err(status) => {
+                    let sqlstate = status
+                        .metadata()
+                        .get("remus-sqlstate")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("-")
+                        .to_string();
+                    eprintln!("remusctl: migration refused: {} (SQLSTATE {sqlstate})", status.message());
+                    return Ok(ExitCode::FAILURE);
+                }
+            };
+            let mut last: Option<remus_proto::v1::Migration> = None;
+            let mut last_phase = String::new();
+            while let Some(ev) = events.message().await? {
+                let Some(m) = ev.migration else { continue };
+                if m.phase != last_phase {
+                    println!("{}", progress_line(&m));
+                    last_phase = m.phase.clone();
+                }
+                last = Some(m);
+            }
+            let Some(m) = last else { anyhow::bail!("the coordinator sent no migration record") };
+            println!("{}", summary_line(&m));
+            Ok(if m.status == "succeeded" { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
         Cmd::Migrations { dir } => {
             let state = ClusterState::load(&dir)?;
             let mut c = coordinator::client::connect(&state.coordinator_endpoint()).await?;
@@ -118,6 +166,51 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// One line per phase entered by `remusctl migrate`.
+fn progress_line(m: &remus_proto::v1::Migration) -> String {
+    let previous = m
+        .phase_ms
+        .iter()
+        .map(|(p, ms)| format!("{p} {ms} ms"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "migration {} [{}] shards {:?} {}→{}: phase {} ({}){}",
+        m.id,
+        m.mode,
+        m.shard_ids,
+        m.source,
+        m.target,
+        m.phase,
+        m.status,
+        if previous.is_empty() { String::new() } else { format!("; done: {previous}") }
+    )
+}
+
+/// The final line of `remusctl migrate`: what the SQL function returns, as text.
+fn summary_line(m: &remus_proto::v1::Migration) -> String {
+    let ms = |p: &str| m.phase_ms.get(p).copied().unwrap_or(0);
+    let total = m.finished_at_ms.unwrap_or(m.started_at_ms).saturating_sub(m.started_at_ms);
+    let mut line = format!(
+        "migration {} {}: copy {} ms, catchup {} ms, handover {} ms, cleanup {} ms, total {} ms; rows_copied {}, bytes_copied {}, txns_replayed {}, aborted_by_migration {}",
+        m.id,
+        m.status,
+        ms("copy"),
+        ms("catchup"),
+        ms("handover") + ms("barrier") + ms("dual"),
+        ms("cleanup"),
+        total,
+        m.rows_copied,
+        m.bytes_copied,
+        m.txns_replayed,
+        m.aborted_by_migration
+    );
+    if let Some(e) = &m.error {
+        line.push_str(&format!("; error: {e}"));
+    }
+    line
 }
 
 fn migration_header() -> String {

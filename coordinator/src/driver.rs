@@ -1,0 +1,859 @@
+//! Drives one migration through its phases: copy, catch-up, handover (by mode), Tm, cleanup —
+//! and rolls it back completely when it fails before Tm.
+//!
+//! The record in etcd is the truth about where a migration is; every phase change goes through
+//! [`MigrationStore::advance`] and is published to the callers waiting on the migration (the
+//! `MigrateShards` stream). Advancing to `cleanup` is written only after Tm is prepared on every
+//! node: it is the commit decision of Tm (../shared/DESIGN.md section 4). Before it, a failure
+//! rolls everything back; after it, Tm is committed everywhere and the migration can only go
+//! forward.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio::sync::watch;
+use tracing::{info, info_span, warn, Instrument};
+use wal_propagator::{CopyOptions, Lsn, ReplicationConnection, ReplicationOptions};
+
+use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode, Phase, Status};
+use crate::node_conn::{NodeConnError, NodeConnector};
+use crate::node_registry::NodeRecord;
+use crate::plan::MigrationPlan;
+use crate::propagator::{Propagator, PropagatorError};
+
+/// Static configuration of the migration machinery.
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    pub connector: NodeConnector,
+    /// gRPC endpoint of the replay worker, e.g. `http://127.0.0.1:6103`.
+    pub replay_endpoint: String,
+    /// Concurrent apply sessions on the target.
+    pub apply_parallelism: u32,
+    /// lock_abort: how long an idle writer holding the shard may keep the handover waiting
+    /// before it is terminated.
+    pub lock_grace: Duration,
+    /// wait_remaster: the longest the admission gate stays closed.
+    pub gate_timeout: Duration,
+    /// Before Tm, while the source is quiet, compare every shard table on source and target
+    /// (row count and a digest over all columns) and fail the migration on any difference.
+    /// Costs a full read of both copies inside the handover window, so it is off by default.
+    pub verify_handover: bool,
+}
+
+#[derive(Debug, Error)]
+pub enum DriverError {
+    #[error(transparent)]
+    Store(#[from] MigrationError),
+    #[error(transparent)]
+    Connect(#[from] NodeConnError),
+    #[error("on node {node}: {source}")]
+    Sql {
+        node: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error(transparent)]
+    Replication(#[from] wal_propagator::ReplicationError),
+    #[error(transparent)]
+    Copy(#[from] wal_propagator::CopyError),
+    #[error(transparent)]
+    Propagator(#[from] PropagatorError),
+    #[error("{0}")]
+    Other(String),
+}
+
+fn sql(node: &NodeRecord) -> impl Fn(tokio_postgres::Error) -> DriverError + '_ {
+    move |source| DriverError::Sql { node: node.name.clone(), source: flatten_db_error(source) }
+}
+
+/// tokio-postgres prints only "db error"; keep the server's message in the chain.
+fn flatten_db_error(e: tokio_postgres::Error) -> tokio_postgres::Error {
+    e
+}
+
+fn describe(e: &DriverError) -> String {
+    match e {
+        DriverError::Sql { node, source } => match source.as_db_error() {
+            Some(db) => format!("on node {node}: {} (SQLSTATE {})", db.message(), db.code().code()),
+            None => format!("on node {node}: {source}"),
+        },
+        other => other.to_string(),
+    }
+}
+
+/// Publishes record changes to whoever waits on the migration.
+struct Reporter {
+    store: MigrationStore,
+    tx: watch::Sender<MigrationRecord>,
+}
+
+impl Reporter {
+    fn id(&self) -> crate::migration::MigrationId {
+        self.tx.borrow().id
+    }
+
+    async fn advance(&self, next: Phase) -> Result<(), DriverError> {
+        let r = self.store.advance(self.id(), next, |_| {}).await?;
+        info!(migration_id = r.id.0, phase = %next, "phase started");
+        self.tx.send_replace(r);
+        Ok(())
+    }
+
+    async fn update(&self, f: impl FnMut(&mut MigrationRecord)) -> Result<(), DriverError> {
+        let r = self.store.update(self.id(), f).await?;
+        self.tx.send_replace(r);
+        Ok(())
+    }
+
+    async fn waiting_on(&self, what: Option<String>) {
+        let w = what.clone();
+        if let Err(e) = self.update(move |r| r.waiting_on = w.clone()).await {
+            warn!(migration_id = self.id().0, error = %e, "could not record waiting_on");
+        }
+    }
+
+    async fn finish(&self, status: Status, error: Option<String>) {
+        match self.store.finish(self.id(), status, error).await {
+            Ok(r) => {
+                self.tx.send_replace(r);
+            }
+            Err(e) => warn!(migration_id = self.id().0, error = %e, "could not record the end"),
+        }
+    }
+}
+
+/// Starts driving `record` (just created, phase pending) on the current runtime; the receiver
+/// sees every change of the record until it is terminal.
+pub fn spawn(
+    config: Arc<DriverConfig>,
+    store: MigrationStore,
+    plan: MigrationPlan,
+    record: MigrationRecord,
+) -> watch::Receiver<MigrationRecord> {
+    let (tx, rx) = watch::channel(record.clone());
+    let id = record.id.0;
+    let span = info_span!("migration", migration_id = id, mode = %plan.mode);
+    tokio::spawn(
+        async move {
+            let reporter = Reporter { store, tx };
+            let mut run = Run { config, plan, reporter, state: State::default() };
+            run.drive().await;
+        }
+        .instrument(span),
+    );
+    rx
+}
+
+/// What exists on the nodes, so that a rollback removes exactly that.
+#[derive(Default)]
+struct State {
+    registered: bool,
+    publication: bool,
+    slot: Option<String>,
+    /// The replication connection while it is not streaming (to drop the slot). In a mutex
+    /// only because libpq connections are not `Sync` and the driver's future must be `Send`.
+    repl: std::sync::Mutex<Option<ReplicationConnection>>,
+    target_tables: bool,
+    propagator: Option<Propagator>,
+    gate_closed: bool,
+    tm_prepared: bool,
+    tm_decided: bool,
+    read_through: bool,
+    start_lsn: Lsn,
+    sync_points: u64,
+    final_txns_applied: u64,
+    /// Idle writers terminated by lock_abort after the grace period.
+    terminated: u64,
+    /// Per node, when Tm committed there (text timestamptz): cleanup waits for older ones.
+    tm_committed_at: Vec<(NodeRecord, String)>,
+}
+
+struct Run {
+    config: Arc<DriverConfig>,
+    plan: MigrationPlan,
+    reporter: Reporter,
+    state: State,
+}
+
+impl Run {
+    fn id(&self) -> u64 {
+        self.reporter.id().0
+    }
+
+    fn take_repl(&mut self) -> Option<ReplicationConnection> {
+        self.state.repl.get_mut().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn publication(&self) -> String {
+        format!("remus_m{}", self.id())
+    }
+
+    fn slot(&self) -> String {
+        format!("remus_m{}", self.id())
+    }
+
+    async fn drive(&mut self) {
+        let started = Instant::now();
+        match self.phases().await {
+            Ok(()) => {
+                self.reporter.finish(Status::Succeeded, None).await;
+                info!(migration_id = self.id(), ms = started.elapsed().as_millis() as u64, "migration done");
+            }
+            Err(e) => {
+                let msg = describe(&e);
+                warn!(migration_id = self.id(), error = %msg, "migration failed");
+                if self.state.tm_decided {
+                    // Ownership already moved; only cleanup failed. Leave the rest for an
+                    // operator and say so.
+                    self.reporter
+                        .finish(Status::Failed, Some(format!("cleanup after the handover failed: {msg}")))
+                        .await;
+                } else {
+                    match self.rollback().await {
+                        Ok(()) => self.reporter.finish(Status::RolledBack, Some(msg)).await,
+                        Err(re) => {
+                            self.reporter
+                                .finish(
+                                    Status::Failed,
+                                    Some(format!("{msg}; rollback failed too: {}", describe(&re))),
+                                )
+                                .await
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn phases(&mut self) -> Result<(), DriverError> {
+        self.reporter.advance(Phase::Copy).await?;
+        self.copy().await?;
+        self.reporter.advance(Phase::Catchup).await?;
+        self.catch_up().await?;
+        self.reporter.advance(Phase::Handover).await?;
+        match self.plan.mode {
+            Mode::LockAbort => self.handover_lock_abort().await?,
+            Mode::WaitRemaster => self.handover_wait_remaster().await?,
+            Mode::Remus => {
+                return Err(DriverError::Other("mode remus is not available yet".into()));
+            }
+        }
+        self.cleanup().await
+    }
+
+    async fn on_every_node(&self, sql_text: &str) -> Result<Vec<tokio_postgres::Row>, DriverError> {
+        let mut rows = Vec::new();
+        for node in &self.plan.nodes {
+            let c = self.config.connector.connect(node).await?;
+            rows.extend(c.query(sql_text, &[]).await.map_err(sql(node))?);
+        }
+        Ok(rows)
+    }
+
+    // ---- copy ---------------------------------------------------------------------------
+
+    async fn copy(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let ids = format!("ARRAY[{}]::bigint[]", join(&self.plan.shard_ids));
+        self.state.registered = true;
+        self.on_every_node(&format!("SELECT remus.migration_begin({id}, {ids})")).await?;
+
+        let tables: Vec<String> = self.plan.tables.iter().map(|t| t.qualified()).collect();
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        source
+            .batch_execute(&format!(
+                "CREATE PUBLICATION {} FOR TABLE {}",
+                self.publication(),
+                tables.join(", ")
+            ))
+            .await
+            .map_err(sql(&self.plan.source))?;
+        self.state.publication = true;
+
+        // The target's tables, with every index and constraint, before any row arrives: the
+        // replay applies by primary key and the shard may serve right after the handover.
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        let ddl: String = self
+            .plan
+            .tables
+            .iter()
+            .map(|t| format!("CREATE TABLE {} (LIKE {} INCLUDING ALL);\n", t.qualified(), t.shell))
+            .collect();
+        self.state.target_tables = true;
+        target
+            .batch_execute(&format!("BEGIN;\n{ddl}COMMIT;"))
+            .await
+            .map_err(sql(&self.plan.target))?;
+
+        // Slot first (it waits for the source's running transactions), then the copy sessions
+        // import its snapshot. Both block: run them on a blocking thread.
+        self.reporter
+            .waiting_on(Some(format!(
+                "creating slot {}: waits for transactions holding an xid on {}",
+                self.slot(),
+                self.plan.source.name
+            )))
+            .await;
+        let repl_conninfo = self.config.connector.conninfo(&self.plan.source, true);
+        let source_conninfo = self.config.connector.conninfo(&self.plan.source, false);
+        let target_conninfo = self.config.connector.conninfo(&self.plan.target, false);
+        let slot = self.slot();
+        let pairs: Vec<(String, String)> = tables.iter().map(|t| (t.clone(), t.clone())).collect();
+        let parallelism = pairs.len();
+        self.state.slot = Some(slot.clone());
+        let (conn, created, stats) = tokio::task::spawn_blocking(move || {
+            let mut conn = ReplicationConnection::connect_with(&repl_conninfo, ReplicationOptions::default())?;
+            let exported = conn.create_slot_exporting_snapshot(&slot)?;
+            let stats = wal_propagator::copy_tables_with(
+                &source_conninfo,
+                exported.snapshot_name(),
+                &target_conninfo,
+                &pairs,
+                parallelism,
+                &CopyOptions::default(),
+            );
+            let created = exported.release();
+            Ok::<_, DriverError>((conn, created, stats?))
+        })
+        .await
+        .map_err(|e| DriverError::Other(format!("copy thread: {e}")))??;
+        let rows: u64 = stats.iter().map(|s| s.rows).sum();
+        let bytes: u64 = stats.iter().map(|s| s.bytes).sum();
+        info!(
+            migration_id = id, phase = "copy", rows, bytes,
+            slot_wait_ms = created.creation_time.as_millis() as u64,
+            consistent_point = %created.consistent_point, "snapshot copied"
+        );
+        self.reporter
+            .update(|r| {
+                r.rows_copied = rows;
+                r.bytes_copied = bytes;
+                r.waiting_on = None;
+            })
+            .await?;
+        *self.state.repl.get_mut().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+        self.state.start_lsn = created.consistent_point;
+        Ok(())
+    }
+
+    // ---- catch-up -----------------------------------------------------------------------
+
+    async fn catch_up(&mut self) -> Result<(), DriverError> {
+        let conn = self.take_repl().expect("copy leaves the replication connection");
+        let propagator = Propagator::start(
+            self.id(),
+            &self.config.replay_endpoint,
+            self.config.connector.conninfo(&self.plan.target, false),
+            conn,
+            self.slot(),
+            self.publication(),
+            self.state.start_lsn,
+            self.config.apply_parallelism,
+        )
+        .await?;
+        self.state.propagator = Some(propagator);
+        let lsn = self.sync_point().await?;
+        self.wait_applied(lsn).await
+    }
+
+    /// A position in the source's stream that everything committed before this call precedes:
+    /// a transactional logical message, so the stream reaches it even when the migrating shards
+    /// see no writes.
+    async fn sync_point(&mut self) -> Result<Lsn, DriverError> {
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let lsn: String = source
+            .query_one(
+                "SELECT pg_logical_emit_message(true, 'remus_sync', $1)::text",
+                &[&self.id().to_string()],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?
+            .get(0);
+        self.state.sync_points += 1;
+        lsn.parse::<Lsn>().map_err(|e| DriverError::Other(e.to_string()))
+    }
+
+    async fn wait_applied(&self, lsn: Lsn) -> Result<(), DriverError> {
+        let propagator = self.state.propagator.as_ref().expect("propagator running");
+        let mut last_report = Instant::now();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(1), propagator.wait_applied(lsn)).await {
+                Ok(r) => {
+                    r?;
+                    break;
+                }
+                Err(_) => {
+                    if last_report.elapsed() >= Duration::from_secs(1) {
+                        let applied = propagator.progress.applied();
+                        let replayed = self.txns_replayed();
+                        let w = format!("target has applied up to {applied}, waiting for {lsn}");
+                        self.reporter
+                            .update(move |r| {
+                                r.txns_replayed = replayed;
+                                r.waiting_on = Some(w.clone());
+                            })
+                            .await?;
+                        last_report = Instant::now();
+                    }
+                }
+            }
+        }
+        let replayed = self.txns_replayed();
+        self.reporter
+            .update(move |r| {
+                r.txns_replayed = replayed;
+                r.waiting_on = None;
+            })
+            .await
+    }
+
+    fn txns_replayed(&self) -> u64 {
+        let applied = self
+            .state
+            .propagator
+            .as_ref()
+            .map(|p| p.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire))
+            .unwrap_or(self.state.final_txns_applied);
+        // The sync points are the migration's own transactions, not the workload's.
+        applied.saturating_sub(self.state.sync_points)
+    }
+
+    // ---- handover -----------------------------------------------------------------------
+
+    fn table_list(&self) -> String {
+        self.plan.tables.iter().map(|t| t.qualified()).collect::<Vec<_>>().join(", ")
+    }
+
+    fn regclass_array(&self) -> String {
+        let items: Vec<String> =
+            self.plan.tables.iter().map(|t| quote_literal(&t.qualified())).collect();
+        format!("ARRAY[{}]::regclass[]", items.join(", "))
+    }
+
+    /// Citus-style: block writes with an EXCLUSIVE lock on the shard tables, aborting (40001)
+    /// the transactions that hold them, final catch-up, Tm, then let the queued writers through
+    /// into the fence, which fails them so they retry on the new owner.
+    async fn handover_lock_abort(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let source = &self.plan.source;
+        let lock = self.config.connector.connect(source).await?;
+        lock.batch_execute("BEGIN; SET LOCAL lock_timeout = '200ms'").await.map_err(sql(source))?;
+        let started = Instant::now();
+        let mut signalled = 0i64;
+        loop {
+            lock.batch_execute("SAVEPOINT remus_lock").await.map_err(sql(source))?;
+            let n: i32 = lock
+                .query_one(
+                    &format!("SELECT remus.abort_shard_writers({id}, {})", self.regclass_array()),
+                    &[],
+                )
+                .await
+                .map_err(sql(source))?
+                .get(0);
+            signalled += i64::from(n);
+            match lock
+                .batch_execute(&format!("LOCK TABLE {} IN EXCLUSIVE MODE", self.table_list()))
+                .await
+            {
+                Ok(()) => break,
+                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                    lock.batch_execute("ROLLBACK TO SAVEPOINT remus_lock").await.map_err(sql(source))?;
+                    if started.elapsed() > self.config.lock_grace {
+                        let killed = self.terminate_shard_writers(&lock).await?;
+                        self.state.terminated += killed;
+                    }
+                    self.reporter
+                        .waiting_on(Some(format!(
+                            "locking the shard tables on {}: {signalled} writers aborted so far",
+                            source.name
+                        )))
+                        .await;
+                }
+                Err(e) => return Err(sql(source)(e)),
+            }
+        }
+        info!(migration_id = id, phase = "handover", signalled, lock_ms = started.elapsed().as_millis() as u64, "writes blocked");
+        let fence = self.config.connector.connect(source).await?;
+        fence
+            .batch_execute(&format!("SELECT remus.migration_fence({id})"))
+            .await
+            .map_err(sql(source))?;
+        let lsn = self.sync_point().await?;
+        self.wait_applied(lsn).await?;
+        self.verify().await?;
+        self.tm().await?;
+        // Queued writers now run into the fence (40001) and retry on the new owner.
+        lock.batch_execute("COMMIT").await.map_err(sql(&self.plan.source))?;
+        Ok(())
+    }
+
+    async fn terminate_shard_writers(&self, lock: &tokio_postgres::Client) -> Result<u64, DriverError> {
+        let rows = lock
+            .query(
+                &format!(
+                    "SELECT pg_terminate_backend(pid) FROM (
+                       SELECT DISTINCT l.pid FROM pg_locks l
+                        WHERE l.relation = ANY({}) AND l.granted AND l.pid IS NOT NULL
+                          AND l.pid <> pg_backend_pid()
+                          AND l.mode NOT IN ('AccessShareLock', 'RowShareLock')) w",
+                    self.regclass_array()
+                ),
+                &[],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?;
+        let n = rows.iter().filter(|r| r.get::<_, bool>(0)).count() as u64;
+        if n > 0 {
+            warn!(migration_id = self.id(), phase = "handover", terminated = n, "idle writers terminated after the grace period");
+        }
+        Ok(n)
+    }
+
+    /// DynaMast-style: stop admitting new transactions on every node, wait for the ones in
+    /// flight, final catch-up, Tm, reopen.
+    async fn handover_wait_remaster(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let timeout_ms = self.config.gate_timeout.as_millis() as i64;
+        let mut closed_at = Vec::new();
+        self.state.gate_closed = true;
+        for node in &self.plan.nodes {
+            let c = self.config.connector.connect(node).await?;
+            let at: String = c
+                .query_one(&format!("SELECT remus.close_gate({id}, {timeout_ms})::text"), &[])
+                .await
+                .map_err(sql(node))?
+                .get(0);
+            closed_at.push((node.clone(), at));
+        }
+        let started = Instant::now();
+        for (node, at) in &closed_at {
+            self.wait_for_older_transactions(node, at, "transactions in flight when the gate closed").await?;
+        }
+        info!(migration_id = id, phase = "handover", drain_ms = started.elapsed().as_millis() as u64, "in-flight transactions finished");
+        let lsn = self.sync_point().await?;
+        self.wait_applied(lsn).await?;
+        let tm = match self.verify().await {
+            Ok(()) => self.tm().await,
+            Err(e) => Err(e),
+        };
+        self.open_gates().await?;
+        tm
+    }
+
+    async fn open_gates(&mut self) -> Result<(), DriverError> {
+        if !self.state.gate_closed {
+            return Ok(());
+        }
+        let id = self.id();
+        for node in &self.plan.nodes {
+            let c = self.config.connector.connect(node).await?;
+            c.batch_execute(&format!("SELECT remus.open_gate({id})")).await.map_err(sql(node))?;
+        }
+        self.state.gate_closed = false;
+        Ok(())
+    }
+
+    /// Waits until no client transaction that started before `before` (a timestamptz in text)
+    /// is running on `node`, reporting what it waits for.
+    async fn wait_for_older_transactions(
+        &self,
+        node: &NodeRecord,
+        before: &str,
+        what: &str,
+    ) -> Result<(), DriverError> {
+        let c = self.config.connector.connect(node).await?;
+        let query = format!(
+            "SELECT count(*), min(pid), min(xact_start)::text FROM pg_stat_activity
+              WHERE backend_type = 'client backend' AND xact_start < {}::timestamptz
+                AND pid <> pg_backend_pid() AND application_name <> 'remus_migration'",
+            quote_literal(before)
+        );
+        let mut reported = false;
+        loop {
+            let row = c.query_one(&query, &[]).await.map_err(sql(node))?;
+            let n: i64 = row.get(0);
+            if n == 0 {
+                break;
+            }
+            if !reported {
+                let pid: Option<i32> = row.get(1);
+                let since: Option<String> = row.get(2);
+                self.reporter
+                    .waiting_on(Some(format!(
+                        "{n} {what} on {} (e.g. pid {}, open since {})",
+                        node.name,
+                        pid.unwrap_or_default(),
+                        since.unwrap_or_default()
+                    )))
+                    .await;
+                reported = true;
+            }
+            if let Some(p) = &self.state.propagator {
+                p.check()?;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if reported {
+            self.reporter.waiting_on(None).await;
+        }
+        Ok(())
+    }
+
+    /// See [`DriverConfig::verify_handover`].
+    async fn verify(&self) -> Result<(), DriverError> {
+        if !self.config.verify_handover {
+            return Ok(());
+        }
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        for t in &self.plan.tables {
+            let q = format!(
+                "SELECT count(*), coalesce(md5(string_agg(h, '' ORDER BY h)), '')
+                   FROM (SELECT md5(x::text) AS h FROM {} x) d",
+                t.qualified()
+            );
+            let (s, d) = tokio::try_join!(source.query_one(&q, &[]), target.query_one(&q, &[]))
+                .map_err(sql(&self.plan.source))?;
+            let s: (i64, String) = (s.get(0), s.get(1));
+            let d: (i64, String) = (d.get(0), d.get(1));
+            if s != d {
+                return Err(DriverError::Other(format!(
+                    "verification failed: {} holds {} rows (digest {}) on {} but {} rows (digest {}) on {}",
+                    t.qualified(), s.0, s.1, self.plan.source.name, d.0, d.1, self.plan.target.name
+                )));
+            }
+            info!(migration_id = self.id(), phase = "handover", table = %t.qualified(), rows = s.0, digest = %s.1, "handover verified");
+        }
+        Ok(())
+    }
+
+    /// Tm: one transaction per node moves the shards in the map, prepared everywhere; the
+    /// decision is the record's move to `cleanup` in etcd; then committed on the target first
+    /// (so any node that sees the new owner finds it already committed there), the other nodes,
+    /// the source last. Read-through covers every node while the map is in flux.
+    async fn tm(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let order = self.tm_order();
+        let ids = join(&self.plan.shard_ids);
+        let target = quote_literal(&self.plan.target.name);
+        let mut sessions = Vec::new();
+        for node in &order {
+            let c = self.config.connector.connect(node).await?;
+            self.state.read_through = true;
+            self.state.tm_prepared = true;
+            c.batch_execute(&format!(
+                "BEGIN;
+                 SELECT remus.begin_read_through();
+                 UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});
+                 PREPARE TRANSACTION {};",
+                quote_literal(&tm_gid(id, &node.name))
+            ))
+            .await
+            .map_err(sql(node))?;
+            sessions.push((node.clone(), c));
+        }
+        // The decision.
+        self.reporter.advance(Phase::Cleanup).await?;
+        self.state.tm_decided = true;
+        for (node, c) in &sessions {
+            c.batch_execute(&format!(
+                "COMMIT PREPARED {}; SELECT remus.bump_map_generation();",
+                quote_literal(&tm_gid(id, &node.name))
+            ))
+            .await
+            .map_err(sql(node))?;
+            let at: String = c.query_one("SELECT clock_timestamp()::text", &[]).await.map_err(sql(node))?.get(0);
+            self.state.tm_committed_at.push((node.clone(), at));
+        }
+        for (node, c) in &sessions {
+            c.batch_execute("SELECT remus.end_read_through()").await.map_err(sql(node))?;
+        }
+        self.state.read_through = false;
+        info!(migration_id = id, phase = "handover", "Tm committed on every node");
+        Ok(())
+    }
+
+    fn tm_order(&self) -> Vec<NodeRecord> {
+        let mut order = vec![self.plan.target.clone()];
+        order.extend(
+            self.plan
+                .nodes
+                .iter()
+                .filter(|n| n.name != self.plan.target.name && n.name != self.plan.source.name)
+                .cloned(),
+        );
+        order.push(self.plan.source.clone());
+        order
+    }
+
+    // ---- cleanup ------------------------------------------------------------------------
+
+    async fn cleanup(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        for (node, at) in self.state.tm_committed_at.clone() {
+            self.wait_for_older_transactions(&node, &at, "transactions older than the handover").await?;
+        }
+        let propagator = self.state.propagator.take().expect("propagator running");
+        self.state.final_txns_applied =
+            propagator.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire);
+        let conn = propagator.stop(true).await?;
+        self.drop_slot(Some(conn)).await?;
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        source
+            .batch_execute(&format!(
+                "DROP TABLE {}; DROP PUBLICATION IF EXISTS {};",
+                self.table_list(),
+                self.publication()
+            ))
+            .await
+            .map_err(sql(&self.plan.source))?;
+        self.state.publication = false;
+        self.drop_origins().await?;
+        let aborted = self.end_registration().await? + self.state.terminated;
+        let replayed = self.txns_replayed();
+        self.reporter
+            .update(move |r| {
+                r.aborted_by_migration = aborted;
+                r.txns_replayed = replayed;
+            })
+            .await?;
+        info!(migration_id = id, phase = "cleanup", aborted, replayed, "source shard removed");
+        Ok(())
+    }
+
+    async fn drop_slot(&mut self, conn: Option<ReplicationConnection>) -> Result<(), DriverError> {
+        let Some(slot) = self.state.slot.clone() else { return Ok(()) };
+        match conn {
+            Some(mut conn) => {
+                tokio::task::spawn_blocking(move || conn.drop_slot(&slot))
+                    .await
+                    .map_err(|e| DriverError::Other(format!("drop slot thread: {e}")))??;
+            }
+            None => {
+                let source = self.config.connector.connect(&self.plan.source).await?;
+                source
+                    .execute(
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+                        &[&slot],
+                    )
+                    .await
+                    .map_err(sql(&self.plan.source))?;
+            }
+        }
+        self.state.slot = None;
+        Ok(())
+    }
+
+    async fn drop_origins(&self) -> Result<(), DriverError> {
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        target
+            .execute(
+                "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE $1",
+                &[&format!(r"remus\_m{}\_%", self.id())],
+            )
+            .await
+            .map_err(sql(&self.plan.target))?;
+        Ok(())
+    }
+
+    /// Ends the registration on every node; returns the transactions the nodes counted as
+    /// aborted by the migration.
+    async fn end_registration(&mut self) -> Result<u64, DriverError> {
+        if !self.state.registered {
+            return Ok(0);
+        }
+        let rows = self.on_every_node(&format!("SELECT remus.migration_end({})", self.id())).await?;
+        self.state.registered = false;
+        Ok(rows.iter().map(|r| r.get::<_, i64>(0).max(0) as u64).sum())
+    }
+
+    // ---- rollback -----------------------------------------------------------------------
+
+    /// Undoes everything a migration that failed before the Tm decision built: the source keeps
+    /// (and never lost) the shards.
+    async fn rollback(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        info!(migration_id = id, "rolling back");
+        let mut first_error: Option<DriverError> = None;
+        let mut note = |r: Result<(), DriverError>| {
+            if let Err(e) = r {
+                warn!(migration_id = id, error = %describe(&e), "rollback step failed");
+                first_error.get_or_insert(e);
+            }
+        };
+        if self.state.tm_prepared {
+            for node in self.plan.nodes.clone() {
+                let gid = tm_gid(id, &node.name);
+                let r = async {
+                    let c = self.config.connector.connect(&node).await?;
+                    let exists = !c
+                        .query("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
+                        .await
+                        .map_err(sql(&node))?
+                        .is_empty();
+                    if exists {
+                        c.batch_execute(&format!("ROLLBACK PREPARED {}", quote_literal(&gid)))
+                            .await
+                            .map_err(sql(&node))?;
+                    }
+                    Ok(())
+                }
+                .await;
+                note(r);
+            }
+        }
+        if self.state.read_through {
+            note(self.on_every_node("SELECT remus.end_read_through()").await.map(|_| ()));
+            self.state.read_through = false;
+        }
+        note(self.open_gates().await);
+        let conn = match self.state.propagator.take() {
+            Some(p) => p.stop(false).await.ok(),
+            None => self.take_repl(),
+        };
+        note(self.drop_slot(conn).await);
+        if self.state.publication {
+            let r = async {
+                let c = self.config.connector.connect(&self.plan.source).await?;
+                c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {}", self.publication()))
+                    .await
+                    .map_err(sql(&self.plan.source))
+            }
+            .await;
+            note(r);
+        }
+        if self.state.target_tables {
+            let r = async {
+                let c = self.config.connector.connect(&self.plan.target).await?;
+                let drops: String = self
+                    .plan
+                    .tables
+                    .iter()
+                    .map(|t| format!("DROP TABLE IF EXISTS {};", t.qualified()))
+                    .collect();
+                c.batch_execute(&drops).await.map_err(sql(&self.plan.target))
+            }
+            .await;
+            note(r);
+        }
+        note(self.drop_origins().await);
+        note(self.end_registration().await.map(|_| ()));
+        match first_error {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+fn tm_gid(id: u64, node: &str) -> String {
+    format!("remus_tm:{id}:{node}")
+}
+
+fn join(ids: &[i64]) -> String {
+    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}

@@ -1,0 +1,259 @@
+//! The source side of a running migration: streams the slot's pgoutput, assembles whole committed
+//! transactions and ships them to the replay worker over gRPC; feeds the replay worker's applied
+//! position back to the slot, so `confirmed_flush_lsn` means "committed on the target".
+//!
+//! The replication client is blocking libpq, so the stream is read on a dedicated OS thread; it
+//! talks to the async side through a bounded channel (back-pressure: a slow target slows the
+//! reading, it does not grow memory) and two atomics.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use remus_proto::v1::replay_worker_client::ReplayWorkerClient;
+use remus_proto::v1::{apply_request, ApplyFinish, ApplyRequest, ApplyStart};
+use thiserror::Error;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tracing::{info, warn};
+use wal_propagator::{
+    Assembled, AssembleError, AssemblerConfig, DecodeError, Lsn, PgOutputMessage,
+    ReplicationConnection, ReplicationError, ReplicationMessage, TxnAssembler,
+};
+
+#[derive(Debug, Error)]
+pub enum PropagatorError {
+    #[error("replication stream: {0}")]
+    Replication(#[from] ReplicationError),
+    #[error("decoding pgoutput: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("assembling transactions: {0}")]
+    Assemble(#[from] AssembleError),
+    #[error("replay worker at {endpoint}: {detail}")]
+    Replay { endpoint: String, detail: String },
+    #[error("propagator thread panicked")]
+    Panicked,
+}
+
+/// Progress shared between the stream thread, the replay acknowledgements and the driver.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Every source transaction ending at or before this LSN is committed on the target.
+    pub applied_lsn: AtomicU64,
+    pub txns_applied: AtomicU64,
+    pub txns_shipped: AtomicU64,
+    stop: AtomicBool,
+    /// Set when the replay call ended with an error; the driver reads it.
+    pub failed: std::sync::Mutex<Option<String>>,
+}
+
+impl Progress {
+    pub fn applied(&self) -> Lsn {
+        Lsn(self.applied_lsn.load(Ordering::Acquire))
+    }
+
+    pub fn failure(&self) -> Option<String> {
+        self.failed.lock().map(|f| f.clone()).unwrap_or(None)
+    }
+}
+
+/// A propagator running for one migration.
+pub struct Propagator {
+    pub progress: Arc<Progress>,
+    requests: mpsc::Sender<ApplyRequest>,
+    stream_thread: Option<JoinHandle<Result<ReplicationConnection, PropagatorError>>>,
+    acks: Option<tokio::task::JoinHandle<()>>,
+    endpoint: String,
+}
+
+impl Propagator {
+    /// Opens the Apply call on the replay worker and starts streaming `slot` from `start`.
+    pub async fn start(
+        migration_id: u64,
+        replay_endpoint: &str,
+        destination_conninfo: String,
+        conn: ReplicationConnection,
+        slot: String,
+        publication: String,
+        start: Lsn,
+        parallelism: u32,
+    ) -> Result<Self, PropagatorError> {
+        let replay_err = |detail: String| PropagatorError::Replay {
+            endpoint: replay_endpoint.to_string(),
+            detail,
+        };
+        let mut client = ReplayWorkerClient::connect(replay_endpoint.to_string())
+            .await
+            .map_err(|e| replay_err(e.to_string()))?
+            .max_decoding_message_size(256 * 1024 * 1024)
+            .max_encoding_message_size(256 * 1024 * 1024);
+        let (tx, rx) = mpsc::channel::<ApplyRequest>(256);
+        tx.send(ApplyRequest {
+            msg: Some(apply_request::Msg::Start(ApplyStart {
+                migration_id,
+                destination_conninfo,
+                parallelism,
+                start_lsn: start.0,
+            })),
+        })
+        .await
+        .map_err(|_| replay_err("request channel closed".into()))?;
+        let mut acks = client
+            .apply(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map_err(|s| replay_err(s.message().to_string()))?
+            .into_inner();
+        let progress = Arc::new(Progress::default());
+        progress.applied_lsn.store(start.0, Ordering::Release);
+
+        let p = progress.clone();
+        let ack_task = tokio::spawn(async move {
+            loop {
+                match acks.next().await {
+                    Some(Ok(a)) => {
+                        p.applied_lsn.fetch_max(a.applied_lsn, Ordering::AcqRel);
+                        p.txns_applied.store(a.txns_applied, Ordering::Release);
+                    }
+                    Some(Err(status)) => {
+                        if let Ok(mut f) = p.failed.lock() {
+                            *f = Some(status.message().to_string());
+                        }
+                        break;
+                    }
+                    None => break,
+                }
+            }
+        });
+
+        let p = progress.clone();
+        let thread_tx = tx.clone();
+        let stream_thread = std::thread::Builder::new()
+            .name(format!("propagator-m{migration_id}"))
+            .spawn(move || stream_loop(migration_id, conn, &slot, &publication, start, thread_tx, &p))
+            .expect("spawning a thread");
+        Ok(Self {
+            progress,
+            requests: tx,
+            stream_thread: Some(stream_thread),
+            acks: Some(ack_task),
+            endpoint: replay_endpoint.to_string(),
+        })
+    }
+
+    /// Waits until the target has applied everything up to `lsn`, failing early if the stream
+    /// thread or the replay call fails.
+    pub async fn wait_applied(&self, lsn: Lsn) -> Result<(), PropagatorError> {
+        loop {
+            if self.progress.applied() >= lsn {
+                return Ok(());
+            }
+            self.check()?;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// An error if the replay call or the stream thread has ended.
+    pub fn check(&self) -> Result<(), PropagatorError> {
+        if let Some(f) = self.progress.failure() {
+            return Err(PropagatorError::Replay { endpoint: self.endpoint.clone(), detail: f });
+        }
+        if self.stream_thread.as_ref().is_some_and(|t| t.is_finished()) {
+            return Err(PropagatorError::Replay {
+                endpoint: self.endpoint.clone(),
+                detail: "the replication stream ended early".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Stops streaming and returns the replication connection (for dropping the slot). With
+    /// `finish`, the replay worker is told to finish cleanly (it drops its replication origins)
+    /// and this waits for it; otherwise the call is abandoned.
+    pub async fn stop(mut self, finish: bool) -> Result<ReplicationConnection, PropagatorError> {
+        self.progress.stop.store(true, Ordering::Release);
+        let thread = self.stream_thread.take().expect("stopped once");
+        let conn = tokio::task::spawn_blocking(move || thread.join())
+            .await
+            .map_err(|_| PropagatorError::Panicked)?
+            .map_err(|_| PropagatorError::Panicked)?;
+        if finish {
+            let _ = self
+                .requests
+                .send(ApplyRequest { msg: Some(apply_request::Msg::Finish(ApplyFinish {})) })
+                .await;
+        }
+        drop(self.requests);
+        if let Some(acks) = self.acks.take() {
+            if finish {
+                let _ = acks.await;
+            } else {
+                acks.abort();
+            }
+        }
+        if finish {
+            if let Some(f) = self.progress.failure() {
+                return Err(PropagatorError::Replay { endpoint: self.endpoint, detail: f });
+            }
+        }
+        conn
+    }
+}
+
+fn stream_loop(
+    migration_id: u64,
+    conn: ReplicationConnection,
+    slot: &str,
+    publication: &str,
+    start: Lsn,
+    tx: mpsc::Sender<ApplyRequest>,
+    progress: &Progress,
+) -> Result<ReplicationConnection, PropagatorError> {
+    let mut stream = conn.start_streaming(slot, start, publication)?;
+    info!(migration_id, phase = "catchup", slot, %start, "streaming started");
+    let mut assembler = TxnAssembler::new(AssemblerConfig::default());
+    let mut confirmed = start;
+    let result = (|| -> Result<(), PropagatorError> {
+        while !progress.stop.load(Ordering::Acquire) {
+            let applied = progress.applied();
+            if applied > confirmed {
+                stream.send_feedback(applied, applied, applied)?;
+                confirmed = applied;
+            }
+            match stream.recv(Duration::from_millis(50))? {
+                None => {}
+                Some(ReplicationMessage::XLogData(x)) => {
+                    let msg = PgOutputMessage::decode(x.data)?;
+                    if let Some(Assembled::Txn(txn)) = assembler.push(msg)? {
+                        let shadow = wal_propagator::ship::shadow_txn(&txn);
+                        progress.txns_shipped.fetch_add(1, Ordering::AcqRel);
+                        if tx
+                            .blocking_send(ApplyRequest { msg: Some(apply_request::Msg::Txn(shadow)) })
+                            .is_err()
+                        {
+                            return Err(PropagatorError::Replay {
+                                endpoint: String::new(),
+                                detail: "the replay call ended".into(),
+                            });
+                        }
+                    }
+                }
+                Some(ReplicationMessage::PrimaryKeepalive(k)) => {
+                    // Between transactions everything up to the server's position has been
+                    // sent: the target may report it applied once it has applied what we sent.
+                    if !assembler.in_transaction() {
+                        let _ = tx.blocking_send(ApplyRequest {
+                            msg: Some(apply_request::Msg::IdleLsn(k.wal_end.0)),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = &result {
+        warn!(migration_id, phase = "catchup", error = %e, "propagator stopped on error");
+    }
+    let conn = stream.stop()?;
+    result.map(|_| conn)
+}
