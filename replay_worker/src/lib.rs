@@ -1,4 +1,4 @@
-//! Scheduling core of the destination-side replay worker.
+//! The destination-side replay worker of a Remus shard migration.
 //!
 //! Remus moves a shard by streaming the source's committed transactions to the destination and
 //! applying each as one shadow transaction. Applying them one at a time cannot keep up with a
@@ -11,12 +11,21 @@
 //! Both are driven by the same caller in the same order: every transaction is submitted to the
 //! scheduler and registered with the watermark, and every committed shadow transaction is
 //! completed in both.
+//!
+//! On top of that core, [`apply`] runs the shadow transactions against the destination over
+//! parallel sessions with replication origins ([`ShadowApplier`]), and [`service`] exposes one
+//! applier per migration as the `ReplayWorker.Apply` gRPC call ([`serve`] starts it in-process;
+//! the `remus-replay-worker` binary is the standalone server).
 
+pub mod apply;
 pub mod progress;
 pub mod scheduler;
+pub mod service;
 
+pub use apply::{origin_name, ApplyConfig, ApplyError, ShadowApplier, DEFAULT_PARALLELISM};
 pub use progress::{AppliedLsnWatcher, AppliedWatermark, WatermarkClosed, WatermarkError};
 pub use scheduler::{CompleteError, DependencyScheduler, RowKey, SubmitError, TxnSpec};
+pub use service::{serve, ReplayWorkerService};
 
 #[cfg(test)]
 mod simulation {

@@ -1,0 +1,226 @@
+//! The `ReplayWorker` gRPC service: one `Apply` call per migration drives one [`ShadowApplier`].
+//!
+//! The call is the migration's lifetime on the destination. Its request stream carries `start`,
+//! then the source transactions in commit order, keepalive `idle_lsn`s and finally `finish`; the
+//! response stream carries the applied position, coalesced (at most one message per progress
+//! interval, and only when something changed), so the coordinator can confirm the slot and run
+//! the sync barrier without a message per transaction.
+//!
+//! How a call ends decides what happens to the migration's replication origins:
+//! - `finish`: everything is applied, the final progress is sent, the sessions are detached
+//!   from their origins and the origins are dropped; the stream then ends with OK.
+//! - apply error: the call ends with a Status carrying the error (divergence is
+//!   FAILED_PRECONDITION); the sessions are closed and the origins are left.
+//! - client disconnect (request stream closed without `finish`, or the response dropped):
+//!   running transactions are cancelled, the sessions are reset and closed, and the origins are
+//!   left. The coordinator drops `remus_m<id>_%` origins when it rolls the migration back.
+//!
+//! Every log line of a call carries its `migration_id` (through the call's tracing span).
+
+use std::future::Future;
+use std::time::Duration;
+
+use remus_proto::v1::replay_worker_server::{ReplayWorker, ReplayWorkerServer};
+use remus_proto::v1::{apply_request, ApplyProgress, ApplyRequest};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::{info, info_span, warn, Instrument};
+
+use crate::apply::{format_lsn, ApplyConfig, ApplyError, ShadowApplier};
+
+/// Default minimum spacing of progress messages.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
+
+/// gRPC status for an apply error.
+pub fn status_of(e: &ApplyError) -> Status {
+    let code = match e {
+        ApplyError::Connect { .. } => Code::Unavailable,
+        ApplyError::Setup { .. } | ApplyError::Divergence { .. } => Code::FailedPrecondition,
+        ApplyError::Malformed { .. } | ApplyError::Order(_) => Code::InvalidArgument,
+        ApplyError::Failed(_) => Code::Aborted,
+        ApplyError::Statement { .. } | ApplyError::SessionLost(_) | ApplyError::Teardown(_) => {
+            Code::Internal
+        }
+    };
+    Status::new(code, e.to_string())
+}
+
+/// Implementation of the `ReplayWorker` service.
+#[derive(Debug, Clone)]
+pub struct ReplayWorkerService {
+    progress_interval: Duration,
+}
+
+impl Default for ReplayWorkerService {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ReplayWorkerService {
+    pub fn new() -> Self {
+        Self {
+            progress_interval: PROGRESS_INTERVAL,
+        }
+    }
+
+    /// Minimum spacing of progress messages (default [`PROGRESS_INTERVAL`]).
+    pub fn with_progress_interval(mut self, interval: Duration) -> Self {
+        self.progress_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    pub fn into_server(self) -> ReplayWorkerServer<Self> {
+        ReplayWorkerServer::new(self)
+    }
+}
+
+/// Serves the `ReplayWorker` service on `listener` until `shutdown` resolves. In-process use
+/// (tests, a node agent): bind a [`TcpListener`], spawn this, connect a
+/// `ReplayWorkerClient` to the listener's address.
+pub async fn serve(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(ReplayWorkerService::new().into_server())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+}
+
+fn describe(msg: &apply_request::Msg) -> &'static str {
+    match msg {
+        apply_request::Msg::Start(_) => "start",
+        apply_request::Msg::Txn(_) => "txn",
+        apply_request::Msg::IdleLsn(_) => "idle_lsn",
+        apply_request::Msg::Finish(_) => "finish",
+    }
+}
+
+#[tonic::async_trait]
+impl ReplayWorker for ReplayWorkerService {
+    type ApplyStream = ReceiverStream<Result<ApplyProgress, Status>>;
+
+    async fn apply(
+        &self,
+        request: Request<Streaming<ApplyRequest>>,
+    ) -> Result<Response<Self::ApplyStream>, Status> {
+        let mut inbound = request.into_inner();
+        let start = match inbound.message().await?.and_then(|r| r.msg) {
+            Some(apply_request::Msg::Start(start)) => start,
+            Some(other) => {
+                return Err(Status::invalid_argument(format!(
+                    "the first ApplyRequest must be start, got {}",
+                    describe(&other)
+                )))
+            }
+            None => {
+                return Err(Status::invalid_argument(
+                    "the request stream ended before start",
+                ))
+            }
+        };
+        if start.destination_conninfo.trim().is_empty() {
+            return Err(Status::invalid_argument(
+                "start.destination_conninfo is empty",
+            ));
+        }
+        let cfg = ApplyConfig::from_start(&start);
+        let span = info_span!("apply", migration_id = cfg.migration_id);
+        info!(parent: &span, parallelism = cfg.parallelism, start_lsn = %format_lsn(cfg.start_lsn), "apply call started");
+        let applier = ShadowApplier::connect(cfg)
+            .instrument(span.clone())
+            .await
+            .map_err(|e| {
+                warn!(parent: &span, error = %e, "apply sessions could not be set up");
+                status_of(&e)
+            })?;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(run(applier, inbound, tx, self.progress_interval).instrument(span));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+enum End {
+    Finish,
+    Failed(Status),
+    Disconnected(String),
+}
+
+async fn run(
+    mut applier: ShadowApplier,
+    mut inbound: Streaming<ApplyRequest>,
+    tx: mpsc::Sender<Result<ApplyProgress, Status>>,
+    progress_interval: Duration,
+) {
+    let mut tick = tokio::time::interval(progress_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sent = applier.progress();
+    let end = loop {
+        tokio::select! {
+            msg = inbound.message() => match msg {
+                Ok(Some(ApplyRequest { msg: Some(msg) })) => match msg {
+                    apply_request::Msg::Txn(txn) => {
+                        if let Err(e) = applier.submit(txn).await {
+                            break End::Failed(status_of(&e));
+                        }
+                    }
+                    apply_request::Msg::IdleLsn(lsn) => {
+                        applier.idle(lsn);
+                    }
+                    apply_request::Msg::Finish(_) => break End::Finish,
+                    apply_request::Msg::Start(_) => {
+                        break End::Failed(Status::invalid_argument("start sent twice"))
+                    }
+                },
+                Ok(Some(ApplyRequest { msg: None })) => {
+                    break End::Failed(Status::invalid_argument("empty ApplyRequest"))
+                }
+                Ok(None) => break End::Disconnected("request stream closed without finish".into()),
+                Err(status) => break End::Disconnected(format!("request stream failed: {status}")),
+            },
+            completion = applier.next_completion() => {
+                if let Err(e) = completion {
+                    break End::Failed(status_of(&e));
+                }
+            }
+            _ = tick.tick() => {
+                let now = applier.progress();
+                if now != sent {
+                    if tx.send(Ok(now)).await.is_err() {
+                        break End::Disconnected("response stream dropped".into());
+                    }
+                    sent = now;
+                }
+            }
+            _ = tx.closed() => break End::Disconnected("response stream dropped".into()),
+        }
+    };
+    match end {
+        End::Finish => match applier.finish().await {
+            Ok(progress) => {
+                let _ = tx.send(Ok(progress)).await;
+                info!(
+                    applied_lsn = %format_lsn(progress.applied_lsn),
+                    txns_applied = progress.txns_applied,
+                    "apply call finished"
+                );
+            }
+            Err(e) => {
+                warn!(error = %e, "finishing the apply call failed");
+                let _ = tx.send(Err(status_of(&e))).await;
+            }
+        },
+        End::Failed(status) => {
+            warn!(error = %status.message(), "apply call failed");
+            applier.abort().await;
+            let _ = tx.send(Err(status)).await;
+        }
+        End::Disconnected(why) => {
+            warn!(why = %why, "client went away; stopping, origins left in place");
+            applier.abort().await;
+        }
+    }
+}
