@@ -271,8 +271,14 @@ fn key_condition(values: &[(&str, &Value)]) -> (String, String) {
     (cond, shown)
 }
 
+/// Wraps a statement so that it fails with `division_by_zero` unless it touched exactly one row.
 fn guard(dml: &str) -> String {
-    format!("WITH w AS ({dml} RETURNING 1) SELECT 1/(count(*) = 1)::int FROM w")
+    let returning = if dml.starts_with("SELECT") {
+        ""
+    } else {
+        " RETURNING 1"
+    };
+    format!("WITH w AS ({dml}{returning}) SELECT 1/(count(*) = 1)::int FROM w")
 }
 
 type Row<'a> = Vec<(&'a str, &'a Value)>;
@@ -321,7 +327,10 @@ fn key_values<'a>(
     if key.is_empty() {
         return Err(malformed(format!("{table} has no key columns")));
     }
-    if key.iter().any(|(_, v)| matches!(v, Value::UnchangedToast(_))) {
+    if key
+        .iter()
+        .any(|(_, v)| matches!(v, Value::UnchangedToast(_)))
+    {
         return Err(malformed(format!(
             "{table}: {what} key has an unchanged TOAST value"
         )));
@@ -386,7 +395,10 @@ fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
     let (op, sql, shown_key, keys) = match kind {
         row_change::Kind::Insert => {
             let new = row(&c.new_values, "new row")?;
-            if new.iter().any(|(_, v)| matches!(v, Value::UnchangedToast(_))) {
+            if new
+                .iter()
+                .any(|(_, v)| matches!(v, Value::UnchangedToast(_)))
+            {
                 return Err(malformed(format!(
                     "{table}: INSERT with an unchanged TOAST value"
                 )));
@@ -415,16 +427,28 @@ fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
                 Some(old) => key_of(old, "old")?,
                 None => new_key.clone(),
             };
+            let old_encoded = encode_key(&old_key);
+            let new_encoded = encode_key(&new_key);
+            // An unchanged key is not SET: a GENERATED ALWAYS identity key refuses any value.
+            let key_changed = old_encoded != new_encoded;
             let set: Vec<String> = new
                 .iter()
-                .filter(|(_, v)| !matches!(v, Value::UnchangedToast(_)))
-                .map(|(c, v)| format!("{} = {}", quote_ident(c), sql_value(v)))
+                .zip(&c.key)
+                .filter(|((_, v), is_key)| {
+                    !matches!(v, Value::UnchangedToast(_)) && (key_changed || !**is_key)
+                })
+                .map(|((c, v), _)| format!("{} = {}", quote_ident(c), sql_value(v)))
                 .collect();
             let (cond, shown) = key_condition(&old_key);
-            let sql = format!("UPDATE {table} SET {} WHERE {cond}", set.join(", "));
-            let mut keys = vec![RowKey::new(relid, encode_key(&old_key))];
-            let new_encoded = encode_key(&new_key);
-            if new_encoded != keys[0].pk {
+            let sql = if set.is_empty() {
+                // Nothing to write (only unchanged TOAST values besides the key): the row must
+                // still exist.
+                format!("SELECT 1 FROM {table} WHERE {cond} FOR UPDATE")
+            } else {
+                format!("UPDATE {table} SET {} WHERE {cond}", set.join(", "))
+            };
+            let mut keys = vec![RowKey::new(relid, old_encoded)];
+            if key_changed {
                 keys.push(RowKey::new(relid, new_encoded));
             }
             ("UPDATE", sql, shown, keys)
@@ -434,7 +458,12 @@ fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
             let key = key_of(&old, "old")?;
             let (cond, shown) = key_condition(&key);
             let sql = format!("DELETE FROM {table} WHERE {cond}");
-            ("DELETE", sql, shown, vec![RowKey::new(relid, encode_key(&key))])
+            (
+                "DELETE",
+                sql,
+                shown,
+                vec![RowKey::new(relid, encode_key(&key))],
+            )
         }
         row_change::Kind::Truncate => unreachable!("handled above"),
     };
@@ -548,7 +577,10 @@ impl Session {
         let result: Result<(), tokio_postgres::Error> = async {
             let stream = self.client.simple_query_raw(&p.sql).await?;
             let mut stream = std::pin::pin!(stream);
-            while let Some(msg) = tokio_stream::StreamExt::next(&mut stream).await.transpose()? {
+            while let Some(msg) = tokio_stream::StreamExt::next(&mut stream)
+                .await
+                .transpose()?
+            {
                 match msg {
                     SimpleQueryMessage::CommandComplete(rows) => completes.push(rows),
                     SimpleQueryMessage::Row(row) => {
@@ -572,8 +604,7 @@ impl Session {
                 // The guards make a wrong row count fail on the server, before COMMIT; this only
                 // catches a server that answered something else than what was sent.
                 let counts_ok = completes.len() == n + 3
-                    && p
-                        .stmts
+                    && p.stmts
                         .iter()
                         .zip(&completes[1..=n])
                         .all(|(s, &rows)| !s.guarded || rows == 1);
@@ -901,7 +932,11 @@ impl ShadowApplier {
             .idle_sessions
             .first()
             .ok_or_else(|| ApplyError::Teardown("no apply session left".into()))?;
-        first.client.batch_execute(&drop_sql).await.map_err(teardown)?;
+        first
+            .client
+            .batch_execute(&drop_sql)
+            .await
+            .map_err(teardown)?;
         let progress = self.progress();
         info!(
             migration_id = self.cfg.migration_id,
@@ -987,7 +1022,14 @@ mod tests {
         assert_eq!(format_lsn(0x1_0000_0010), "1/10");
         assert!(is_quoted_qualified_name("\"a\".\"b\"\"c\""));
         assert!(is_quoted_qualified_name("\"t\""));
-        for bad in ["a.b", "\"a\".b", "\"a\"; DROP", "\"a\".\"b\".\"c\"", "\"\"", "\"a"] {
+        for bad in [
+            "a.b",
+            "\"a\".b",
+            "\"a\"; DROP",
+            "\"a\".\"b\".\"c\"",
+            "\"\"",
+            "\"a",
+        ] {
             assert!(!is_quoted_qualified_name(bad), "{bad}");
         }
     }
@@ -1010,7 +1052,9 @@ mod tests {
              VALUES ('1', 'o''k') RETURNING 1) SELECT 1/(count(*) = 1)::int FROM w;"
         );
         assert!(
-            lines[2].contains("UPDATE \"s\".\"t\"\"x\" SET \"id\" = '1' WHERE \"id\" = '1' RETURNING"),
+            lines[2].contains(
+                "WITH w AS (SELECT 1 FROM \"s\".\"t\"\"x\" WHERE \"id\" = '1' FOR UPDATE) SELECT"
+            ),
             "{}",
             lines[2]
         );
@@ -1054,7 +1098,10 @@ mod tests {
         ];
         for c in cases {
             assert!(
-                matches!(prepare(&txn(vec![c.clone()])), Err(ApplyError::Malformed { .. })),
+                matches!(
+                    prepare(&txn(vec![c.clone()])),
+                    Err(ApplyError::Malformed { .. })
+                ),
                 "{c:?}"
             );
         }

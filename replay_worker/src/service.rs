@@ -3,7 +3,7 @@
 //! The call is the migration's lifetime on the destination. Its request stream carries `start`,
 //! then the source transactions in commit order, keepalive `idle_lsn`s and finally `finish`; the
 //! response stream carries the applied position, coalesced (at most one message per progress
-//! interval, and only when something changed), so the coordinator can confirm the slot and run
+//! interval, and only when the applied position moved; the final one is always sent), so the coordinator can confirm the slot and run
 //! the sync barrier without a message per transaction.
 //!
 //! How a call ends decides what happens to the migration's replication origins:
@@ -188,7 +188,7 @@ async fn run(
             }
             _ = tick.tick() => {
                 let now = applier.progress();
-                if now != sent {
+                if now.applied_lsn != sent.applied_lsn {
                     if tx.send(Ok(now)).await.is_err() {
                         break End::Disconnected("response stream dropped".into());
                     }

@@ -1,0 +1,926 @@
+//! Against real PostgreSQL 15 servers that each test starts itself (initdb into a temporary
+//! directory as the `postgres` OS user, trust authentication, 127.0.0.1 only, ports
+//! 30001-30199), stopped with `pg_ctl stop -m immediate` when the test ends.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener as StdListener;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use remus_proto::v1::replay_worker_client::ReplayWorkerClient;
+use remus_proto::v1::{
+    apply_request, column_value, row_change, ApplyFinish, ApplyProgress, ApplyRequest, ApplyStart,
+    ColumnValue, RowChange, ShadowTxn,
+};
+use replay_worker::{ApplyConfig, ApplyError, ShadowApplier};
+use tokio_postgres::NoTls;
+
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+
+fn is_root() -> bool {
+    let out = Command::new("id").arg("-u").output().expect("run id -u");
+    String::from_utf8_lossy(&out.stdout).trim() == "0"
+}
+
+/// A command run as the `postgres` OS user (initdb and pg_ctl refuse to run as root).
+fn as_postgres(program: &Path) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(mut cmd: Command, what: &str) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Ports in 30001-30199 that are free right now, never the same one twice per process.
+fn free_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let offset = (std::process::id() % 199) as u16;
+    for _ in 0..199 {
+        let k = NEXT.fetch_add(1, Ordering::SeqCst);
+        let port = 30001 + (offset + k) % 199;
+        if StdListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 30001-30199");
+}
+
+struct PgServer {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl PgServer {
+    fn start() -> PgServer {
+        let dir = tempfile::Builder::new()
+            .prefix("replay-pg-")
+            .tempdir_in("/tmp")
+            .expect("temporary directory");
+        if is_root() {
+            let mut chown = Command::new("chown");
+            chown.arg("postgres:postgres").arg(dir.path());
+            run(chown, "chown");
+        }
+        let data = dir.path().join("data");
+        let mut initdb = as_postgres(&Path::new(PG_BIN).join("initdb"));
+        initdb.arg("-D").arg(&data).args([
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        ]);
+        run(initdb, "initdb");
+        let mut last_err = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let opts = format!(
+                "-p {port} -c wal_level=logical -c listen_addresses=127.0.0.1 \
+                 -c unix_socket_directories={} -c fsync=off -c max_wal_senders=8 \
+                 -c max_replication_slots=16 -c max_connections=40 -c shared_buffers=16MB \
+                 -c track_commit_timestamp=on",
+                dir.path().display()
+            );
+            let out = as_postgres(&Path::new(PG_BIN).join("pg_ctl"))
+                .arg("-D")
+                .arg(&data)
+                .arg("-l")
+                .arg(dir.path().join("server.log"))
+                .args(["-o", &opts, "-w", "-t", "60", "start"])
+                .output()
+                .expect("pg_ctl start");
+            if out.status.success() {
+                return PgServer { dir, port };
+            }
+            last_err = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default();
+        panic!("could not start PostgreSQL: {last_err}\n{log}");
+    }
+
+    fn conninfo_db(&self, db: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname={db}",
+            self.port
+        )
+    }
+
+    fn conninfo(&self) -> String {
+        self.conninfo_db("postgres")
+    }
+
+    async fn client_db(&self, db: &str) -> tokio_postgres::Client {
+        let (client, conn) = tokio_postgres::connect(&self.conninfo_db(db), NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client
+    }
+
+    async fn client(&self) -> tokio_postgres::Client {
+        self.client_db("postgres").await
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = as_postgres(&Path::new(PG_BIN).join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// First column of the first row, as text ("" for NULL or no row).
+async fn query_one(c: &tokio_postgres::Client, sql: &str) -> String {
+    for m in c
+        .simple_query(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e:?}"))
+    {
+        if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+            return r.get(0).unwrap_or("").to_string();
+        }
+    }
+    String::new()
+}
+
+// ---- ShadowTxn builders ---------------------------------------------------------------------
+
+fn text(s: impl ToString) -> ColumnValue {
+    ColumnValue {
+        value: Some(column_value::Value::Text(s.to_string())),
+    }
+}
+fn null() -> ColumnValue {
+    ColumnValue {
+        value: Some(column_value::Value::Null(true)),
+    }
+}
+fn toast() -> ColumnValue {
+    ColumnValue {
+        value: Some(column_value::Value::UnchangedToast(true)),
+    }
+}
+
+fn rc(kind: row_change::Kind, table: &str, cols: &[&str]) -> RowChange {
+    RowChange {
+        kind: kind as i32,
+        schema: "public".into(),
+        table: table.into(),
+        columns: cols.iter().map(|c| c.to_string()).collect(),
+        key: cols.iter().enumerate().map(|(i, _)| i == 0).collect(),
+        ..RowChange::default()
+    }
+}
+
+/// Tables of the workloads: `(id int primary key, v text)`.
+fn ins(table: &str, id: i64, v: &str) -> RowChange {
+    RowChange {
+        new_values: vec![text(id), text(v)],
+        ..rc(row_change::Kind::Insert, table, &["id", "v"])
+    }
+}
+fn upd(table: &str, old_id: i64, new_id: i64, v: &str) -> RowChange {
+    RowChange {
+        old_values: if old_id == new_id {
+            vec![]
+        } else {
+            vec![text(old_id), null()]
+        },
+        new_values: vec![text(new_id), text(v)],
+        ..rc(row_change::Kind::Update, table, &["id", "v"])
+    }
+}
+fn del(table: &str, id: i64) -> RowChange {
+    RowChange {
+        old_values: vec![text(id), null()],
+        ..rc(row_change::Kind::Delete, table, &["id", "v"])
+    }
+}
+fn truncate(tables: &[&str]) -> RowChange {
+    RowChange {
+        kind: row_change::Kind::Truncate as i32,
+        truncate_tables: tables
+            .iter()
+            .map(|t| format!("\"public\".\"{t}\""))
+            .collect(),
+        ..RowChange::default()
+    }
+}
+
+const START_LSN: u64 = 0x100_0000;
+
+/// The `i`-th transaction (from 0) of a test stream.
+fn stxn(i: u64, changes: Vec<RowChange>) -> ShadowTxn {
+    let commit_lsn = START_LSN + (i + 1) * 0x100;
+    ShadowTxn {
+        xid: 1000 + i as u32,
+        commit_lsn,
+        end_lsn: commit_lsn + 0x30,
+        commit_time_us: 700_000_000_000_000 + i as i64 * 1_000,
+        changes,
+    }
+}
+
+fn cfg(dst: &PgServer, db: &str, migration_id: u64, parallelism: usize) -> ApplyConfig {
+    ApplyConfig {
+        migration_id,
+        destination_conninfo: dst.conninfo_db(db),
+        parallelism,
+        start_lsn: START_LSN,
+    }
+}
+
+async fn table_dump(c: &tokio_postgres::Client, table: &str) -> String {
+    query_one(
+        c,
+        &format!("SELECT coalesce(string_agg(id || ':' || coalesce(v, 'NULL'), ',' ORDER BY id), '') FROM {table}"),
+    )
+    .await
+}
+
+async fn origin_names(c: &tokio_postgres::Client) -> String {
+    query_one(
+        c,
+        "SELECT coalesce(string_agg(roname, ',' ORDER BY roname), '') FROM pg_replication_origin",
+    )
+    .await
+}
+
+// ---- (a) commit timestamp and origin ---------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_rows_carry_the_source_commit_time_and_origin() {
+    let dst = PgServer::start();
+    let c = dst.client().await;
+    c.batch_execute(
+        "CREATE TABLE typed(id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, n numeric,
+                            ts timestamptz, j jsonb, b bool, big text, arr int[])",
+    )
+    .await
+    .unwrap();
+
+    let cols = ["id", "n", "ts", "j", "b", "big", "arr"];
+    let insert = RowChange {
+        new_values: vec![
+            text(1),
+            text("12345.678901234567890"),
+            text("2021-03-04 05:06:07.123456+00"),
+            text(r#"{"quote": "it's", "backslash": "a\\b"}"#),
+            text("t"),
+            text("it's a \\ backslash and a \"quote\""),
+            text("{1,2,3}"),
+        ],
+        ..rc(row_change::Kind::Insert, "typed", &cols)
+    };
+    let update = RowChange {
+        new_values: vec![
+            text(1),
+            null(),
+            text("2021-03-04 05:06:07.123456+00"),
+            text("[]"),
+            text("f"),
+            toast(),
+            text("{}"),
+        ],
+        ..rc(row_change::Kind::Update, "typed", &cols)
+    };
+    // 2023-11-14 22:13:20.123456 UTC in microseconds since 2000-01-01.
+    let commit_time_us: i64 = 753_315_200_123_456;
+    let mut t1 = stxn(0, vec![insert]);
+    t1.commit_time_us = commit_time_us;
+    let t2 = stxn(1, vec![update]);
+
+    let mut applier = ShadowApplier::connect(cfg(&dst, "postgres", 7, 2))
+        .await
+        .expect("connect");
+    assert_eq!(origin_names(&c).await, "remus_m7_w0,remus_m7_w1");
+    applier.submit(t1.clone()).await.unwrap();
+    applier.drain().await.unwrap();
+    assert_eq!(applier.applied_lsn(), t1.end_lsn);
+
+    let row = query_one(
+        &c,
+        "SELECT id || '|' || n || '|' || ts || '|' || j || '|' || b || '|' || big || '|' || arr::text
+         FROM typed",
+    )
+    .await;
+    assert_eq!(
+        row,
+        r#"1|12345.678901234567890|2021-03-04 05:06:07.123456+00|{"quote": "it's", "backslash": "a\\b"}|true|it's a \ backslash and a "quote"|{1,2,3}"#
+    );
+    let ts_us = query_one(
+        &c,
+        "SELECT ((extract(epoch FROM pg_xact_commit_timestamp(xmin)) - 946684800) * 1000000)::bigint
+         FROM typed",
+    )
+    .await;
+    assert_eq!(ts_us, commit_time_us.to_string());
+    let origin = query_one(
+        &c,
+        "SELECT o.roname FROM typed, pg_xact_commit_timestamp_origin(typed.xmin) x
+         JOIN pg_replication_origin o ON o.roident = x.roident",
+    )
+    .await;
+    assert!(origin.starts_with("remus_m7_w"), "{origin:?}");
+    let remote_lsn = query_one(
+        &c,
+        &format!(
+            "SELECT pg_replication_origin_progress('{origin}', false) = '{}'::pg_lsn",
+            replay_worker::apply::format_lsn(t1.commit_lsn)
+        ),
+    )
+    .await;
+    assert_eq!(remote_lsn, "t", "the origin records the source commit LSN");
+
+    applier.submit(t2.clone()).await.unwrap();
+    applier.drain().await.unwrap();
+    assert_eq!(
+        query_one(
+            &c,
+            "SELECT (n IS NULL) || '|' || j || '|' || b || '|' || arr::text FROM typed"
+        )
+        .await,
+        "true|[]|false|{}"
+    );
+    assert_eq!(
+        query_one(&c, "SELECT big FROM typed").await,
+        "it's a \\ backslash and a \"quote\"",
+        "unchanged TOAST column kept"
+    );
+    let ts_us = query_one(
+        &c,
+        "SELECT ((extract(epoch FROM pg_xact_commit_timestamp(xmin)) - 946684800) * 1000000)::bigint
+         FROM typed",
+    )
+    .await;
+    assert_eq!(ts_us, t2.commit_time_us.to_string());
+    assert_eq!(applier.txns_applied(), 2);
+
+    let progress = applier.finish().await.unwrap();
+    assert_eq!(
+        progress,
+        ApplyProgress {
+            applied_lsn: t2.end_lsn,
+            txns_applied: 2
+        }
+    );
+    assert_eq!(origin_names(&c).await, "", "finish drops the origins");
+}
+
+// ---- (b) parallel apply equals serial apply --------------------------------------------------
+
+struct XorShift(u64);
+impl XorShift {
+    fn below(&mut self, n: u64) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x % n
+    }
+}
+
+/// A stream of transactions over tables `a` and `b` with heavy key overlap, valid when applied in
+/// order, plus the final state it must produce. Every transaction also inserts its own row into
+/// `marker`, so the destination shows which transactions committed.
+fn workload(n: u64, seed: u64) -> (Vec<ShadowTxn>, [BTreeMap<i64, String>; 2]) {
+    let mut rng = XorShift(seed | 1);
+    let mut state: [BTreeMap<i64, String>; 2] = [BTreeMap::new(), BTreeMap::new()];
+    let names = ["a", "b"];
+    let mut txns = Vec::new();
+    for i in 0..n {
+        let mut changes = vec![ins("marker", i as i64, "m")];
+        if i < 4 {
+            // Independent start, so every session gets work right away.
+            let id = 1000 + i as i64;
+            state[0].insert(id, format!("first{i}"));
+            changes.push(ins("a", id, &format!("first{i}")));
+        } else if rng.below(50) == 0 {
+            state[1].clear();
+            changes.push(truncate(&["b"]));
+        } else {
+            for op in 0..1 + rng.below(4) {
+                let t = rng.below(2) as usize;
+                let id = rng.below(16) as i64;
+                let v = format!("t{i}o{op}");
+                if state[t].contains_key(&id) {
+                    match rng.below(3) {
+                        0 => {
+                            state[t].remove(&id);
+                            changes.push(del(names[t], id));
+                        }
+                        1 => {
+                            let new_id = 16 + rng.below(16) as i64;
+                            if state[t].contains_key(&new_id) {
+                                state[t].insert(id, v.clone());
+                                changes.push(upd(names[t], id, id, &v));
+                            } else {
+                                state[t].remove(&id);
+                                state[t].insert(new_id, v.clone());
+                                changes.push(upd(names[t], id, new_id, &v));
+                            }
+                        }
+                        _ => {
+                            state[t].insert(id, v.clone());
+                            changes.push(upd(names[t], id, id, &v));
+                        }
+                    }
+                } else {
+                    state[t].insert(id, v.clone());
+                    changes.push(ins(names[t], id, &v));
+                }
+            }
+        }
+        txns.push(stxn(i, changes));
+    }
+    (txns, state)
+}
+
+fn expected_dump(m: &BTreeMap<i64, String>) -> String {
+    m.iter()
+        .map(|(k, v)| format!("{k}:{v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+const WORKLOAD_TABLES: &str = "CREATE TABLE a(id int PRIMARY KEY, v text);
+     CREATE TABLE b(id int PRIMARY KEY, v text);
+     CREATE TABLE marker(id int PRIMARY KEY, v text);";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_apply_matches_serial_apply_and_the_watermark_covers_only_commits() {
+    let dst = PgServer::start();
+    let admin = dst.client().await;
+    admin.batch_execute("CREATE DATABASE par").await.unwrap();
+    admin.batch_execute("CREATE DATABASE ser").await.unwrap();
+    let par = dst.client_db("par").await;
+    let ser = dst.client_db("ser").await;
+    par.batch_execute(WORKLOAD_TABLES).await.unwrap();
+    ser.batch_execute(WORKLOAD_TABLES).await.unwrap();
+
+    const N: u64 = 200;
+    let (txns, expected) = workload(N, 0x5eed);
+    assert!(txns.iter().any(|t| t
+        .changes
+        .iter()
+        .any(|c| c.kind == row_change::Kind::Truncate as i32)));
+
+    // Parallel: 4 sessions, everything submitted up front (fits the pending limit), then every
+    // advance of the applied position is checked against the destination.
+    let mut applier = ShadowApplier::connect(cfg(&dst, "par", 1, 4))
+        .await
+        .unwrap();
+    for t in &txns {
+        applier.submit(t.clone()).await.unwrap();
+    }
+    let mut last = START_LSN;
+    let mut advances = 0;
+    while applier.outstanding() > 0 {
+        let Some(applied) = applier.next_completion().await.unwrap() else {
+            continue;
+        };
+        assert!(applied > last, "applied position went backwards");
+        last = applied;
+        advances += 1;
+        let covered = txns.iter().take_while(|t| t.end_lsn <= applied).count();
+        assert_eq!(
+            txns[covered - 1].end_lsn,
+            applied,
+            "applied position is a txn end"
+        );
+        let committed: usize = query_one(
+            &par,
+            &format!("SELECT count(*) FROM marker WHERE id < {covered}"),
+        )
+        .await
+        .parse()
+        .unwrap();
+        assert_eq!(
+            committed, covered,
+            "applied_lsn {applied:#X} covers uncommitted txns"
+        );
+    }
+    assert!(advances > 0);
+    assert_eq!(applier.applied_lsn(), txns.last().unwrap().end_lsn);
+    assert_eq!(applier.txns_applied(), N);
+    // The first four transactions were independent: each session committed some work.
+    let used = query_one(
+        &par,
+        "SELECT count(*) FROM pg_replication_origin_status WHERE remote_lsn <> '0/0'",
+    )
+    .await;
+    assert_eq!(used, "4");
+    applier.finish().await.unwrap();
+
+    // Serial: one session.
+    let mut serial = ShadowApplier::connect(cfg(&dst, "ser", 2, 1))
+        .await
+        .unwrap();
+    for t in &txns {
+        serial.submit(t.clone()).await.unwrap();
+    }
+    serial.drain().await.unwrap();
+    serial.finish().await.unwrap();
+
+    for (i, table) in ["a", "b"].into_iter().enumerate() {
+        let p = table_dump(&par, table).await;
+        assert_eq!(p, expected_dump(&expected[i]), "parallel {table} vs model");
+        assert_eq!(
+            p,
+            table_dump(&ser, table).await,
+            "parallel {table} vs serial"
+        );
+    }
+    assert_eq!(
+        query_one(&par, "SELECT count(*) FROM marker").await,
+        N.to_string()
+    );
+}
+
+// ---- (c) divergence --------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn divergence_fails_loudly_and_commits_nothing_of_the_transaction() {
+    let dst = PgServer::start();
+    let c = dst.client().await;
+    c.batch_execute(WORKLOAD_TABLES).await.unwrap();
+    c.batch_execute("INSERT INTO a VALUES (1, 'present')")
+        .await
+        .unwrap();
+
+    let mut applier = ShadowApplier::connect(cfg(&dst, "postgres", 3, 2))
+        .await
+        .unwrap();
+    let ok = stxn(0, vec![ins("b", 1, "ok")]);
+    applier.submit(ok.clone()).await.unwrap();
+    applier.drain().await.unwrap();
+
+    let bad = stxn(1, vec![ins("b", 2, "must not stay"), upd("a", 99, 99, "x")]);
+    applier.submit(bad.clone()).await.unwrap();
+    let err = applier.drain().await.expect_err("update of a missing row");
+    match &err {
+        ApplyError::Divergence {
+            xid,
+            table,
+            op,
+            key,
+            ..
+        } => {
+            assert_eq!(*xid, bad.xid);
+            assert_eq!(table, "\"public\".\"a\"");
+            assert_eq!(*op, "UPDATE");
+            assert_eq!(key, "id='99'");
+        }
+        other => panic!("expected divergence, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("xid 1001") && msg.contains("\"a\"") && msg.contains("id='99'"),
+        "{msg}"
+    );
+    assert_eq!(
+        table_dump(&c, "b").await,
+        "1:ok",
+        "nothing of the failed txn is committed"
+    );
+    assert_eq!(applier.applied_lsn(), ok.end_lsn);
+    assert!(matches!(
+        applier.submit(stxn(2, vec![ins("b", 3, "x")])).await,
+        Err(ApplyError::Failed(_))
+    ));
+    applier.abort().await;
+    assert_eq!(
+        origin_names(&c).await,
+        "remus_m3_w0,remus_m3_w1",
+        "abort leaves origins"
+    );
+    assert_eq!(
+        query_one(
+            &c,
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
+        )
+        .await,
+        "0"
+    );
+
+    // DELETE of a missing row and INSERT of an existing one are divergence too.
+    for (i, change, op) in [
+        (0, del("a", 42), "DELETE"),
+        (1, ins("a", 1, "dup"), "INSERT"),
+    ] {
+        let mut applier = ShadowApplier::connect(cfg(&dst, "postgres", 10 + i, 1))
+            .await
+            .unwrap();
+        applier.submit(stxn(0, vec![change])).await.unwrap();
+        match applier.drain().await {
+            Err(ApplyError::Divergence { op: got, .. }) => assert_eq!(got, op),
+            other => panic!("{op}: expected divergence, got {other:?}"),
+        }
+        applier.abort().await;
+    }
+    assert_eq!(table_dump(&c, "a").await, "1:present");
+}
+
+// ---- (d) over gRPC ---------------------------------------------------------------------------
+
+async fn start_service() -> (String, tokio::sync::oneshot::Sender<()>) {
+    let port = free_port();
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(replay_worker::serve(listener, async {
+        let _ = stopped.await;
+    }));
+    (format!("http://127.0.0.1:{port}"), stop)
+}
+
+fn req(msg: apply_request::Msg) -> ApplyRequest {
+    ApplyRequest { msg: Some(msg) }
+}
+
+fn start_msg(dst: &PgServer, migration_id: u64, parallelism: u32) -> ApplyRequest {
+    req(apply_request::Msg::Start(ApplyStart {
+        migration_id,
+        destination_conninfo: dst.conninfo(),
+        parallelism,
+        start_lsn: START_LSN,
+    }))
+}
+
+/// Runs one Apply call with the given requests; returns the progress messages and the final
+/// status.
+async fn apply_call(
+    endpoint: &str,
+    requests: Vec<ApplyRequest>,
+) -> (Vec<ApplyProgress>, Result<(), tonic::Status>) {
+    let mut client = ReplayWorkerClient::connect(endpoint.to_string())
+        .await
+        .unwrap();
+    let outbound = tokio_stream::iter(requests);
+    let mut inbound = match client.apply(outbound).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => return (Vec::new(), Err(status)),
+    };
+    let mut progress = Vec::new();
+    loop {
+        match inbound.message().await {
+            Ok(Some(p)) => progress.push(p),
+            Ok(None) => return (progress, Ok(())),
+            Err(status) => return (progress, Err(status)),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_apply_streams_progress_and_drops_origins_on_finish() {
+    let dst = PgServer::start();
+    let c = dst.client().await;
+    c.batch_execute(WORKLOAD_TABLES).await.unwrap();
+    let (endpoint, _stop) = start_service().await;
+
+    // The first message must be start.
+    let (_, status) = apply_call(&endpoint, vec![req(apply_request::Msg::IdleLsn(5))]).await;
+    assert_eq!(status.unwrap_err().code(), tonic::Code::InvalidArgument);
+
+    let (txns, expected) = workload(120, 77);
+    let last_end = txns.last().unwrap().end_lsn;
+    let idle = last_end + 0x1000;
+    let mut requests = vec![start_msg(&dst, 21, 3)];
+    requests.extend(
+        txns.iter()
+            .cloned()
+            .map(|t| req(apply_request::Msg::Txn(t))),
+    );
+    requests.push(req(apply_request::Msg::IdleLsn(idle)));
+    requests.push(req(apply_request::Msg::Finish(ApplyFinish {})));
+    let (progress, status) = apply_call(&endpoint, requests).await;
+    status.expect("apply call ends OK");
+    let last = progress.last().expect("final progress");
+    assert_eq!(
+        *last,
+        ApplyProgress {
+            applied_lsn: idle,
+            txns_applied: 120
+        }
+    );
+    for w in progress[..progress.len() - 1].windows(2) {
+        assert!(
+            w[0].applied_lsn < w[1].applied_lsn,
+            "sent only when it advances: {w:?}"
+        );
+    }
+    for w in progress.windows(2) {
+        assert!(w[0].txns_applied <= w[1].txns_applied);
+    }
+    for p in &progress[..progress.len() - 1] {
+        assert!(
+            p.applied_lsn == idle || txns.iter().any(|t| t.end_lsn == p.applied_lsn),
+            "{p:?} is not a transaction end"
+        );
+    }
+    assert_eq!(table_dump(&c, "a").await, expected_dump(&expected[0]));
+    assert_eq!(table_dump(&c, "b").await, expected_dump(&expected[1]));
+    assert_eq!(origin_names(&c).await, "", "origins dropped at finish");
+
+    // An apply error ends the call with the error; the origins stay for the coordinator.
+    let (_, status) = apply_call(
+        &endpoint,
+        vec![
+            start_msg(&dst, 22, 2),
+            req(apply_request::Msg::Txn(stxn(500, vec![del("a", 12345)]))),
+            req(apply_request::Msg::Finish(ApplyFinish {})),
+        ],
+    )
+    .await;
+    let status = status.expect_err("divergence");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        status.message().contains("divergence") && status.message().contains("id='12345'"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(origin_names(&c).await, "remus_m22_w0,remus_m22_w1");
+
+    // A client that goes away without finish: the sessions end, the origins stay.
+    let (_, status) = apply_call(
+        &endpoint,
+        vec![
+            start_msg(&dst, 23, 2),
+            req(apply_request::Msg::Txn(stxn(
+                600,
+                vec![ins("b", 999, "late")],
+            ))),
+        ],
+    )
+    .await;
+    status.expect("the server ends the stream quietly");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while query_one(
+        &c,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'remus-replay m23%'",
+    )
+    .await
+        != "0"
+    {
+        assert!(
+            Instant::now() < deadline,
+            "apply sessions of migration 23 still open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        origin_names(&c).await,
+        "remus_m22_w0,remus_m22_w1,remus_m23_w0,remus_m23_w1"
+    );
+}
+
+// ---- (e) real source: pgoutput → ship::shadow_txn → gRPC → destination -----------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_stream_replayed_through_the_service_reproduces_the_tables() {
+    use wal_propagator::{
+        Assembled, AssemblerConfig, PgOutputMessage, ReplicationConnection, ReplicationMessage,
+        TxnAssembler,
+    };
+    let src = PgServer::start();
+    let dst = PgServer::start();
+    let schema = "CREATE TABLE t(id int PRIMARY KEY, v text, n numeric, ts timestamptz, big text);
+                  CREATE TABLE u(k text PRIMARY KEY, x int);";
+    let s = src.client().await;
+    let d = dst.client().await;
+    s.batch_execute(schema).await.unwrap();
+    d.batch_execute(schema).await.unwrap();
+    s.batch_execute(
+        "ALTER TABLE t ALTER big SET STORAGE EXTERNAL; CREATE PUBLICATION pub FOR TABLE t, u",
+    )
+    .await
+    .unwrap();
+
+    let src_conninfo = src.conninfo();
+    let consistent_point = tokio::task::spawn_blocking(move || {
+        let mut conn = ReplicationConnection::connect(&src_conninfo).unwrap();
+        let slot = conn
+            .create_slot_exporting_snapshot("replay_e2e")
+            .unwrap()
+            .release();
+        slot.consistent_point
+    })
+    .await
+    .unwrap();
+
+    // One source transaction per entry (a multi-statement simple query would be one).
+    for sql in [
+        "INSERT INTO t SELECT g, 'v' || g, g * 1.5, '2020-01-01'::timestamptz + g * interval '1 hour',
+                CASE WHEN g = 3 THEN repeat('x', 100000) END
+           FROM generate_series(1, 50) g",
+        "INSERT INTO u VALUES ('it''s', 1), ('back\\slash', 2)",
+        "BEGIN; UPDATE t SET v = 'changed' WHERE id = 3; UPDATE u SET x = x + 10; COMMIT",
+        "UPDATE t SET id = 1000 WHERE id = 4",
+        "DELETE FROM t WHERE id BETWEEN 10 AND 20",
+        "BEGIN; INSERT INTO u VALUES ('tmp', 0); DELETE FROM u WHERE k = 'tmp'; COMMIT",
+        "TRUNCATE u",
+        "INSERT INTO u VALUES ('after', 7)",
+        "UPDATE t SET n = n * 2 WHERE id % 2 = 0",
+        "SELECT pg_logical_emit_message(false, 'test_end', 'done')",
+    ] {
+        s.batch_execute(sql).await.unwrap();
+    }
+
+    let src_conninfo = src.conninfo();
+    let txns = tokio::task::spawn_blocking(move || {
+        let conn = ReplicationConnection::connect(&src_conninfo).unwrap();
+        let mut stream = conn
+            .start_streaming("replay_e2e", consistent_point, "pub")
+            .unwrap();
+        let mut assembler = TxnAssembler::new(AssemblerConfig::default());
+        let mut txns = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(Instant::now() < deadline, "no end marker");
+            let Some(ReplicationMessage::XLogData(x)) =
+                stream.recv(Duration::from_secs(1)).unwrap()
+            else {
+                continue;
+            };
+            match assembler
+                .push(PgOutputMessage::decode(x.data).unwrap())
+                .unwrap()
+            {
+                Some(Assembled::Txn(txn)) => txns.push(wal_propagator::shadow_txn(&txn)),
+                Some(Assembled::Message(m)) if m.prefix == "test_end" => break,
+                _ => {}
+            }
+        }
+        txns
+    })
+    .await
+    .unwrap();
+    assert_eq!(txns.len(), 9, "one shadow txn per source transaction");
+    let big_update = &txns[2].changes[0];
+    assert_eq!(
+        big_update.new_values[4].value,
+        Some(column_value::Value::UnchangedToast(true)),
+        "the TOASTed column is not resent"
+    );
+
+    let (endpoint, _stop) = start_service().await;
+    let mut requests = vec![req(apply_request::Msg::Start(ApplyStart {
+        migration_id: 31,
+        destination_conninfo: dst.conninfo(),
+        parallelism: 0,
+        start_lsn: consistent_point.0,
+    }))];
+    let last_end = txns.last().unwrap().end_lsn;
+    requests.extend(txns.into_iter().map(|t| req(apply_request::Msg::Txn(t))));
+    requests.push(req(apply_request::Msg::Finish(ApplyFinish {})));
+    let (progress, status) = apply_call(&endpoint, requests).await;
+    status.expect("apply call ends OK");
+    assert_eq!(
+        *progress.last().unwrap(),
+        ApplyProgress {
+            applied_lsn: last_end,
+            txns_applied: 9
+        }
+    );
+
+    for q in [
+        "SELECT string_agg(id || '|' || coalesce(v, '-') || '|' || n || '|' || ts || '|' \
+           || coalesce(md5(big), '-') || '|' || pg_xact_commit_timestamp(xmin), ',' ORDER BY id) FROM t",
+        "SELECT coalesce(string_agg(k || '|' || x || '|' || pg_xact_commit_timestamp(xmin), ',' ORDER BY k), '') FROM u",
+    ] {
+        let (a, b) = (query_one(&s, q).await, query_one(&d, q).await);
+        assert!(!a.is_empty());
+        assert_eq!(a, b, "{q}");
+    }
+    assert_eq!(origin_names(&d).await, "");
+}
