@@ -225,7 +225,11 @@ mod tests {
     #[test]
     fn truncate_lists_quoted_qualified_names() {
         let t = txn(vec![Change::Truncate {
-            relations: vec![rel("public", "a"), rel("My \"Schema\"", "b.c"), rel("", "x")],
+            relations: vec![
+                rel("public", "a"),
+                rel("My \"Schema\"", "b.c"),
+                rel("", "x"),
+            ],
             options: 0,
         }]);
         let s = shadow_txn(&t);

@@ -15,7 +15,10 @@ use tracing::{info, warn};
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Parser)]
-#[command(version, about = "pg_remus replay worker (applies shadow transactions on a destination node)")]
+#[command(
+    version,
+    about = "pg_remus replay worker (applies shadow transactions on a destination node)"
+)]
 struct Args {
     /// Address to serve the ReplayWorker gRPC service on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:50061")]
@@ -29,8 +32,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
