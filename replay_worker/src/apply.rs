@@ -214,7 +214,7 @@ struct Prepared {
 
 type Value = column_value::Value;
 
-fn value_of<'a>(v: &'a remus_proto::v1::ColumnValue) -> Option<&'a Value> {
+fn value_of(v: &remus_proto::v1::ColumnValue) -> Option<&Value> {
     v.value.as_ref()
 }
 

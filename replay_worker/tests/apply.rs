@@ -1,12 +1,9 @@
-//! Against real PostgreSQL 15 servers that each test starts itself (initdb into a temporary
-//! directory as the `postgres` OS user, trust authentication, 127.0.0.1 only, ports
-//! 30001-30199), stopped with `pg_ctl stop -m immediate` when the test ends.
+//! Against real PostgreSQL 15 servers that each test starts itself (the throwaway servers of
+//! `wal_propagator/tests/support/pg.rs`: initdb as the `postgres` OS user, trust authentication,
+//! 127.0.0.1 only, ports 30001-30199), stopped with `pg_ctl stop -m immediate` when the test
+//! ends. Needs `/usr/lib/postgresql/15/bin`.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener as StdListener;
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use remus_proto::v1::replay_worker_client::ReplayWorkerClient;
@@ -17,117 +14,22 @@ use remus_proto::v1::{
 use replay_worker::{ApplyConfig, ApplyError, ShadowApplier};
 use tokio_postgres::NoTls;
 
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+#[path = "../../wal_propagator/tests/support/pg.rs"]
+mod pg;
+use pg::PgServer;
 
-fn is_root() -> bool {
-    let out = Command::new("id").arg("-u").output().expect("run id -u");
-    String::from_utf8_lossy(&out.stdout).trim() == "0"
-}
-
-/// A command run as the `postgres` OS user (initdb and pg_ctl refuse to run as root).
-fn as_postgres(program: &Path) -> Command {
-    if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
-    }
-}
-
-fn run(mut cmd: Command, what: &str) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Ports in 30001-30199 that are free right now, never the same one twice per process.
+/// Ports 30001-30199 for this suite.
 fn free_port() -> u16 {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let offset = (std::process::id() % 199) as u16;
-    for _ in 0..199 {
-        let k = NEXT.fetch_add(1, Ordering::SeqCst);
-        let port = 30001 + (offset + k) % 199;
-        if StdListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in 30001-30199");
-}
-
-struct PgServer {
-    dir: tempfile::TempDir,
-    port: u16,
+    pg::free_port_in(30001..=30199)
 }
 
 impl PgServer {
     fn start() -> PgServer {
-        let dir = tempfile::Builder::new()
-            .prefix("replay-pg-")
-            .tempdir_in("/tmp")
-            .expect("temporary directory");
-        if is_root() {
-            let mut chown = Command::new("chown");
-            chown.arg("postgres:postgres").arg(dir.path());
-            run(chown, "chown");
-        }
-        let data = dir.path().join("data");
-        let mut initdb = as_postgres(&Path::new(PG_BIN).join("initdb"));
-        initdb.arg("-D").arg(&data).args([
-            "-A",
-            "trust",
-            "-U",
-            "postgres",
-            "-E",
-            "UTF8",
-            "--locale=C",
-            "--no-sync",
-        ]);
-        run(initdb, "initdb");
-        let mut last_err = String::new();
-        for _ in 0..5 {
-            let port = free_port();
-            let opts = format!(
-                "-p {port} -c wal_level=logical -c listen_addresses=127.0.0.1 \
-                 -c unix_socket_directories={} -c fsync=off -c max_wal_senders=8 \
-                 -c max_replication_slots=16 -c max_connections=40 -c shared_buffers=16MB \
-                 -c track_commit_timestamp=on",
-                dir.path().display()
-            );
-            let out = as_postgres(&Path::new(PG_BIN).join("pg_ctl"))
-                .arg("-D")
-                .arg(&data)
-                .arg("-l")
-                .arg(dir.path().join("server.log"))
-                .args(["-o", &opts, "-w", "-t", "60", "start"])
-                .output()
-                .expect("pg_ctl start");
-            if out.status.success() {
-                return PgServer { dir, port };
-            }
-            last_err = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default();
-        panic!("could not start PostgreSQL: {last_err}\n{log}");
-    }
-
-    fn conninfo_db(&self, db: &str) -> String {
-        format!(
-            "host=127.0.0.1 port={} user=postgres dbname={db}",
-            self.port
+        PgServer::start_with(
+            30001..=30199,
+            "-c max_replication_slots=16 -c max_connections=40 -c track_commit_timestamp=on",
+            "replay-pg-",
         )
-    }
-
-    fn conninfo(&self) -> String {
-        self.conninfo_db("postgres")
     }
 
     async fn client_db(&self, db: &str) -> tokio_postgres::Client {
@@ -142,18 +44,6 @@ impl PgServer {
 
     async fn client(&self) -> tokio_postgres::Client {
         self.client_db("postgres").await
-    }
-}
-
-impl Drop for PgServer {
-    fn drop(&mut self) {
-        let _ = as_postgres(&Path::new(PG_BIN).join("pg_ctl"))
-            .arg("-D")
-            .arg(self.dir.path().join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
     }
 }
 

@@ -1,13 +1,9 @@
-//! Against real PostgreSQL 15 servers that each test starts itself (initdb into a temporary
-//! directory, trust authentication, listening on 127.0.0.1 only, ports 27001-27999), stopped with
-//! `pg_ctl stop -m immediate` when the test ends.
+//! Against real PostgreSQL 15 servers that each test starts itself (see `support/pg.rs`; ports
+//! 27001-27999), stopped with `pg_ctl stop -m immediate` when the test ends.
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::process::{Child, Stdio};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -17,185 +13,22 @@ use wal_propagator::{
     ReplicationMessage, TableCopyError, TxnAssembler,
 };
 
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+#[path = "support/pg.rs"]
+mod pg;
+use pg::PgServer;
 
-fn is_root() -> bool {
-    let out = Command::new("id").arg("-u").output().expect("run id -u");
-    String::from_utf8_lossy(&out.stdout).trim() == "0"
-}
-
-/// A command run as the `postgres` OS user (initdb and pg_ctl refuse to run as root).
-fn as_postgres(program: &Path) -> Command {
-    if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
-    }
-}
-
-fn run(mut cmd: Command, what: &str) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Hands out ports in 27001-27999 that are free right now, never the same one twice per process.
+/// Ports 27001-27999 for this suite.
 fn free_port() -> u16 {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let offset = (std::process::id() % 997) as u16;
-    for _ in 0..999 {
-        let k = NEXT.fetch_add(1, Ordering::SeqCst);
-        let port = 27001 + (offset + k) % 999;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in 27001-27999");
-}
-
-struct PgServer {
-    dir: tempfile::TempDir,
-    port: u16,
+    pg::free_port_in(27001..=27999)
 }
 
 impl PgServer {
     fn start() -> PgServer {
-        let dir = tempfile::Builder::new()
-            .prefix("walprop-pg-")
-            .tempdir_in("/tmp")
-            .expect("temporary directory");
-        if is_root() {
-            let mut chown = Command::new("chown");
-            chown.arg("postgres:postgres").arg(dir.path());
-            run(chown, "chown");
-        }
-        let data = dir.path().join("data");
-        let mut initdb = as_postgres(&Path::new(PG_BIN).join("initdb"));
-        initdb.arg("-D").arg(&data).args([
-            "-A",
-            "trust",
-            "-U",
-            "postgres",
-            "-E",
-            "UTF8",
-            "--locale=C",
-            "--no-sync",
-        ]);
-        run(initdb, "initdb");
-        let mut last_err = String::new();
-        for _ in 0..5 {
-            let port = free_port();
-            let opts = format!(
-                "-p {port} -c wal_level=logical -c listen_addresses=127.0.0.1 \
-                 -c unix_socket_directories={} -c fsync=off -c max_wal_senders=8 \
-                 -c max_replication_slots=8 -c max_connections=30 -c shared_buffers=16MB",
-                dir.path().display()
-            );
-            let out = as_postgres(&Path::new(PG_BIN).join("pg_ctl"))
-                .arg("-D")
-                .arg(&data)
-                .arg("-l")
-                .arg(dir.path().join("server.log"))
-                .args(["-o", &opts, "-w", "-t", "60", "start"])
-                .output()
-                .expect("pg_ctl start");
-            if out.status.success() {
-                return PgServer { dir, port };
-            }
-            last_err = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default();
-        panic!("could not start PostgreSQL: {last_err}\n{log}");
-    }
-
-    fn conninfo_db(&self, db: &str) -> String {
-        format!(
-            "host=127.0.0.1 port={} user=postgres dbname={db}",
-            self.port
+        PgServer::start_with(
+            27001..=27999,
+            "-c max_replication_slots=8 -c max_connections=30",
+            "walprop-pg-",
         )
-    }
-
-    fn conninfo(&self) -> String {
-        self.conninfo_db("postgres")
-    }
-
-    fn psql_cmd(&self, db: &str) -> Command {
-        let mut c = Command::new(Path::new(PG_BIN).join("psql"));
-        c.args([
-            "-X",
-            "-A",
-            "-t",
-            "-q",
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-        ])
-        .arg("-p")
-        .arg(self.port.to_string())
-        .arg("-d")
-        .arg(db);
-        c
-    }
-
-    /// Runs an SQL script (statements autocommit unless it says BEGIN) and returns the output.
-    fn psql_db(&self, db: &str, sql: &str) -> String {
-        let mut child = self
-            .psql_cmd(db)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn psql");
-        child
-            .stdin
-            .take()
-            .expect("psql stdin")
-            .write_all(sql.as_bytes())
-            .expect("write to psql");
-        let out = child.wait_with_output().expect("psql");
-        assert!(
-            out.status.success(),
-            "psql failed on {sql:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-
-    fn psql(&self, sql: &str) -> String {
-        self.psql_db("postgres", sql)
-    }
-
-    fn slot_names(&self) -> String {
-        self.psql("SELECT string_agg(slot_name, ',' ORDER BY slot_name) FROM pg_replication_slots")
-    }
-
-    fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-}
-
-impl Drop for PgServer {
-    fn drop(&mut self) {
-        let _ = as_postgres(&Path::new(PG_BIN).join("pg_ctl"))
-            .arg("-D")
-            .arg(self.data_dir())
-            .args(["-m", "immediate", "-w", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
     }
 }
 
