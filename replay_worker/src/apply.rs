@@ -790,6 +790,7 @@ impl ShadowApplier {
             // Nothing to write: it is applied as soon as it is its turn in the watermark.
             self.txns_applied += 1;
             self.watermark.complete(seq)?;
+            self.fold_idle();
             return Ok(());
         }
         let mut spec = TxnSpec::new(
@@ -826,6 +827,16 @@ impl ShadowApplier {
             self.idle_lsn = Some(self.idle_lsn.map_or(lsn, |l| l.max(lsn)));
             None
         }
+    }
+
+    /// Applies a deferred idle LSN once nothing is outstanding.
+    fn fold_idle(&mut self) -> Option<u64> {
+        if self.watermark.pending() > 0 {
+            return None;
+        }
+        self.idle_lsn
+            .take()
+            .and_then(|lsn| self.watermark.advance_idle(lsn))
     }
 
     /// Transactions submitted and not yet committed.
@@ -885,12 +896,8 @@ impl ShadowApplier {
             .complete(seq)
             .expect("a transaction handed out by the scheduler completes once");
         self.txns_applied += 1;
-        let mut advanced = self.watermark.complete(seq)?;
-        if self.watermark.pending() == 0 {
-            if let Some(lsn) = self.idle_lsn.take() {
-                advanced = self.watermark.advance_idle(lsn).or(advanced);
-            }
-        }
+        let advanced = self.watermark.complete(seq)?;
+        let advanced = self.fold_idle().or(advanced);
         self.dispatch();
         Ok(advanced)
     }

@@ -11,9 +11,9 @@
 //!   from their origins and the origins are dropped; the stream then ends with OK.
 //! - apply error: the call ends with a Status carrying the error (divergence is
 //!   FAILED_PRECONDITION); the sessions are closed and the origins are left.
-//! - client disconnect (request stream closed without `finish`, or the response dropped):
-//!   running transactions are cancelled, the sessions are reset and closed, and the origins are
-//!   left. The coordinator drops `remus_m<id>_%` origins when it rolls the migration back.
+//! - client disconnect (the call is cancelled or the response stream dropped) or a request
+//!   stream that ends without `finish` (the call ends with ABORTED): running transactions are
+//!   cancelled (they roll back), the sessions are reset and closed, and the origins are left. The coordinator drops `remus_m<id>_%` origins when it rolls the migration back.
 //!
 //! Every log line of a call carries its `migration_id` (through the call's tracing span).
 
@@ -178,7 +178,11 @@ async fn run(
                 Ok(Some(ApplyRequest { msg: None })) => {
                     break End::Failed(Status::invalid_argument("empty ApplyRequest"))
                 }
-                Ok(None) => break End::Disconnected("request stream closed without finish".into()),
+                Ok(None) => {
+                    break End::Failed(Status::aborted(
+                        "the request stream ended without finish; apply stopped, origins left",
+                    ))
+                }
                 Err(status) => break End::Disconnected(format!("request stream failed: {status}")),
             },
             completion = applier.next_completion() => {

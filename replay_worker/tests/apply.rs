@@ -673,25 +673,55 @@ async fn grpc_apply_streams_progress_and_drops_origins_on_finish() {
         ],
     )
     .await;
-    status.expect("the server ends the stream quietly");
+    assert_eq!(
+        status.unwrap_err().code(),
+        tonic::Code::Aborted,
+        "no finish"
+    );
+    wait_sessions_gone(&c, 23).await;
+
+    // A client that disappears mid-call (request stream still open): same.
+    let mut client = ReplayWorkerClient::connect(endpoint.clone()).await.unwrap();
+    let (req_tx, req_rx) = tokio::sync::mpsc::channel(4);
+    req_tx.send(start_msg(&dst, 24, 2)).await.unwrap();
+    req_tx
+        .send(req(apply_request::Msg::Txn(stxn(
+            700,
+            vec![ins("b", 998, "x")],
+        ))))
+        .await
+        .unwrap();
+    let mut inbound = client
+        .apply(tokio_stream::wrappers::ReceiverStream::new(req_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = inbound.message().await.unwrap().expect("progress");
+    assert_eq!(first.txns_applied, 1);
+    drop(inbound);
+    drop(req_tx);
+    drop(client);
+    wait_sessions_gone(&c, 24).await;
+    assert_eq!(
+        origin_names(&c).await,
+        "remus_m22_w0,remus_m22_w1,remus_m23_w0,remus_m23_w1,remus_m24_w0,remus_m24_w1"
+    );
+    assert_eq!(table_dump(&c, "b").await.matches("998:x").count(), 1);
+}
+
+/// Waits until the apply sessions of a migration have disconnected.
+async fn wait_sessions_gone(c: &tokio_postgres::Client, migration_id: u64) {
+    let sql = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'remus-replay m{migration_id} %'"
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
-    while query_one(
-        &c,
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'remus-replay m23%'",
-    )
-    .await
-        != "0"
-    {
+    while query_one(c, &sql).await != "0" {
         assert!(
             Instant::now() < deadline,
-            "apply sessions of migration 23 still open"
+            "apply sessions of migration {migration_id} still open"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(
-        origin_names(&c).await,
-        "remus_m22_w0,remus_m22_w1,remus_m23_w0,remus_m23_w1"
-    );
 }
 
 // ---- (e) real source: pgoutput → ship::shadow_txn → gRPC → destination -----------------------
