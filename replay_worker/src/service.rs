@@ -30,6 +30,10 @@ use tracing::{info, info_span, warn, Instrument};
 
 use crate::apply::{format_lsn, ApplyConfig, ApplyError, ShadowApplier};
 
+/// Largest request accepted: one source transaction is one message, and bulk transactions are
+/// big (tonic's default limit is 4 MiB). Matches what the coordinator's client sends.
+pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
 /// Default minimum spacing of progress messages.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -72,8 +76,11 @@ impl ReplayWorkerService {
         self
     }
 
+    /// The tonic service, accepting messages up to [`MAX_MESSAGE_BYTES`].
     pub fn into_server(self) -> ReplayWorkerServer<Self> {
         ReplayWorkerServer::new(self)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 }
 

@@ -602,7 +602,10 @@ async fn grpc_apply_streams_progress_and_drops_origins_on_finish() {
     let (_, status) = apply_call(&endpoint, vec![req(apply_request::Msg::IdleLsn(5))]).await;
     assert_eq!(status.unwrap_err().code(), tonic::Code::InvalidArgument);
 
-    let (txns, expected) = workload(120, 77);
+    let (mut txns, expected) = workload(120, 77);
+    // One transaction larger than tonic's default 4 MiB message limit.
+    let big = "x".repeat(5 << 20);
+    txns.push(stxn(120, vec![ins("marker", 100_000, &big)]));
     let last_end = txns.last().unwrap().end_lsn;
     let idle = last_end + 0x1000;
     let mut requests = vec![start_msg(&dst, 21, 3)];
@@ -620,8 +623,12 @@ async fn grpc_apply_streams_progress_and_drops_origins_on_finish() {
         *last,
         ApplyProgress {
             applied_lsn: idle,
-            txns_applied: 120
+            txns_applied: 121
         }
+    );
+    assert_eq!(
+        query_one(&c, "SELECT length(v) FROM marker WHERE id = 100000").await,
+        (5 << 20).to_string()
     );
     for w in progress[..progress.len() - 1].windows(2) {
         assert!(
