@@ -428,7 +428,7 @@ impl Run {
     fn regclass_array(&self) -> String {
         let items: Vec<String> =
             self.plan.tables.iter().map(|t| quote_literal(&t.qualified())).collect();
-        format!("ARRAY[{}]::regclass[]", items.join(", "))
+        format!("ARRAY[{}]::regclass[]::oid[]", items.join(", "))
     }
 
     /// Citus-style: block writes with an EXCLUSIVE lock on the shard tables, aborting (40001)

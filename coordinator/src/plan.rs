@@ -12,6 +12,9 @@ use crate::migration::Mode;
 use crate::node_conn::NodeConnector;
 use crate::node_registry::{NodeRecord, NodeRegistry};
 
+/// Where the extension keeps the physical shard tables (`remus_shards.<table>_<shard_id>`).
+pub const SHARD_SCHEMA: &str = "remus_shards";
+
 /// One shard table to move: the physical table `schema.name` on the source, created with the
 /// same name on the target from the shell `shell`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,7 +137,7 @@ pub async fn plan(
     let indexes: Vec<i32> = groups.iter().map(|g| g.1).collect();
     let members = client
         .query(
-            "SELECT s.shard_id, m.node_name, n.nspname, c.relname,
+            "SELECT s.shard_id, m.node_name, n.nspname::text, c.relname::text,
                     quote_ident(n.nspname) || '.' || quote_ident(c.relname)
                FROM remus.shards s
                JOIN remus.distributed_tables d USING (logicalrelid)
@@ -174,7 +177,7 @@ pub async fn plan(
         tables.push(ShardTable {
             shard_id,
             shell: r.get(4),
-            schema: r.get(2),
+            schema: SHARD_SCHEMA.to_string(),
             name: format!("{relname}_{shard_id}"),
         });
     }

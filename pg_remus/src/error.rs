@@ -50,6 +50,12 @@ pub enum RemusError {
     DuplicateObject(String),
     #[error("{0}")]
     ObjectInUse(String),
+    #[error("transaction aborted by shard migration {migration_id} (lock_abort handover); retry it")]
+    AbortedByMigration { migration_id: i64 },
+    #[error("shard {shard_id} was moved by shard migration {migration_id}; retry the transaction")]
+    ShardMoved { shard_id: i64, migration_id: i64 },
+    #[error("remus.coordinator_address is not set; set it to the coordinator's gRPC address (e.g. http://127.0.0.1:6102)")]
+    CoordinatorUnset,
     #[error("shard {shard_id} is not owned by node {node} for this transaction")]
     NotShardOwner { shard_id: i64, node: String },
     #[error("null value in column \"{column}\" of relation {table} violates not-null constraint")]
@@ -70,6 +76,8 @@ impl RemusError {
             Self::NodeExists { .. } => ERRCODE_DUPLICATE_OBJECT,
             Self::NodeNameUnset => ERRCODE_CONFIG_FILE_ERROR,
             Self::NodeVanished(_) => ERRCODE_T_R_SERIALIZATION_FAILURE,
+            Self::AbortedByMigration { .. } | Self::ShardMoved { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
+            Self::CoordinatorUnset => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Self::Spi(_) => ERRCODE_INTERNAL_ERROR,
             Self::InvalidArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             Self::NoHashFunction(_) => ERRCODE_UNDEFINED_FUNCTION,
@@ -171,6 +179,7 @@ pub fn install_emit_log_hook() {
 
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn restore_sqlstate(edata: *mut pgrx::pg_sys::ErrorData) {
+    crate::handover::rewrite_cancel(edata);
     if !edata.is_null()
         && (*edata).elevel >= PgLogLevel::ERROR as i32
         && (*edata).sqlerrcode == PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32

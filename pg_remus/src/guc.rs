@@ -12,6 +12,14 @@ pub static NODE_NAME: GucSetting<Option<CString>> = GucSetting::<Option<CString>
 /// never forwards again.
 pub static FORWARDED: GucSetting<bool> = GucSetting::<bool>::new(false);
 
+/// A session of the migration machinery (copy, replay, handover, cleanup): it may write shard
+/// tables its node does not own yet, and is exempt from the admission gate, the write fence and
+/// the DDL refusal that a migration puts up.
+pub static MIGRATION_SESSION: GucSetting<bool> = GucSetting::<bool>::new(false);
+
+/// gRPC address of the coordinator, for `remus_migrate_shard(s)` and `remus_migrations`.
+pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
 /// How often the recovery worker looks for in-doubt prepared transactions.
 pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
 
@@ -52,6 +60,22 @@ pub fn register() {
         GucContext::Userset,
         GucFlags::default(),
     );
+    GucRegistry::define_bool_guc(
+        c"remus.migration_session",
+        c"This session belongs to the shard migration machinery.",
+        c"Exempt from ownership checks, the admission gate, the write fence and the DDL refusal of running migrations.",
+        &MIGRATION_SESSION,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"remus.coordinator_address",
+        c"gRPC address of the pg_remus coordinator, e.g. http://127.0.0.1:6102.",
+        c"Used by remus_migrate_shard(), remus_migrate_shards() and the remus_migrations view.",
+        &COORDINATOR_ADDRESS,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     GucRegistry::define_string_guc(
         c"remus.node_name",
         c"Name of this node in the pg_remus cluster.",
@@ -64,6 +88,13 @@ pub fn register() {
 
 pub fn node_name() -> Option<String> {
     NODE_NAME
+        .get()
+        .and_then(|c| c.to_str().ok().map(str::to_string))
+        .filter(|s| !s.is_empty())
+}
+
+pub fn coordinator_address() -> Option<String> {
+    COORDINATOR_ADDRESS
         .get()
         .and_then(|c| c.to_str().ok().map(str::to_string))
         .filter(|s| !s.is_empty())

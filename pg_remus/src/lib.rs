@@ -7,6 +7,8 @@
 //! - [`remote`]: libpq connections from this backend to other nodes, interruptible waits.
 //! - [`twophase`]: atomic commit over every node a transaction wrote (2PC).
 //! - [`router`]: planning and executing statements on distributed tables, from any node.
+//! - [`handover`]: shared-memory primitives of a migration's handover (registration, fence,
+//!   writer abort, admission gate).
 //! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
 //! - [`recovery_worker`]: the background worker that runs recovery on every node.
 //!
@@ -19,6 +21,7 @@ pub mod catalog;
 pub mod distribute;
 pub mod error;
 pub mod guc;
+pub mod handover;
 pub mod hashing;
 pub mod nodes;
 pub mod recovery;
@@ -77,6 +80,7 @@ pub extern "C-unwind" fn _PG_init() {
     twophase::register_callbacks();
     router::install_hooks();
     router::map_cache::init_shmem();
+    handover::init_shmem();
     recovery_worker::register();
 }
 

@@ -180,6 +180,11 @@ unsafe extern "C-unwind" fn remus_planner(
     cursor_options: std::ffi::c_int,
     bound_params: pg_sys::ParamListInfo,
 ) -> *mut pg_sys::PlannedStmt {
+    // A gated transaction waits before its statement is routed, so that the routing decision
+    // is taken after the gate opens.
+    if let Err(e) = crate::handover::admit_statement() {
+        e.raise();
+    }
     match route(parse, query_string) {
         Ok(Some(stmt)) => return stmt,
         Ok(None) => {}

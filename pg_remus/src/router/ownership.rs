@@ -7,7 +7,10 @@
 //!   (`remus_shards.*`) this node does not own in the statement's snapshot, with SQLSTATE RM001.
 //!   Statements carrying a coordinator's shard marker are exempt: they execute a routing
 //!   decision already made (and pinned) by the coordinating backend. Sessions that apply
-//!   replicated changes (a replication origin is set) are exempt too.
+//!   replicated changes (a replication origin is set) and sessions of the migration machinery
+//!   (`remus.migration_session`) are exempt too.
+//! - Before that check, the migration handover primitives have their say (`handover`): the
+//!   admission gate, aborted transactions, and the write fence of a moved shard.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -54,9 +57,10 @@ unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, e
 }
 
 unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), RemusError> {
-    if !super::extension_present() || pg_sys::replorigin_session_origin != 0 {
+    if !super::extension_present() || pg_sys::replorigin_session_origin != 0 || crate::guc::MIGRATION_SESSION.get() {
         return Ok(());
     }
+    crate::handover::admit_statement()?;
     let stmt = (*query_desc).plannedstmt;
     if stmt.is_null() {
         return Ok(());
@@ -81,6 +85,10 @@ unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), RemusError> {
     }
     if shards.is_empty() {
         return Ok(());
+    }
+    // A write reaching a fenced shard was routed with a stale map, marker or not.
+    if (*query_desc).operation != pg_sys::CmdType::CMD_SELECT {
+        crate::handover::check_write(&shards)?;
     }
     if super::marker_honoured() && super::shard_marker((*query_desc).sourceText).is_some() {
         return Ok(());

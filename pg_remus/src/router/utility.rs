@@ -74,6 +74,10 @@ unsafe fn intercept(
     if stmt.is_null() || !super::extension_present() {
         return Ok(false);
     }
+    crate::handover::admit_statement()?;
+    if crate::handover::active() && !crate::guc::MIGRATION_SESSION.get() {
+        guard_migrating(stmt)?;
+    }
     match (*stmt).type_ {
         pg_sys::NodeTag::T_CopyStmt => {
             let copy = stmt as *mut pg_sys::CopyStmt;
@@ -147,6 +151,80 @@ unsafe fn intercept(
         }
         _ => Ok(false),
     }
+}
+
+/// While a migration runs, DDL on its shard tables or their distributed tables is refused, and
+/// a COPY FROM straight into a fenced shard table fails like any other stale write.
+unsafe fn guard_migrating(stmt: *mut pg_sys::Node) -> Result<(), RemusError> {
+    let mut targets: Vec<*mut pg_sys::RangeVar> = Vec::new();
+    match (*stmt).type_ {
+        pg_sys::NodeTag::T_AlterTableStmt => targets.push((*(stmt as *mut pg_sys::AlterTableStmt)).relation),
+        pg_sys::NodeTag::T_IndexStmt => targets.push((*(stmt as *mut pg_sys::IndexStmt)).relation),
+        pg_sys::NodeTag::T_CreateTrigStmt => targets.push((*(stmt as *mut pg_sys::CreateTrigStmt)).relation),
+        pg_sys::NodeTag::T_RenameStmt => targets.push((*(stmt as *mut pg_sys::RenameStmt)).relation),
+        pg_sys::NodeTag::T_TruncateStmt => {
+            targets.extend(list_ptrs::<pg_sys::RangeVar>((*(stmt as *mut pg_sys::TruncateStmt)).relations))
+        }
+        pg_sys::NodeTag::T_DropStmt => {
+            let d = stmt as *mut pg_sys::DropStmt;
+            if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
+                for obj in list_ptrs::<pg_sys::List>((*d).objects) {
+                    targets.push(pg_sys::makeRangeVarFromNameList(obj));
+                }
+            }
+        }
+        pg_sys::NodeTag::T_CopyStmt => {
+            let copy = stmt as *mut pg_sys::CopyStmt;
+            if (*copy).is_from {
+                if let Some((_, ids)) = relation_shards((*copy).relation, false)? {
+                    crate::handover::check_write(&ids)?;
+                }
+            }
+            return Ok(());
+        }
+        _ => return Ok(()),
+    }
+    for rv in targets {
+        if let Some((name, ids)) = relation_shards(rv, true)? {
+            crate::handover::check_ddl(&name, &ids)?;
+        }
+    }
+    Ok(())
+}
+
+/// The shards behind `rv`: itself if it is a shard table, all of its shards if it is a
+/// distributed table (only when `with_shells`).
+unsafe fn relation_shards(
+    rv: *mut pg_sys::RangeVar,
+    with_shells: bool,
+) -> Result<Option<(String, Vec<i64>)>, RemusError> {
+    if rv.is_null() {
+        return Ok(None);
+    }
+    let relid = pg_sys::RangeVarGetRelidExtended(rv, pg_sys::NoLock as i32, pg_sys::RVROption::RVR_MISSING_OK, None, std::ptr::null_mut());
+    if relid == pg_sys::InvalidOid {
+        return Ok(None);
+    }
+    if with_shells {
+        if let Some(d) = super::dist_table(relid)? {
+            let ids = super::placements(d.relid)?.iter().map(|p| p.shard_id).collect();
+            return Ok(Some((d.qualified_name.clone(), ids)));
+        }
+    }
+    let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+    if shard_nsp == pg_sys::InvalidOid || pg_sys::get_rel_namespace(relid) != shard_nsp {
+        return Ok(None);
+    }
+    let name = pg_sys::get_rel_name(relid);
+    if name.is_null() {
+        return Ok(None);
+    }
+    let name = CStr::from_ptr(name).to_string_lossy().into_owned();
+    Ok(name
+        .rsplit('_')
+        .next()
+        .and_then(|s| s.parse::<i64>().ok())
+        .map(|id| (format!("remus_shards.{name}"), vec![id])))
 }
 
 /// Runs a utility command on the shard's owner, inside the current transaction.

@@ -1,0 +1,435 @@
+//! The node-side primitives a migration's handover uses, kept in shared memory so every backend
+//! of the node obeys them at its next statement. The coordinator's driver decides when to use
+//! them (see docs/ARCHITECTURE.md, "The migration pipeline"); nothing here knows about phases.
+//!
+//! - Registration (`remus.migration_begin` … `remus.migration_end`): while a migration runs, DDL
+//!   on its shard tables and on their distributed tables fails with 55006, because a shard whose
+//!   schema changes under the copy and the replay would silently diverge.
+//! - Fence (`remus.migration_fence`): once ownership has moved (or is about to), a write that
+//!   still reaches the source's shard table was routed with a stale map; it fails with 40001 so
+//!   the client retries on the new owner, and is counted as aborted by the migration.
+//! - Writer abort (`remus.abort_shard_writers`, lock_abort): the backends holding a write lock on
+//!   the shard are cancelled; the cancel they get is turned into 40001 (retryable) and counted.
+//!   A victim idle in its transaction ignores a cancel, so its next statement raises instead.
+//! - Admission gate (`remus.close_gate` / `remus.open_gate`, wait_remaster): client
+//!   transactions that start after the gate closed wait at their next statement; transactions
+//!   already running (and 2PC participants working for them) are never held.
+//!
+//! Every session of the migration machinery (`remus.migration_session`) is exempt from all four.
+//! The state lives only in shared memory: a node restart clears it (the coordinator's record in
+//! etcd says what was going on).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, pg_sys, PGRXSharedMemory, PgAtomic, PgLwLock};
+
+use crate::error::RemusError;
+
+const MAX_SHARDS: usize = 512;
+const MAX_MIGRATIONS: usize = 64;
+const MAX_VICTIMS: usize = 512;
+/// How long a gated backend sleeps between looks at the gate.
+const GATE_POLL_MS: i64 = 2;
+
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct ShardEntry {
+    /// 0: free.
+    migration_id: i64,
+    shard_id: i64,
+}
+
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct MigrationEntry {
+    /// 0: free.
+    migration_id: i64,
+    fenced: bool,
+    aborts: u64,
+}
+
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct Victim {
+    /// 0: free.
+    migration_id: i64,
+    pid: i32,
+    backend_id: i32,
+    lxid: u32,
+}
+
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct Gate {
+    /// 0: open.
+    migration_id: i64,
+    closed_at: pg_sys::TimestampTz,
+    deadline: pg_sys::TimestampTz,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct HandoverState {
+    shards: [ShardEntry; MAX_SHARDS],
+    migrations: [MigrationEntry; MAX_MIGRATIONS],
+    victims: [Victim; MAX_VICTIMS],
+    gate: Gate,
+}
+
+impl Default for HandoverState {
+    fn default() -> Self {
+        Self {
+            shards: [ShardEntry::default(); MAX_SHARDS],
+            migrations: [MigrationEntry::default(); MAX_MIGRATIONS],
+            victims: [Victim::default(); MAX_VICTIMS],
+            gate: Gate::default(),
+        }
+    }
+}
+
+// SAFETY: plain-old-data (integers and bools), no pointers: valid in every process.
+unsafe impl PGRXSharedMemory for HandoverState {}
+
+static STATE: PgLwLock<HandoverState> = unsafe { PgLwLock::new(c"remus_handover_state") };
+/// Non-zero while anything above is in use: the per-statement checks then take the lock; when
+/// zero (the normal case) they cost one atomic load.
+static ACTIVE: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_handover_active") };
+
+pub fn init_shmem() {
+    pg_shmem_init!(STATE);
+    pg_shmem_init!(ACTIVE);
+}
+
+fn recount(s: &HandoverState) {
+    let n = s.migrations.iter().filter(|m| m.migration_id != 0).count()
+        + s.victims.iter().filter(|v| v.migration_id != 0).count()
+        + usize::from(s.gate.migration_id != 0);
+    ACTIVE.get().store(n as u32, Ordering::Release);
+}
+
+/// Is any migration, victim or gate registered on this node? (One atomic load.)
+pub fn active() -> bool {
+    ACTIVE.get().load(Ordering::Acquire) != 0
+}
+
+fn exempt() -> bool {
+    crate::guc::MIGRATION_SESSION.get()
+}
+
+fn count_abort(s: &mut HandoverState, migration_id: i64) {
+    if let Some(m) = s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+        m.aborts += 1;
+    }
+}
+
+/// This backend's (backend id, local transaction id).
+fn my_vxid() -> (i32, u32) {
+    // SAFETY: MyProc is this backend's own PGPROC, set up before any statement runs.
+    unsafe {
+        if pg_sys::MyProc.is_null() {
+            return (-1, 0);
+        }
+        ((*pg_sys::MyProc).backendId, (*pg_sys::MyProc).lxid)
+    }
+}
+
+fn my_pid() -> i32 {
+    // SAFETY: process global set at backend start.
+    unsafe { pg_sys::MyProcPid }
+}
+
+/// At the start of every statement of a client session (planner, ExecutorStart and utility
+/// hooks): waits at a closed gate, and fails a transaction that a lock_abort handover aborted
+/// while it was idle.
+pub fn admit_statement() -> Result<(), RemusError> {
+    if !active() || exempt() {
+        return Ok(());
+    }
+    wait_at_gate();
+    let (backend_id, lxid) = my_vxid();
+    let pid = my_pid();
+    let mut s = STATE.exclusive();
+    if let Some(v) = s
+        .victims
+        .iter_mut()
+        .find(|v| v.migration_id != 0 && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid)
+    {
+        let migration_id = v.migration_id;
+        *v = Victim::default();
+        count_abort(&mut s, migration_id);
+        recount(&s);
+        return Err(RemusError::AbortedByMigration { migration_id });
+    }
+    Ok(())
+}
+
+fn wait_at_gate() {
+    // SAFETY: reading process globals of this backend.
+    let client = unsafe { pg_sys::MyBackendType == pg_sys::BackendType::B_BACKEND };
+    if !client || crate::guc::FORWARDED.get() {
+        return;
+    }
+    // SAFETY: we are inside a transaction whenever a statement runs.
+    let xact_start = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    loop {
+        let gate = STATE.share().gate;
+        if gate.migration_id == 0 || xact_start < gate.closed_at {
+            return;
+        }
+        // SAFETY: plain clock read.
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        if now >= gate.deadline {
+            warning!(
+                "the admission gate of shard migration {} stayed closed past its timeout; going on",
+                gate.migration_id
+            );
+            return;
+        }
+        // SAFETY: waiting on this backend's own latch with a timeout, as PostgreSQL's own
+        // waits do; interrupts are processed right after.
+        unsafe {
+            pg_sys::WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                GATE_POLL_MS as _,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
+        check_for_interrupts!();
+    }
+}
+
+/// The registered migration of `shard_id`, if any.
+fn migration_of(s: &HandoverState, shard_id: i64) -> Option<i64> {
+    s.shards.iter().find(|e| e.migration_id != 0 && e.shard_id == shard_id).map(|e| e.migration_id)
+}
+
+/// Before a write (INSERT/UPDATE/DELETE/COPY FROM) on shard tables `shard_ids` of this node:
+/// fails it if one of them is fenced.
+pub fn check_write(shard_ids: &[i64]) -> Result<(), RemusError> {
+    if !active() || exempt() || shard_ids.is_empty() {
+        return Ok(());
+    }
+    let mut s = STATE.exclusive();
+    for &shard_id in shard_ids {
+        let Some(migration_id) = migration_of(&s, shard_id) else { continue };
+        let fenced = s.migrations.iter().any(|m| m.migration_id == migration_id && m.fenced);
+        if fenced {
+            count_abort(&mut s, migration_id);
+            return Err(RemusError::ShardMoved { shard_id, migration_id });
+        }
+    }
+    Ok(())
+}
+
+/// Before DDL on a relation: `shard_ids` are the shards the relation is (a shard table) or has
+/// (a distributed table). Refused while one of them is migrating.
+pub fn check_ddl(table: &str, shard_ids: &[i64]) -> Result<(), RemusError> {
+    if !active() || exempt() {
+        return Ok(());
+    }
+    let s = STATE.share();
+    for &shard_id in shard_ids {
+        if let Some(migration_id) = migration_of(&s, shard_id) {
+            return Err(RemusError::ObjectInUse(format!(
+                "table {table} is being migrated by shard migration {migration_id} (shard {shard_id}); retry the DDL when it has ended"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// emit_log_hook: a query cancel that a lock_abort handover sent becomes a retryable 40001 for
+/// the client, and is counted. Returns the migration if `edata` was rewritten.
+///
+/// # Safety
+/// `edata` must be the ErrorData being emitted.
+pub unsafe fn rewrite_cancel(edata: *mut pg_sys::ErrorData) -> Option<i64> {
+    if edata.is_null() || !active() {
+        return None;
+    }
+    if (*edata).sqlerrcode != PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32 || (*edata).elevel < PgLogLevel::ERROR as i32 {
+        return None;
+    }
+    let pid = my_pid();
+    let migration_id = {
+        // Never raised while this backend holds the lock (every error path drops it first).
+        let mut s = STATE.exclusive();
+        let v = s.victims.iter_mut().find(|v| v.migration_id != 0 && v.pid == pid)?;
+        let migration_id = v.migration_id;
+        *v = Victim::default();
+        count_abort(&mut s, migration_id);
+        recount(&s);
+        migration_id
+    };
+    let message = RemusError::AbortedByMigration { migration_id }.to_string();
+    let c = std::ffi::CString::new(message).ok()?;
+    (*edata).sqlerrcode = PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE as i32;
+    (*edata).message = pg_sys::MemoryContextStrdup(pg_sys::ErrorContext, c.as_ptr());
+    Some(migration_id)
+}
+
+#[pg_schema]
+mod remus {
+    use pgrx::prelude::*;
+
+    use super::*;
+
+    /// Registers a migration's shards on this node (DDL on them is refused until
+    /// `migration_end`). Idempotent.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_begin(migration_id: i64, shard_ids: Vec<i64>) {
+        if migration_id <= 0 {
+            RemusError::InvalidArgument(format!("invalid migration id {migration_id}")).raise();
+        }
+        let mut s = STATE.exclusive();
+        if !s.migrations.iter().any(|m| m.migration_id == migration_id) {
+            let Some(slot) = s.migrations.iter_mut().find(|m| m.migration_id == 0) else {
+                drop(s);
+                RemusError::ObjectInUse(format!("too many concurrent migrations on this node (at most {MAX_MIGRATIONS})")).raise()
+            };
+            *slot = MigrationEntry { migration_id, fenced: false, aborts: 0 };
+        }
+        for shard_id in shard_ids {
+            if let Some(other) = migration_of(&s, shard_id) {
+                if other != migration_id {
+                    drop(s);
+                    RemusError::ObjectInUse(format!("shard {shard_id} is already registered by migration {other}")).raise();
+                }
+                continue;
+            }
+            let Some(slot) = s.shards.iter_mut().find(|e| e.migration_id == 0) else {
+                drop(s);
+                RemusError::ObjectInUse(format!("too many migrating shards on this node (at most {MAX_SHARDS})")).raise()
+            };
+            *slot = ShardEntry { migration_id, shard_id };
+        }
+        recount(&s);
+    }
+
+    /// From now on a write that reaches one of the migration's shard tables on this node fails
+    /// with 40001 and is counted.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_fence(migration_id: i64) {
+        let mut s = STATE.exclusive();
+        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+            Some(m) => m.fenced = true,
+            None => {
+                drop(s);
+                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+            }
+        }
+    }
+
+    /// Transactions this node counted as aborted by the migration so far.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_aborts(migration_id: i64) -> i64 {
+        STATE
+            .share()
+            .migrations
+            .iter()
+            .find(|m| m.migration_id == migration_id)
+            .map(|m| m.aborts as i64)
+            .unwrap_or(0)
+    }
+
+    /// Clears everything of the migration on this node; returns its abort count. Idempotent.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_end(migration_id: i64) -> i64 {
+        let mut s = STATE.exclusive();
+        let mut aborts = 0;
+        for m in s.migrations.iter_mut().filter(|m| m.migration_id == migration_id) {
+            aborts += m.aborts as i64;
+            *m = MigrationEntry::default();
+        }
+        for e in s.shards.iter_mut().filter(|e| e.migration_id == migration_id) {
+            *e = ShardEntry::default();
+        }
+        for v in s.victims.iter_mut().filter(|v| v.migration_id == migration_id) {
+            *v = Victim::default();
+        }
+        if s.gate.migration_id == migration_id {
+            s.gate = Gate::default();
+        }
+        recount(&s);
+        aborts
+    }
+
+    /// lock_abort: cancels every other backend holding a write lock (RowExclusiveLock or
+    /// stronger) on `relids`, after marking its transaction as a victim of the migration (its
+    /// cancel becomes 40001; idle in transaction, its next statement fails). Returns how many
+    /// were signalled. Prepared transactions are not backends and are left to finish.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn abort_shard_writers(migration_id: i64, relids: Vec<pg_sys::Oid>) -> i32 {
+        let holders: Vec<(i32, i32, u32)> = Spi::connect(|c| {
+            c.select(
+                "SELECT DISTINCT pid, split_part(virtualtransaction, '/', 1)::int,
+                        split_part(virtualtransaction, '/', 2)::bigint
+                   FROM pg_locks
+                  WHERE relation = ANY($1) AND granted AND pid IS NOT NULL
+                    AND pid <> pg_backend_pid()
+                    AND mode NOT IN ('AccessShareLock', 'RowShareLock')",
+                None,
+                &[relids.into()],
+            )?
+            .map(|r| Ok((r.get::<i32>(1)?.unwrap_or(0), r.get::<i32>(2)?.unwrap_or(-1), r.get::<i64>(3)?.unwrap_or(0) as u32)))
+            .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+        })
+        .unwrap_or_else(|e| RemusError::from(e).raise());
+        {
+            let mut s = STATE.exclusive();
+            for &(pid, backend_id, lxid) in &holders {
+                if s.victims.iter().any(|v| v.pid == pid && v.backend_id == backend_id && v.lxid == lxid) {
+                    continue;
+                }
+                match s.victims.iter_mut().find(|v| v.migration_id == 0) {
+                    Some(slot) => *slot = Victim { migration_id, pid, backend_id, lxid },
+                    None => break,
+                }
+            }
+            recount(&s);
+        }
+        let mut signalled = 0;
+        for (pid, _, _) in holders {
+            let ok = Spi::get_one_with_args::<bool>("SELECT pg_cancel_backend($1)", &[pid.into()])
+                .unwrap_or(Some(false))
+                .unwrap_or(false);
+            if ok {
+                signalled += 1;
+            }
+        }
+        signalled
+    }
+
+    /// wait_remaster: client transactions that start from now on wait at their next statement
+    /// until `open_gate` or `timeout_ms` pass. Returns when the gate closed.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn close_gate(migration_id: i64, timeout_ms: i32) -> TimestampWithTimeZone {
+        // SAFETY: plain clock read.
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let mut s = STATE.exclusive();
+        if s.gate.migration_id != 0 && s.gate.migration_id != migration_id && now < s.gate.deadline {
+            let other = s.gate.migration_id;
+            drop(s);
+            RemusError::ObjectInUse(format!("the admission gate is held by migration {other}")).raise();
+        }
+        s.gate = Gate {
+            migration_id,
+            closed_at: now,
+            deadline: now + i64::from(timeout_ms.max(0)) * 1000,
+        };
+        recount(&s);
+        TimestampWithTimeZone::try_from(now).unwrap_or_else(|_| TimestampWithTimeZone::positive_infinity())
+    }
+
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn open_gate(migration_id: i64) {
+        let mut s = STATE.exclusive();
+        if s.gate.migration_id == migration_id {
+            s.gate = Gate::default();
+        }
+        recount(&s);
+    }
+}
