@@ -563,10 +563,15 @@ impl Run {
         what: &str,
     ) -> Result<(), DriverError> {
         let c = self.config.connector.connect(node).await?;
+        let requester = match &self.plan.requested_by {
+            Some((n, pid)) if *n == node.name => *pid,
+            _ => 0,
+        };
         let query = format!(
             "SELECT count(*), min(pid), min(xact_start)::text FROM pg_stat_activity
               WHERE backend_type = 'client backend' AND xact_start < {}::timestamptz
-                AND pid <> pg_backend_pid() AND application_name <> 'remus_migration'",
+                AND pid <> pg_backend_pid() AND pid <> {requester}
+                AND application_name <> 'remus_migration'",
             quote_literal(before)
         );
         let mut reported = false;
@@ -657,12 +662,39 @@ impl Run {
         self.reporter.advance(Phase::Cleanup).await?;
         self.state.tm_decided = true;
         for (node, c) in &sessions {
-            c.batch_execute(&format!(
-                "COMMIT PREPARED {}; SELECT remus.bump_map_generation();",
-                quote_literal(&tm_gid(id, &node.name))
-            ))
-            .await
-            .map_err(sql(node))?;
+            // Decided: a node that does not answer is retried (a fresh session each time)
+            // until it commits; giving up here would leave the map split.
+            let gid = tm_gid(id, &node.name);
+            let mut attempt = 0u32;
+            loop {
+                let r = async {
+                    let c = self.config.connector.connect(node).await?;
+                    let pending = !c
+                        .query("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
+                        .await
+                        .map_err(sql(node))?
+                        .is_empty();
+                    if pending {
+                        c.batch_execute(&format!("COMMIT PREPARED {}", quote_literal(&gid)))
+                            .await
+                            .map_err(sql(node))?;
+                    }
+                    Ok::<_, DriverError>(())
+                }
+                .await;
+                match r {
+                    Ok(()) => break,
+                    Err(e) if attempt < 600 => {
+                        attempt += 1;
+                        if attempt == 1 {
+                            warn!(migration_id = id, phase = "handover", node = %node.name, error = %describe(&e), "COMMIT PREPARED of Tm failed; retrying");
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            c.batch_execute("SELECT remus.bump_map_generation()").await.map_err(sql(node))?;
             let at: String = c.query_one("SELECT clock_timestamp()::text", &[]).await.map_err(sql(node))?.get(0);
             self.state.tm_committed_at.push((node.clone(), at));
         }

@@ -43,6 +43,15 @@ pub struct MigrationPlan {
     pub target: NodeRecord,
     /// Every node of the cluster (Tm and the handover touch them all).
     pub nodes: Vec<NodeRecord>,
+    /// The backend waiting for this migration from SQL (node name, pid): its own one-statement
+    /// transaction is not one the migration waits for.
+    pub requested_by: Option<(String, i32)>,
+}
+
+/// "<node>:<pid>" as sent by the SQL functions.
+pub fn parse_requested_by(s: &str) -> Option<(String, i32)> {
+    let (node, pid) = s.rsplit_once(':')?;
+    Some((node.to_string(), pid.parse().ok()?))
 }
 
 /// A refused request.
@@ -217,5 +226,5 @@ pub async fn plan(
         Refusal::new(Code::Unavailable, "08006", format!("source node is unreachable: {e}"))
     })?;
     let shard_ids = tables.iter().map(|t| t.shard_id).collect();
-    Ok(MigrationPlan { mode, shard_ids, tables, source: source_node, target: target_node, nodes })
+    Ok(MigrationPlan { mode, shard_ids, tables, source: source_node, target: target_node, nodes, requested_by: None })
 }

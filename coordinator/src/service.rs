@@ -189,9 +189,10 @@ impl Coordinator for CoordinatorService {
             )
             .into_status());
         }
-        let plan = plan::plan(&self.nodes, &self.driver.connector, &req.shard_ids, &req.target, mode)
+        let mut plan = plan::plan(&self.nodes, &self.driver.connector, &req.shard_ids, &req.target, mode)
             .await
             .map_err(Refusal::into_status)?;
+        plan.requested_by = plan::parse_requested_by(&req.requested_by);
         let record = self
             .migrations
             .create(&plan.shard_ids, &plan.source.name, &plan.target.name, mode)

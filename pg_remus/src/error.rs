@@ -54,6 +54,8 @@ pub enum RemusError {
     AbortedByMigration { migration_id: i64 },
     #[error("shard {shard_id} was moved by shard migration {migration_id}; retry the transaction")]
     ShardMoved { shard_id: i64, migration_id: i64 },
+    #[error("shard migration {migration_id} {status}: {error}")]
+    MigrationFailed { migration_id: i64, status: String, error: String },
     #[error("remus.coordinator_address is not set; set it to the coordinator's gRPC address (e.g. http://127.0.0.1:6102)")]
     CoordinatorUnset,
     #[error("shard {shard_id} is not owned by node {node} for this transaction")]
@@ -77,7 +79,7 @@ impl RemusError {
             Self::NodeNameUnset => ERRCODE_CONFIG_FILE_ERROR,
             Self::NodeVanished(_) => ERRCODE_T_R_SERIALIZATION_FAILURE,
             Self::AbortedByMigration { .. } | Self::ShardMoved { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
-            Self::CoordinatorUnset => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            Self::CoordinatorUnset | Self::MigrationFailed { .. } => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Self::Spi(_) => ERRCODE_INTERNAL_ERROR,
             Self::InvalidArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             Self::NoHashFunction(_) => ERRCODE_UNDEFINED_FUNCTION,

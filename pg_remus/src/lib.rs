@@ -9,6 +9,7 @@
 //! - [`router`]: planning and executing statements on distributed tables, from any node.
 //! - [`handover`]: shared-memory primitives of a migration's handover (registration, fence,
 //!   writer abort, admission gate).
+//! - [`migrate`]: `remus_migrate_shard(s)` and `remus_migrations`, answered by the coordinator.
 //! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
 //! - [`recovery_worker`]: the background worker that runs recovery on every node.
 //!
@@ -23,6 +24,7 @@ pub mod error;
 pub mod guc;
 pub mod handover;
 pub mod hashing;
+pub mod migrate;
 pub mod nodes;
 pub mod recovery;
 pub mod recovery_worker;

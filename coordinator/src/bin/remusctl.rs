@@ -121,7 +121,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let state = ClusterState::load(&dir)?;
             let mut c = coordinator::client::connect(&state.coordinator_endpoint()).await?;
             let mut events = match c
-                .migrate_shards(remus_proto::v1::MigrateShardsRequest { shard_ids: shards, target: to, mode })
+                .migrate_shards(remus_proto::v1::MigrateShardsRequest { shard_ids: shards, target: to, mode, requested_by: String::new() })
                 .await
             {
                 Ok(r) => r.into_inner(),

@@ -1,0 +1,316 @@
+//! The SQL face of shard migration: `remus_migrate_shard(s)` and the `remus_migrations` view ask
+//! the coordinator (gRPC, `remus.coordinator_address`), which drives migrations and keeps their
+//! state in etcd. Nothing of a migration runs inside the calling backend, so cancelling the call
+//! stops the waiting, not the migration.
+//!
+//! The gRPC client runs on a current-thread tokio runtime owned by the backend. Every wait is
+//! sliced so that interrupts (cancel, statement_timeout, terminate) are served within 100 ms,
+//! outside the runtime.
+
+use std::future::Future;
+use std::time::Duration;
+
+use pgrx::prelude::*;
+use remus_proto::v1::coordinator_client::CoordinatorClient;
+use remus_proto::v1::{ListMigrationsRequest, MigrateShardsRequest, Migration};
+
+use crate::error::RemusError;
+
+const SLICE: Duration = Duration::from_millis(100);
+
+thread_local! {
+    static RUNTIME: std::cell::OnceCell<tokio::runtime::Runtime> = const { std::cell::OnceCell::new() };
+}
+
+fn coordinator_error(message: String) -> RemusError {
+    RemusError::Remote {
+        node: "coordinator".into(),
+        sqlstate: "08006".into(),
+        message,
+        detail: None,
+        hint: None,
+    }
+}
+
+/// Runs `fut` to completion on the backend's runtime, serving interrupts between slices.
+fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
+    RUNTIME.with(|cell| {
+        let rt = match cell.get() {
+            Some(rt) => rt,
+            None => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| coordinator_error(format!("cannot start the gRPC runtime: {e}")))?;
+                let _ = cell.set(rt);
+                cell.get().expect("just set")
+            }
+        };
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            match rt.block_on(async { tokio::time::timeout(SLICE, &mut fut).await }) {
+                Ok(v) => return Ok(v),
+                Err(_) => {
+                    // Outside the runtime: an ERROR raised here unwinds only our own frames.
+                    check_for_interrupts!();
+                }
+            }
+        }
+    })
+}
+
+fn address() -> Result<String, RemusError> {
+    crate::guc::coordinator_address().ok_or(RemusError::CoordinatorUnset)
+}
+
+fn status_error(address: &str, status: tonic::Status) -> RemusError {
+    let sqlstate = status
+        .metadata()
+        .get("remus-sqlstate")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .unwrap_or_else(|| {
+            match status.code() {
+                tonic::Code::InvalidArgument => "22023",
+                tonic::Code::NotFound => "42704",
+                tonic::Code::AlreadyExists | tonic::Code::FailedPrecondition => "55006",
+                tonic::Code::Unimplemented => "0A000",
+                tonic::Code::Unavailable => "08006",
+                _ => "XX000",
+            }
+            .to_string()
+        });
+    RemusError::Remote {
+        node: format!("coordinator at {address}"),
+        sqlstate,
+        message: status.message().to_string(),
+        detail: None,
+        hint: None,
+    }
+}
+
+async fn connect(address: &str) -> Result<CoordinatorClient<tonic::transport::Channel>, RemusError> {
+    let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())
+        .map_err(|e| RemusError::InvalidArgument(format!("remus.coordinator_address {address:?}: {e}")))?
+        .connect_timeout(Duration::from_secs(5));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| coordinator_error(format!("cannot reach the coordinator at {address}: {e}")))?;
+    Ok(CoordinatorClient::new(channel))
+}
+
+fn migrate(shard_ids: Vec<i64>, target: &str, mode: &str, what: &std::ffi::CStr) -> Result<Migration, RemusError> {
+    // The migration runs its own cross-node transactions; waiting for it inside a transaction
+    // block would hold this transaction's snapshot and locks across the whole move.
+    // SAFETY: raises 25001 inside a transaction block, as VACUUM does.
+    unsafe { pg_sys::PreventInTransactionBlock(true, what.as_ptr()) };
+    let address = address()?;
+    // SAFETY: process global.
+    let pid = unsafe { pg_sys::MyProcPid };
+    let requested_by = format!("{}:{pid}", crate::guc::node_name().unwrap_or_default());
+    let request = MigrateShardsRequest { shard_ids, target: target.to_string(), mode: mode.to_string(), requested_by };
+    let last = block_on(async {
+        let mut client = connect(&address).await?;
+        let mut events = client.migrate_shards(request).await.map_err(|s| status_error(&address, s))?.into_inner();
+        let mut last = None;
+        loop {
+            match events.message().await {
+                Ok(Some(ev)) => last = ev.migration.or(last),
+                Ok(None) => break,
+                Err(s) => return Err(status_error(&address, s)),
+            }
+        }
+        Ok::<_, RemusError>(last)
+    })??;
+    let m = last.ok_or_else(|| coordinator_error("the coordinator ended the call without a migration".into()))?;
+    match m.status.as_str() {
+        "succeeded" => Ok(m),
+        _ => Err(RemusError::MigrationFailed {
+            migration_id: m.id as i64,
+            status: m.status.clone(),
+            error: m.error.clone().unwrap_or_else(|| "no reason recorded".into()),
+        }),
+    }
+}
+
+type MigrationRow = (
+    name!(migration_id, i64),
+    name!(shard_ids, Vec<i64>),
+    name!(source, String),
+    name!(target, String),
+    name!(mode, String),
+    name!(status, String),
+    name!(copy_ms, i64),
+    name!(catchup_ms, i64),
+    name!(handover_ms, i64),
+    name!(cleanup_ms, i64),
+    name!(total_ms, i64),
+    name!(rows_copied, i64),
+    name!(bytes_copied, i64),
+    name!(txns_replayed, i64),
+    name!(aborted_by_migration, i64),
+);
+
+fn summary(m: Migration) -> MigrationRow {
+    let ms = |p: &str| m.phase_ms.get(p).copied().unwrap_or(0) as i64;
+    let total = m.finished_at_ms.unwrap_or(m.started_at_ms).saturating_sub(m.started_at_ms) as i64;
+    (
+        m.id as i64,
+        m.shard_ids.clone(),
+        m.source.clone(),
+        m.target.clone(),
+        m.mode.clone(),
+        m.status.clone(),
+        ms("copy"),
+        ms("catchup"),
+        ms("handover") + ms("barrier") + ms("dual"),
+        ms("cleanup"),
+        total,
+        m.rows_copied as i64,
+        m.bytes_copied as i64,
+        m.txns_replayed as i64,
+        m.aborted_by_migration as i64,
+    )
+}
+
+/// Moves `shard_id` and every shard co-located with it to `target_node`; returns when the
+/// migration has ended, with its figures. A migration that did not succeed raises its error.
+#[pg_extern(volatile, parallel_unsafe)]
+fn remus_migrate_shard(
+    shard_id: i64,
+    target_node: &str,
+    mode: default!(&str, "'remus'"),
+) -> TableIterator<'static, (
+        name!(migration_id, i64),
+        name!(shard_ids, Vec<i64>),
+        name!(source, String),
+        name!(target, String),
+        name!(mode, String),
+        name!(status, String),
+        name!(copy_ms, i64),
+        name!(catchup_ms, i64),
+        name!(handover_ms, i64),
+        name!(cleanup_ms, i64),
+        name!(total_ms, i64),
+        name!(rows_copied, i64),
+        name!(bytes_copied, i64),
+        name!(txns_replayed, i64),
+        name!(aborted_by_migration, i64),
+    )> {
+    let m = migrate(vec![shard_id], target_node, mode, c"remus_migrate_shard()").unwrap_or_else(|e| e.raise());
+    TableIterator::once(summary(m))
+}
+
+/// Moves several shards (of one node) at once; see `remus_migrate_shard`.
+#[pg_extern(volatile, parallel_unsafe)]
+fn remus_migrate_shards(
+    shard_ids: Vec<i64>,
+    target_node: &str,
+    mode: default!(&str, "'remus'"),
+) -> TableIterator<'static, (
+        name!(migration_id, i64),
+        name!(shard_ids, Vec<i64>),
+        name!(source, String),
+        name!(target, String),
+        name!(mode, String),
+        name!(status, String),
+        name!(copy_ms, i64),
+        name!(catchup_ms, i64),
+        name!(handover_ms, i64),
+        name!(cleanup_ms, i64),
+        name!(total_ms, i64),
+        name!(rows_copied, i64),
+        name!(bytes_copied, i64),
+        name!(txns_replayed, i64),
+        name!(aborted_by_migration, i64),
+    )> {
+    let m = migrate(shard_ids, target_node, mode, c"remus_migrate_shards()").unwrap_or_else(|e| e.raise());
+    TableIterator::once(summary(m))
+}
+
+#[pg_schema]
+mod remus {
+    use pgrx::prelude::*;
+
+    use super::*;
+
+    /// Every migration the coordinator knows, for the `remus_migrations` view.
+    #[pg_extern(volatile, parallel_unsafe)]
+    #[allow(clippy::type_complexity)]
+    fn list_migrations() -> TableIterator<
+        'static,
+        (
+            name!(migration_id, i64),
+            name!(shard_ids, Vec<i64>),
+            name!(source, String),
+            name!(target, String),
+            name!(mode, String),
+            name!(phase, String),
+            name!(status, String),
+            name!(rows_copied, i64),
+            name!(bytes_copied, i64),
+            name!(txns_replayed, i64),
+            name!(aborted_by_migration, i64),
+            name!(phase_ms, String),
+            name!(started_at_ms, i64),
+            name!(finished_at_ms, Option<i64>),
+            name!(waiting_on, Option<String>),
+            name!(error, Option<String>),
+        ),
+    > {
+        let result = address().and_then(|address| {
+            block_on(async {
+                let mut client = connect(&address).await?;
+                client
+                    .list_migrations(ListMigrationsRequest {})
+                    .await
+                    .map(|r| r.into_inner().migrations)
+                    .map_err(|s| status_error(&address, s))
+            })?
+        });
+        let migrations = result.unwrap_or_else(|e| e.raise());
+        let rows: Vec<_> = migrations
+            .into_iter()
+            .map(|m| {
+                let phase_ms = format!(
+                    "{{{}}}",
+                    m.phase_ms.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect::<Vec<_>>().join(", ")
+                );
+                (
+                    m.id as i64,
+                    m.shard_ids,
+                    m.source,
+                    m.target,
+                    m.mode,
+                    m.phase,
+                    m.status,
+                    m.rows_copied as i64,
+                    m.bytes_copied as i64,
+                    m.txns_replayed as i64,
+                    m.aborted_by_migration as i64,
+                    phase_ms,
+                    m.started_at_ms as i64,
+                    m.finished_at_ms.map(|v| v as i64),
+                    m.waiting_on,
+                    m.error,
+                )
+            })
+            .collect();
+        TableIterator::new(rows)
+    }
+}
+
+pgrx::extension_sql!(
+    r#"
+CREATE VIEW remus_migrations AS
+    SELECT migration_id, shard_ids, source, target, mode, phase, status, rows_copied,
+           bytes_copied, txns_replayed, aborted_by_migration, phase_ms::jsonb AS phase_ms,
+           to_timestamp(started_at_ms / 1000.0) AS started_at,
+           to_timestamp(finished_at_ms / 1000.0) AS finished_at, waiting_on, error
+      FROM remus.list_migrations();
+COMMENT ON VIEW remus_migrations IS 'Shard migrations, running and finished, as the coordinator keeps them: live phase, status, counters, what a running one waits on, why a failed one failed';
+"#,
+    name = "migrations_view",
+    requires = [list_migrations],
+);
