@@ -4,7 +4,7 @@
 //! nothing, nothing of the migrations is left on any node, and pgbench's failures are exactly
 //! the transactions the migrations say they aborted.
 //!
-//! The coordinator runs with REMUS_VERIFY_HANDOVER=1: before each ownership flip it compares
+//! The coordinator runs with REMUS_VERIFY_HANDOVER=true: before each ownership flip it compares
 //! every moved shard table on source and target (row count and a digest over all columns) while
 //! the source is quiet, and fails the migration on a difference; the test counts those
 //! verifications in the coordinator's log.
@@ -85,7 +85,7 @@ fn leftovers(c: &TestCluster) -> Vec<String> {
 
 fn run(mode: &str, base_port: u16) {
     // Read by the coordinator that `cluster up` starts.
-    std::env::set_var("REMUS_VERIFY_HANDOVER", "1");
+    std::env::set_var("REMUS_VERIFY_HANDOVER", "true");
     let c = TestCluster::start(3, base_port).expect("cluster up");
     init_tpcb(&c, 4);
     let before = owners(&c, "pgbench_accounts");
