@@ -280,11 +280,13 @@ impl Run {
             .iter()
             .map(|t| format!("CREATE TABLE {} (LIKE {} INCLUDING ALL);\n", t.qualified(), t.shell))
             .collect();
-        self.state.target_tables = true;
+        // One transaction: either every table exists afterwards (and is ours to drop on
+        // rollback) or none was created (and a table that was already there is left alone).
         target
             .batch_execute(&format!("BEGIN;\n{ddl}COMMIT;"))
             .await
             .map_err(sql(&self.plan.target))?;
+        self.state.target_tables = true;
 
         // Slot first (it waits for the source's running transactions), then the copy sessions
         // import its snapshot. Both block: run them on a blocking thread.
