@@ -37,7 +37,7 @@ log "shard $shard on n1: $size"
 # indexes, as one client would do it.
 on n2 psql -Xq -c "SET remus.migration_session = on; CREATE TABLE big_pipe (LIKE big INCLUDING ALL)"
 start=$(date +%s.%N)
-on n1 psql -XAtc "COPY big_$shard TO STDOUT (FORMAT binary)" 2>/dev/null \
+on n1 psql -XAtc "COPY remus_shards.big_$shard TO STDOUT (FORMAT binary)" \
     | on n2 psql -Xq -c "COPY big_pipe FROM STDIN (FORMAT binary)"
 pipe_s=$(echo "$(date +%s.%N) - $start" | bc)
 pipe_rows=$(on n2 psql -XAtc "SELECT count(*) FROM big_pipe")

@@ -80,8 +80,9 @@ fn status_error(address: &str, status: tonic::Status) -> RemusError {
             }
             .to_string()
         });
+    let _ = address;
     RemusError::Remote {
-        node: format!("coordinator at {address}"),
+        node: "coordinator".into(),
         sqlstate,
         message: status.message().to_string(),
         detail: None,

@@ -114,6 +114,26 @@ impl TestCluster {
     pub fn node_names(&self) -> Vec<String> {
         (1..=self.nodes).map(|i| format!("n{i}")).collect()
     }
+
+    /// What a migration may leave behind on the nodes, as "node: kind name" lines: replication
+    /// slots, publications, replication origins and prepared transactions.
+    pub fn migration_artifacts(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        for n in self.node_names() {
+            let mut db = self.connect(&n).unwrap();
+            for (what, q) in [
+                ("slot", "SELECT slot_name::text FROM pg_replication_slots"),
+                ("publication", "SELECT pubname::text FROM pg_publication"),
+                ("origin", "SELECT roname FROM pg_replication_origin"),
+                ("prepared", "SELECT gid FROM pg_prepared_xacts"),
+            ] {
+                for r in db.query(q, &[]).unwrap() {
+                    found.push(format!("{n}: {what} {}", r.get::<_, String>(0)));
+                }
+            }
+        }
+        found
+    }
 }
 
 impl Drop for TestCluster {

@@ -65,23 +65,6 @@ fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
     .collect()
 }
 
-fn leftovers(c: &TestCluster) -> Vec<String> {
-    let mut found = Vec::new();
-    for n in c.node_names() {
-        let mut db = c.connect(&n).unwrap();
-        for (what, q) in [
-            ("slot", "SELECT slot_name::text FROM pg_replication_slots"),
-            ("publication", "SELECT pubname::text FROM pg_publication"),
-            ("origin", "SELECT roname FROM pg_replication_origin"),
-            ("prepared", "SELECT gid FROM pg_prepared_xacts"),
-        ] {
-            for r in db.query(q, &[]).unwrap() {
-                found.push(format!("{n}: {what} {}", r.get::<_, String>(0)));
-            }
-        }
-    }
-    found
-}
 
 fn run(mode: &str, base_port: u16) {
     // Read by the coordinator that `cluster up` starts.
@@ -152,7 +135,7 @@ fn run(mode: &str, base_port: u16) {
     for table in ["pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history"] {
         assert!(owners(&c, table).iter().all(|(_, o)| o != "n3"), "n3 still owns a shard of {table}");
     }
-    let left = leftovers(&c);
+    let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(prepared_everywhere(&c), 0);
 

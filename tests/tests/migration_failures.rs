@@ -17,23 +17,6 @@ fn sqlstate(e: &postgres::Error) -> String {
     e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {e}"))
 }
 
-fn migration_artifacts(c: &TestCluster) -> Vec<String> {
-    let mut found = Vec::new();
-    for n in c.node_names() {
-        let mut db = c.connect(&n).unwrap();
-        for (what, q) in [
-            ("slot", "SELECT slot_name::text FROM pg_replication_slots"),
-            ("publication", "SELECT pubname::text FROM pg_publication"),
-            ("origin", "SELECT roname FROM pg_replication_origin"),
-            ("prepared", "SELECT gid FROM pg_prepared_xacts"),
-        ] {
-            for r in db.query(q, &[]).unwrap() {
-                found.push(format!("{n}: {what} {}", r.get::<_, String>(0)));
-            }
-        }
-    }
-    found
-}
 
 #[test]
 fn failures_change_nothing_and_leave_nothing() {
@@ -102,7 +85,7 @@ fn failures_change_nothing_and_leave_nothing() {
     assert!(format!("{e:?}").contains("rolled_back"), "{e:?}");
     let exists: bool = n2.query_one("SELECT to_regclass($1) IS NOT NULL", &[&shard_table]).unwrap().get(0);
     assert!(!exists, "the target's copy is dropped");
-    assert_eq!(migration_artifacts(&c), Vec::<String>::new());
+    assert_eq!(c.migration_artifacts(), Vec::<String>::new());
     assert_eq!(shards_of(&mut n1, "items"), shards, "ownership unchanged");
     let (count, sum): (i64, i64) = {
         let r = n1.query_one("SELECT count(*), sum(id) FROM items", &[]).unwrap();
