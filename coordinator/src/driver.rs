@@ -22,6 +22,11 @@ use crate::node_registry::NodeRecord;
 use crate::plan::MigrationPlan;
 use crate::propagator::{Propagator, PropagatorError};
 
+/// A catch-up round this short means the target is close behind the source.
+const CATCHUP_CLOSE_ENOUGH: Duration = Duration::from_millis(500);
+/// A source that writes faster than the target applies never gets close; hand over anyway.
+const CATCHUP_MAX_ROUNDS: u32 = 20;
+
 /// Static configuration of the migration machinery.
 #[derive(Debug, Clone)]
 pub struct DriverConfig {
@@ -355,8 +360,27 @@ impl Run {
         )
         .await?;
         self.state.propagator = Some(propagator);
-        let lsn = self.sync_point().await?;
-        self.wait_applied(lsn).await
+        // Catch up in rounds until one round is short: the handover's final catch-up then has
+        // only about one round's worth of backlog to apply while writes are held.
+        let mut previous = Duration::MAX;
+        for round in 1..=CATCHUP_MAX_ROUNDS {
+            let started = Instant::now();
+            let lsn = self.sync_point().await?;
+            self.wait_applied(lsn).await?;
+            let took = started.elapsed();
+            info!(migration_id = self.id(), phase = "catchup", round, ms = took.as_millis() as u64, "catch-up round");
+            if took <= CATCHUP_CLOSE_ENOUGH {
+                break;
+            }
+            if took >= previous {
+                // The source writes the shards faster than the target applies: more rounds
+                // would only grow the backlog. The handover applies what is left.
+                warn!(migration_id = self.id(), phase = "catchup", round, "catch-up is not converging; handing over with the backlog");
+                break;
+            }
+            previous = took;
+        }
+        Ok(())
     }
 
     /// A position in the source's stream that everything committed before this call precedes:
