@@ -170,10 +170,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
 
 /// One line per phase entered by `remusctl migrate`.
 fn progress_line(m: &remus_proto::v1::Migration) -> String {
-    let previous = m
-        .phase_ms
+    // In pipeline order (the map itself has none).
+    let previous = coordinator::migration::Phase::ALL
         .iter()
-        .map(|(p, ms)| format!("{p} {ms} ms"))
+        .filter_map(|p| m.phase_ms.get(p.as_str()).map(|ms| format!("{p} {ms} ms")))
         .collect::<Vec<_>>()
         .join(", ");
     format!(
