@@ -50,7 +50,9 @@ pub enum RemusError {
     DuplicateObject(String),
     #[error("{0}")]
     ObjectInUse(String),
-    #[error("transaction aborted by shard migration {migration_id} (lock_abort handover); retry it")]
+    #[error("{0}")]
+    InsufficientPrivilege(String),
+    #[error("transaction aborted by shard migration {migration_id} (lock_abort); retry the transaction")]
     AbortedByMigration { migration_id: i64 },
     #[error("shard {shard_id} was moved by shard migration {migration_id}; retry the transaction")]
     ShardMoved { shard_id: i64, migration_id: i64 },
@@ -87,6 +89,7 @@ impl RemusError {
             Self::InvalidTableDefinition(_) => ERRCODE_INVALID_TABLE_DEFINITION,
             Self::DuplicateObject(_) => ERRCODE_DUPLICATE_OBJECT,
             Self::ObjectInUse(_) => ERRCODE_OBJECT_IN_USE,
+            Self::InsufficientPrivilege(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
             Self::FeatureNotSupported(_) => ERRCODE_FEATURE_NOT_SUPPORTED,
             Self::UnknownNode(_) => ERRCODE_UNDEFINED_OBJECT,
             Self::Connection { .. } => ERRCODE_CONNECTION_FAILURE,

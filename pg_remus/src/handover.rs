@@ -201,6 +201,32 @@ fn wait_at_gate() {
     }
 }
 
+/// At the end of every transaction (commit, abort, prepare): the marks of this backend's
+/// transaction go away; a mark never outlives the transaction it was made for.
+pub fn end_of_transaction() {
+    if !active() {
+        return;
+    }
+    let pid = my_pid();
+    let mut s = STATE.exclusive();
+    let mut cleared = false;
+    for v in s.victims.iter_mut().filter(|v| v.migration_id != 0 && v.pid == pid) {
+        *v = Victim::default();
+        cleared = true;
+    }
+    if cleared {
+        recount(&s);
+    }
+}
+
+/// The handover functions are the migration machinery's: superuser only (whatever the grants).
+fn require_superuser(function: &str) {
+    // SAFETY: catalog lookup for the current user, inside a transaction.
+    if !unsafe { pg_sys::superuser() } {
+        RemusError::InsufficientPrivilege(format!("permission denied for function {function}: superuser required")).raise();
+    }
+}
+
 /// The registered migration of `shard_id`, if any.
 fn migration_of(s: &HandoverState, shard_id: i64) -> Option<i64> {
     s.shards.iter().find(|e| e.migration_id != 0 && e.shard_id == shard_id).map(|e| e.migration_id)
@@ -254,10 +280,17 @@ pub unsafe fn rewrite_cancel(edata: *mut pg_sys::ErrorData) -> Option<i64> {
         return None;
     }
     let pid = my_pid();
+    // Still the victim's transaction: the hook runs before the abort is processed.
+    let (backend_id, lxid) = my_vxid();
     let migration_id = {
-        // Never raised while this backend holds the lock (every error path drops it first).
+        // Never re-entered while this backend holds the lock: LWLockAcquire holds off
+        // interrupts until the release, so no cancel can be raised in between, and every
+        // other error path here drops the guard before raising.
         let mut s = STATE.exclusive();
-        let v = s.victims.iter_mut().find(|v| v.migration_id != 0 && v.pid == pid)?;
+        let v = s
+            .victims
+            .iter_mut()
+            .find(|v| v.migration_id != 0 && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid)?;
         let migration_id = v.migration_id;
         *v = Victim::default();
         count_abort(&mut s, migration_id);
@@ -281,10 +314,19 @@ mod remus {
     /// `migration_end`). Idempotent.
     #[pg_extern(volatile, parallel_unsafe)]
     fn migration_begin(migration_id: i64, shard_ids: Vec<i64>) {
+        require_superuser("remus.migration_begin");
         if migration_id <= 0 {
             RemusError::InvalidArgument(format!("invalid migration id {migration_id}")).raise();
         }
         let mut s = STATE.exclusive();
+        // Refuse before changing anything.
+        if let Some((shard_id, other)) = shard_ids
+            .iter()
+            .find_map(|&id| migration_of(&s, id).filter(|&m| m != migration_id).map(|m| (id, m)))
+        {
+            drop(s);
+            RemusError::ObjectInUse(format!("shard {shard_id} is already registered by migration {other}")).raise();
+        }
         if !s.migrations.iter().any(|m| m.migration_id == migration_id) {
             let Some(slot) = s.migrations.iter_mut().find(|m| m.migration_id == 0) else {
                 drop(s);
@@ -293,11 +335,7 @@ mod remus {
             *slot = MigrationEntry { migration_id, fenced: false, aborts: 0 };
         }
         for shard_id in shard_ids {
-            if let Some(other) = migration_of(&s, shard_id) {
-                if other != migration_id {
-                    drop(s);
-                    RemusError::ObjectInUse(format!("shard {shard_id} is already registered by migration {other}")).raise();
-                }
+            if migration_of(&s, shard_id).is_some() {
                 continue;
             }
             let Some(slot) = s.shards.iter_mut().find(|e| e.migration_id == 0) else {
@@ -313,6 +351,7 @@ mod remus {
     /// with 40001 and is counted.
     #[pg_extern(volatile, parallel_unsafe)]
     fn migration_fence(migration_id: i64) {
+        require_superuser("remus.migration_fence");
         let mut s = STATE.exclusive();
         match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
             Some(m) => m.fenced = true,
@@ -326,6 +365,7 @@ mod remus {
     /// Transactions this node counted as aborted by the migration so far.
     #[pg_extern(volatile, parallel_unsafe)]
     fn migration_aborts(migration_id: i64) -> i64 {
+        require_superuser("remus.migration_aborts");
         STATE
             .share()
             .migrations
@@ -338,6 +378,7 @@ mod remus {
     /// Clears everything of the migration on this node; returns its abort count. Idempotent.
     #[pg_extern(volatile, parallel_unsafe)]
     fn migration_end(migration_id: i64) -> i64 {
+        require_superuser("remus.migration_end");
         let mut s = STATE.exclusive();
         let mut aborts = 0;
         for m in s.migrations.iter_mut().filter(|m| m.migration_id == migration_id) {
@@ -363,14 +404,17 @@ mod remus {
     /// were signalled. Prepared transactions are not backends and are left to finish.
     #[pg_extern(volatile, parallel_unsafe)]
     fn abort_shard_writers(migration_id: i64, relids: Vec<pg_sys::Oid>) -> i32 {
+        require_superuser("remus.abort_shard_writers");
         let holders: Vec<(i32, i32, u32)> = Spi::connect(|c| {
             c.select(
-                "SELECT DISTINCT pid, split_part(virtualtransaction, '/', 1)::int,
-                        split_part(virtualtransaction, '/', 2)::bigint
-                   FROM pg_locks
-                  WHERE relation = ANY($1) AND granted AND pid IS NOT NULL
-                    AND pid <> pg_backend_pid()
-                    AND mode NOT IN ('AccessShareLock', 'RowShareLock')",
+                // Client backends only: a prepared transaction has no pid, and autovacuum's
+                // ShareUpdateExclusiveLock is no client's write.
+                "SELECT DISTINCT l.pid, split_part(l.virtualtransaction, '/', 1)::int,
+                        split_part(l.virtualtransaction, '/', 2)::bigint
+                   FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                  WHERE l.relation = ANY($1) AND l.granted AND l.pid IS NOT NULL
+                    AND l.pid <> pg_backend_pid() AND a.backend_type = 'client backend'
+                    AND l.mode NOT IN ('AccessShareLock', 'RowShareLock')",
                 None,
                 &[relids.into()],
             )?
@@ -407,6 +451,7 @@ mod remus {
     /// until `open_gate` or `timeout_ms` pass. Returns when the gate closed.
     #[pg_extern(volatile, parallel_unsafe)]
     fn close_gate(migration_id: i64, timeout_ms: i32) -> TimestampWithTimeZone {
+        require_superuser("remus.close_gate");
         // SAFETY: plain clock read.
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         let mut s = STATE.exclusive();
@@ -426,10 +471,142 @@ mod remus {
 
     #[pg_extern(volatile, parallel_unsafe)]
     fn open_gate(migration_id: i64) {
+        require_superuser("remus.open_gate");
         let mut s = STATE.exclusive();
         if s.gate.migration_id == migration_id {
             s.gate = Gate::default();
         }
         recount(&s);
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    /// Runs `sql` and returns "ok", or "SQLSTATE: message" of the error it raised (caught in a
+    /// subtransaction, so the test goes on).
+    fn outcome(sql: &str) -> String {
+        Spi::run(
+            "CREATE OR REPLACE FUNCTION pg_temp.outcome(q text) RETURNS text LANGUAGE plpgsql AS $$
+             BEGIN EXECUTE q; RETURN 'ok';
+             EXCEPTION WHEN OTHERS THEN RETURN SQLSTATE || ': ' || SQLERRM; END $$",
+        )
+        .unwrap();
+        Spi::get_one_with_args::<String>("SELECT pg_temp.outcome($1)", &[sql.into()]).unwrap().unwrap()
+    }
+
+    fn aborts(migration_id: i64) -> i64 {
+        Spi::get_one_with_args::<i64>("SELECT remus.migration_aborts($1)", &[migration_id.into()]).unwrap().unwrap()
+    }
+
+    #[pg_test]
+    fn registration_is_idempotent_and_end_clears_it() {
+        Spi::run("SELECT remus.migration_begin(9001, ARRAY[900101, 900102])").unwrap();
+        Spi::run("SELECT remus.migration_begin(9001, ARRAY[900101, 900102])").unwrap();
+        assert_eq!(aborts(9001), 0);
+        assert!(outcome("SELECT remus.migration_begin(9011, ARRAY[900102])").starts_with("55006: shard 900102 is already registered by migration 9001"));
+        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9001)").unwrap(), Some(0));
+        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9001)").unwrap(), Some(0));
+        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9999)").unwrap(), Some(0));
+        // The shards are free again.
+        assert_eq!(outcome("SELECT remus.migration_begin(9011, ARRAY[900102])"), "ok");
+        Spi::run("SELECT remus.migration_end(9011)").unwrap();
+        assert!(outcome("SELECT remus.migration_fence(9001)").starts_with("22023: migration 9001 is not registered"));
+    }
+
+    #[pg_test]
+    fn fence_fails_writes_with_40001_and_counts_them() {
+        Spi::run("CREATE TABLE remus_shards.fenced_900201 (id int PRIMARY KEY, v int)").unwrap();
+        Spi::run("INSERT INTO remus_shards.fenced_900201 VALUES (1, 1)").unwrap();
+        Spi::run("SELECT remus.migration_begin(9002, ARRAY[900201])").unwrap();
+        // Registered but not fenced: writes go on.
+        assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 2"), "ok");
+        Spi::run("SELECT remus.migration_fence(9002)").unwrap();
+        let moved = "40001: shard 900201 was moved by shard migration 9002; retry the transaction";
+        assert_eq!(outcome("INSERT INTO remus_shards.fenced_900201 VALUES (2, 2)"), moved);
+        assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 3"), moved);
+        assert_eq!(outcome("DELETE FROM remus_shards.fenced_900201"), moved);
+        // Reads are not fenced, and the migration's own sessions are exempt.
+        assert_eq!(Spi::get_one::<i32>("SELECT v FROM remus_shards.fenced_900201").unwrap(), Some(2));
+        assert_eq!(aborts(9002), 3);
+        Spi::run("SET LOCAL remus.migration_session = on").unwrap();
+        assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 4"), "ok");
+        Spi::run("SET LOCAL remus.migration_session = off").unwrap();
+        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9002)").unwrap(), Some(3));
+        assert_eq!(aborts(9002), 0);
+        assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 5"), "ok");
+    }
+
+    #[pg_test]
+    fn ddl_on_a_registered_shard_is_refused_until_the_end() {
+        Spi::run("CREATE TABLE remus_shards.ddl_900301 (id int PRIMARY KEY, v int)").unwrap();
+        Spi::run("SELECT remus.migration_begin(9003, ARRAY[900301])").unwrap();
+        for ddl in [
+            "ALTER TABLE remus_shards.ddl_900301 ADD COLUMN z int",
+            "CREATE INDEX ON remus_shards.ddl_900301 (v)",
+            "TRUNCATE remus_shards.ddl_900301",
+            "ALTER TABLE remus_shards.ddl_900301 RENAME TO ddl_x",
+            "DROP TABLE remus_shards.ddl_900301",
+        ] {
+            let o = outcome(ddl);
+            assert!(
+                o.starts_with("55006: table remus_shards.ddl_900301 is being migrated by shard migration 9003"),
+                "{ddl}: {o}"
+            );
+        }
+        Spi::run("SELECT remus.migration_end(9003)").unwrap();
+        assert_eq!(outcome("ALTER TABLE remus_shards.ddl_900301 ADD COLUMN z int"), "ok");
+    }
+
+    #[pg_test]
+    fn gate_is_held_by_one_migration_and_spares_running_transactions() {
+        let closed_after_start = Spi::get_one::<bool>("SELECT remus.close_gate(9004, 60000) >= now()").unwrap();
+        assert_eq!(closed_after_start, Some(true));
+        // This transaction started before the gate closed: it is in flight and goes on.
+        assert_eq!(Spi::get_one::<i32>("SELECT 1").unwrap(), Some(1));
+        assert!(outcome("SELECT remus.close_gate(9005, 1000)").starts_with("55006: the admission gate is held by migration 9004"));
+        // Opening it is the holder's business; closing it again is idempotent.
+        Spi::run("SELECT remus.open_gate(9005)").unwrap();
+        assert!(outcome("SELECT remus.close_gate(9005, 1000)").starts_with("55006"));
+        assert_eq!(outcome("SELECT remus.close_gate(9004, 60000)"), "ok");
+        Spi::run("SELECT remus.open_gate(9004)").unwrap();
+        assert_eq!(outcome("SELECT remus.close_gate(9005, 1000)"), "ok");
+        Spi::run("SELECT remus.open_gate(9005)").unwrap();
+    }
+
+    #[pg_test]
+    fn abort_shard_writers_leaves_its_own_backend_alone() {
+        Spi::run("CREATE TABLE remus_shards.own_900601 (id int)").unwrap();
+        Spi::run("INSERT INTO remus_shards.own_900601 VALUES (1)").unwrap();
+        let n = Spi::get_one::<i32>("SELECT remus.abort_shard_writers(9006, ARRAY['remus_shards.own_900601'::regclass])").unwrap();
+        assert_eq!(n, Some(0));
+        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9006)").unwrap(), Some(0));
+    }
+
+    #[pg_test]
+    fn handover_functions_are_superuser_only() {
+        Spi::run("CREATE ROLE remus_handover_nobody").unwrap();
+        Spi::run("SET LOCAL ROLE remus_handover_nobody").unwrap();
+        for q in [
+            "SELECT remus.migration_begin(9007, ARRAY[1])",
+            "SELECT remus.migration_aborts(9007)",
+            "SELECT remus.close_gate(9007, 10)",
+            "SELECT remus.abort_shard_writers(9007, ARRAY[]::regclass[])",
+        ] {
+            let o = outcome(q);
+            assert!(o.starts_with("42501: permission denied for function remus."), "{q}: {o}");
+        }
+        assert!(outcome("SET remus.migration_session = on").starts_with("42501"));
+        Spi::run("RESET ROLE").unwrap();
+    }
+
+    #[pg_test]
+    fn migrate_without_a_coordinator_address_is_refused() {
+        let o = outcome("SELECT * FROM remus_migrate_shard(1, 'n2')");
+        assert!(o.starts_with("55000: remus.coordinator_address is not set"), "{o}");
+        let o = outcome("SELECT * FROM remus_migrations");
+        assert!(o.starts_with("55000: remus.coordinator_address is not set"), "{o}");
     }
 }

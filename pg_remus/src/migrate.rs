@@ -102,11 +102,11 @@ async fn connect(address: &str) -> Result<CoordinatorClient<tonic::transport::Ch
 }
 
 fn migrate(shard_ids: Vec<i64>, target: &str, mode: &str, what: &std::ffi::CStr) -> Result<Migration, RemusError> {
+    let address = address()?;
     // The migration runs its own cross-node transactions; waiting for it inside a transaction
     // block would hold this transaction's snapshot and locks across the whole move.
     // SAFETY: raises 25001 inside a transaction block, as VACUUM does.
     unsafe { pg_sys::PreventInTransactionBlock(true, what.as_ptr()) };
-    let address = address()?;
     // SAFETY: process global.
     let pid = unsafe { pg_sys::MyProcPid };
     let requested_by = format!("{}:{pid}", crate::guc::node_name().unwrap_or_default());

@@ -183,7 +183,7 @@ impl RemoteConnection {
         Ok(me)
     }
 
-    fn status_ok(&self) -> bool {
+    pub(crate) fn status_ok(&self) -> bool {
         // SAFETY: live PGconn.
         unsafe { pq::PQstatus(self.conn.as_ptr()) == pq::ConnStatusType::CONNECTION_OK }
     }

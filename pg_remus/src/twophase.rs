@@ -100,6 +100,7 @@ unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: 
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE
     ) {
         crate::router::ownership::end_of_transaction();
+        crate::handover::end_of_transaction();
         SUBXACTS.with(|s| s.borrow_mut().clear());
         DOOMED.with(|d| d.set(false));
     }
@@ -156,7 +157,9 @@ fn pre_commit() -> Result<(), RemusError> {
                 if let Err(e) = c.exec("COMMIT") {
                     failure = Some(e);
                 }
-                c.in_transaction = false;
+                // A COMMIT refused before it ran (e.g. a transaction a migration aborted) leaves
+                // the remote block open and failed: the abort callback must roll it back.
+                c.in_transaction = c.status_ok() && !c.transaction_idle();
             }
         });
         return failure.map_or(Ok(()), Err);
@@ -191,7 +194,7 @@ fn pre_commit() -> Result<(), RemusError> {
             r
         } else {
             let r = c.exec("COMMIT");
-            c.in_transaction = false;
+            c.in_transaction = c.status_ok() && !c.transaction_idle();
             r
         };
         if let Err(e) = sql {

@@ -74,7 +74,13 @@ unsafe fn intercept(
     if stmt.is_null() || !super::extension_present() {
         return Ok(false);
     }
-    crate::handover::admit_statement()?;
+    // ROLLBACK ends the transaction anyway: never held at the gate, never failed for a
+    // migration (that would leave the block open and failed); its marks go at transaction end.
+    let rollback = (*stmt).type_ == pg_sys::NodeTag::T_TransactionStmt
+        && (*(stmt as *mut pg_sys::TransactionStmt)).kind == pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK;
+    if !rollback {
+        crate::handover::admit_statement()?;
+    }
     if crate::handover::active() && !crate::guc::MIGRATION_SESSION.get() {
         guard_migrating(stmt)?;
     }
