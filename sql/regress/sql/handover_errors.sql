@@ -12,6 +12,7 @@ SELECT remus.migration_end(424242) AS unknown_migration_aborts;
 SELECT remus.migration_aborts(424242) AS unknown_migration_aborts;
 -- Superuser only.
 CREATE ROLE ho_nobody;
+GRANT USAGE ON SCHEMA remus TO ho_nobody;
 SET ROLE ho_nobody;
 SELECT remus.migration_begin(77, ARRAY[1]::bigint[]);
 \echo :LAST_ERROR_SQLSTATE
@@ -20,6 +21,7 @@ SELECT remus.close_gate(77, 1000);
 SET remus.migration_session = on;
 \echo :LAST_ERROR_SQLSTATE
 RESET ROLE;
+REVOKE USAGE ON SCHEMA remus FROM ho_nobody;
 DROP ROLE ho_nobody;
 -- DDL while registered: the distributed table and the shard table.
 SELECT remus.migration_begin(77, ARRAY[:s1]::bigint[]);
@@ -46,11 +48,21 @@ UPDATE ho_t SET v = 2 WHERE id = :k_id;
 \echo :LAST_ERROR_SQLSTATE
 SELECT count(*) AS rows_readable FROM ho_t;
 SELECT remus.migration_aborts(77) AS aborts;
--- The gate belongs to one migration at a time.
+-- The gate belongs to one migration at a time (closed from a migration session, as the
+-- driver does: any other session would wait at its own gate).
+SET remus.migration_session = on;
 SELECT remus.close_gate(77, 60000) IS NOT NULL AS closed;
 SELECT remus.close_gate(78, 60000);
 \echo :LAST_ERROR_SQLSTATE
+SELECT remus.open_gate(78);
 SELECT remus.open_gate(77);
+RESET remus.migration_session;
+-- A gate past its timeout lets statements through with a WARNING and reopens.
+SET remus.migration_session = on;
+SELECT remus.close_gate(79, 0) IS NOT NULL AS closed;
+RESET remus.migration_session;
+SELECT 1 AS passes_after_timeout;
+SELECT 1 AS passes_without_warning;
 SELECT remus.migration_end(77) AS aborts_at_end;
 SELECT remus.migration_end(77) AS aborts_after_end;
 -- After the end, writes and DDL are allowed again.
