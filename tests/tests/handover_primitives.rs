@@ -78,6 +78,7 @@ fn handover_primitives_on_a_real_cluster() {
     };
     let (k, sid) = key_on(&mut n1, "n1");
     let (k2, _) = key_on(&mut n1, "n2");
+    let (k3, _) = key_on(&mut n1, "n3");
     let shard_table = format!("remus_shards.hp_{sid}");
     let shard_array = format!("ARRAY['{shard_table}'::regclass]");
 
@@ -110,7 +111,7 @@ fn handover_primitives_on_a_real_cluster() {
     assert_eq!(in_flight, 1, "only the transaction begun before closed_at is in flight");
 
     let late_thread = thread::spawn(move || {
-        let r = late.batch_execute("BEGIN; UPDATE hp SET v = v + 100 WHERE id = 1; COMMIT");
+        let r = late.batch_execute(&format!("BEGIN; UPDATE hp SET v = v + 100 WHERE id = {k3}; COMMIT"));
         (late, r)
     });
     wait_until("the new transaction waits at the gate", || waits_at_gate(&mut drv, late_pid));
@@ -124,13 +125,13 @@ fn handover_primitives_on_a_real_cluster() {
     assert!(waits_at_gate(&mut drv, late_pid), "the late transaction is still held after the in-flight ones committed");
     assert!(!late_thread.is_finished());
     assert_eq!(value(&mut drv, k), 2);
-    assert_eq!(value(&mut drv, 1), 0, "nothing of the held transaction ran");
+    assert_eq!(value(&mut drv, k3), 0, "nothing of the held transaction ran");
 
     // Opening the gate releases it.
     drv.batch_execute("SELECT remus.open_gate(101)").unwrap();
     let (mut late, r) = late_thread.join().unwrap();
     r.expect("the held transaction runs once the gate opens");
-    assert_eq!(value(&mut drv, 1), 100);
+    assert_eq!(value(&mut drv, k3), 100);
     late.batch_execute("SELECT 1").unwrap();
 
     // ---- Writer abort (lock_abort) ----
@@ -270,8 +271,12 @@ fn handover_primitives_on_a_real_cluster() {
     assert!(message(&e).contains("was moved by shard migration 103"), "{e:?}");
     // COPY FROM straight into the fenced shard table.
     let copy_sql = format!("COPY {shard_table} FROM STDIN");
-    let e = w1.copy_in(copy_sql.as_str()).map(|_| ()).expect_err("COPY into a fenced shard fails");
+    // (on its own connection: the client library's protocol state after a refused COPY is not
+    // reusable)
+    let mut wc = c.connect("n1").unwrap();
+    let e = wc.copy_in(copy_sql.as_str()).map(|_| ()).expect_err("COPY into a fenced shard fails");
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
+    drop(wc);
     // A non-fenced shard takes writes.
     w1.execute("UPDATE hp SET v = v WHERE id = $1", &[&k2]).unwrap();
     // Reads are not fenced.
