@@ -25,8 +25,10 @@ thread_local! {
     /// Open subtransactions (innermost last). Each has a savepoint on every remote transaction.
     static SUBXACTS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// A remote participant could not follow a savepoint release or rollback: the transaction
-    /// can no longer commit consistently.
-    static DOOMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// can no longer commit consistently. Holds the error its commit will raise: the
+    /// participant's own when it is a retryable 40xxx (e.g. a shard migration aborted it),
+    /// `TransactionDoomed` otherwise.
+    static DOOMED: std::cell::RefCell<Option<RemusError>> = const { std::cell::RefCell::new(None) };
 }
 
 pub fn register_callbacks() {
@@ -84,7 +86,13 @@ unsafe extern "C-unwind" fn subxact_callback(
                 if let Err(e) = c.exec_uninterruptible(&sql) {
                     pgrx::warning!("pg_remus: {sql} on node {} failed: {e}", c.addr.name);
                     c.broken = true;
-                    DOOMED.with(|d| d.set(true));
+                    let retryable = matches!(&e, RemusError::Remote { sqlstate, .. } if sqlstate.starts_with("40"));
+                    DOOMED.with(|d| {
+                        let mut d = d.borrow_mut();
+                        if d.is_none() || retryable {
+                            *d = Some(if retryable { e } else { RemusError::TransactionDoomed });
+                        }
+                    });
                 }
             });
         }
@@ -102,7 +110,7 @@ unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: 
         crate::router::ownership::end_of_transaction();
         crate::handover::end_of_transaction();
         SUBXACTS.with(|s| s.borrow_mut().clear());
-        DOOMED.with(|d| d.set(false));
+        DOOMED.with(|d| d.borrow_mut().take());
     }
     if !remote::any_in_transaction() {
         return;
@@ -141,8 +149,8 @@ fn local_node() -> String {
 }
 
 fn pre_commit() -> Result<(), RemusError> {
-    if DOOMED.with(|d| d.get()) {
-        return Err(RemusError::TransactionDoomed);
+    if let Some(e) = DOOMED.with(|d| d.borrow_mut().take()) {
+        return Err(e);
     }
     let mut writers = Vec::new();
     remote::for_each_in_transaction(|c| {

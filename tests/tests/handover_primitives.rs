@@ -251,9 +251,28 @@ fn handover_primitives_on_a_real_cluster() {
     holder.batch_execute("ROLLBACK").unwrap();
     assert_eq!(value(&mut drv, k), before);
 
-    assert_eq!(aborts(&mut drv, 102), 5, "every victim was counted once");
+    // 6. A participant marked while idle inside a savepoint: the coordinator's RELEASE
+    // SAVEPOINT is refused there, and the transaction's COMMIT on n2 fails with that 40001
+    // (not a generic 25P02).
+    let mut coord = c.connect("n2").unwrap();
+    coord.batch_execute("BEGIN").unwrap();
+    coord.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k]).unwrap();
+    coord.batch_execute("SAVEPOINT a").unwrap();
+    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
+    assert_eq!(n, 1);
+    let released = coord.batch_execute("RELEASE SAVEPOINT a");
+    let e = match released {
+        Err(e) => e,
+        Ok(()) => coord.batch_execute("COMMIT").expect_err("the transaction cannot commit"),
+    };
+    assert_eq!(sqlstate(&e), "40001", "{e:?}");
+    assert!(message(&e).contains("shard migration 102 (lock_abort)"), "{e:?}");
+    let _ = coord.batch_execute("ROLLBACK");
+    assert_eq!(value(&mut drv, k), before);
+
+    assert_eq!(aborts(&mut drv, 102), 6, "every victim was counted once");
     let ended: i64 = drv.query_one("SELECT remus.migration_end(102)", &[]).unwrap().get(0);
-    assert_eq!(ended, 5);
+    assert_eq!(ended, 6);
     assert_eq!(aborts(&mut drv, 102), 0);
     assert_eq!(drv.query_one("SELECT remus.migration_end(102)", &[]).unwrap().get::<_, i64>(0), 0, "idempotent");
 
