@@ -27,6 +27,12 @@ use pgrx::{pg_shmem_init, pg_sys, PGRXSharedMemory, PgAtomic, PgLwLock};
 use crate::error::RemusError;
 
 const MAX_SHARDS: usize = 512;
+const SIGINT: i32 = 2;
+
+extern "C" {
+    /// POSIX kill(2).
+    fn kill(pid: i32, sig: i32) -> i32;
+}
 const MAX_MIGRATIONS: usize = 64;
 const MAX_VICTIMS: usize = 512;
 /// How long a gated backend sleeps between looks at the gate.
@@ -57,6 +63,9 @@ struct Victim {
     pid: i32,
     backend_id: i32,
     lxid: u32,
+    /// The marked transaction ended before its cancel took effect; the cancel may still reach
+    /// the backend's next transaction (signals are asynchronous), where it is rewritten too.
+    stray: bool,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -149,12 +158,16 @@ pub fn admit_statement() -> Result<(), RemusError> {
     wait_at_gate();
     let (backend_id, lxid) = my_vxid();
     let pid = my_pid();
+    let mine = |v: &Victim| {
+        v.migration_id != 0 && !v.stray && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid
+    };
+    // Every statement of the node passes here while a migration is registered: look under the
+    // shared lock, take the exclusive one only to consume this backend's own mark.
+    if !STATE.share().victims.iter().any(mine) {
+        return Ok(());
+    }
     let mut s = STATE.exclusive();
-    if let Some(v) = s
-        .victims
-        .iter_mut()
-        .find(|v| v.migration_id != 0 && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid)
-    {
+    if let Some(v) = s.victims.iter_mut().find(|v| mine(v)) {
         let migration_id = v.migration_id;
         *v = Victim::default();
         count_abort(&mut s, migration_id);
@@ -218,12 +231,23 @@ pub fn end_of_transaction() {
     }
     let pid = my_pid();
     let mut s = STATE.exclusive();
-    let mut cleared = false;
+    let mut changed = false;
     for v in s.victims.iter_mut().filter(|v| v.migration_id != 0 && v.pid == pid) {
-        *v = Victim::default();
-        cleared = true;
+        changed = true;
+        if v.stray {
+            // It covered the transaction after the marked one; that one is over too.
+            *v = Victim::default();
+        } else {
+            // The marked transaction ends without having been failed: its cancel was signalled
+            // while it was live (see `abort_shard_writers`) and is pending or lost; drop it,
+            // and keep a stray mark in case the signal lands only in the next transaction.
+            // SAFETY: this backend's own interrupt flag; clearing a cancel of a statement that
+            // is over is what PostgreSQL does itself when a cancel arrives while idle.
+            unsafe { pg_sys::QueryCancelPending = 0 };
+            v.stray = true;
+        }
     }
-    if cleared {
+    if changed {
         recount(&s);
     }
 }
@@ -247,16 +271,23 @@ pub fn check_write(shard_ids: &[i64]) -> Result<(), RemusError> {
     if !active() || exempt() || shard_ids.is_empty() {
         return Ok(());
     }
-    let mut s = STATE.exclusive();
-    for &shard_id in shard_ids {
-        let Some(migration_id) = migration_of(&s, shard_id) else { continue };
-        let fenced = s.migrations.iter().any(|m| m.migration_id == migration_id && m.fenced);
-        if fenced {
-            count_abort(&mut s, migration_id);
-            return Err(RemusError::ShardMoved { shard_id, migration_id });
+    let moved = {
+        let s = STATE.share();
+        shard_ids.iter().find_map(|&shard_id| {
+            let migration_id = migration_of(&s, shard_id)?;
+            s.migrations
+                .iter()
+                .any(|m| m.migration_id == migration_id && m.fenced)
+                .then_some((shard_id, migration_id))
+        })
+    };
+    match moved {
+        Some((shard_id, migration_id)) => {
+            count_abort(&mut STATE.exclusive(), migration_id);
+            Err(RemusError::ShardMoved { shard_id, migration_id })
         }
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Before DDL on a relation: `shard_ids` are the shards the relation is (a shard table) or has
@@ -299,7 +330,7 @@ pub unsafe fn rewrite_cancel(edata: *mut pg_sys::ErrorData) -> Option<i64> {
         let v = s
             .victims
             .iter_mut()
-            .find(|v| v.migration_id != 0 && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid)?;
+            .find(|v| v.migration_id != 0 && v.pid == pid && (v.stray || (v.backend_id == backend_id && v.lxid == lxid)))?;
         let migration_id = v.migration_id;
         *v = Victim::default();
         count_abort(&mut s, migration_id);
@@ -431,28 +462,32 @@ mod remus {
             .collect::<Result<Vec<_>, pgrx::spi::Error>>()
         })
         .unwrap_or_else(|e| RemusError::from(e).raise());
-        {
-            let mut s = STATE.exclusive();
-            for &(pid, backend_id, lxid) in &holders {
-                if s.victims.iter().any(|v| v.pid == pid && v.backend_id == backend_id && v.lxid == lxid) {
-                    continue;
-                }
-                match s.victims.iter_mut().find(|v| v.migration_id == 0) {
-                    Some(slot) => *slot = Victim { migration_id, pid, backend_id, lxid },
-                    None => break,
-                }
-            }
-            recount(&s);
-        }
+        // Mark and signal under the lock, and only a transaction still live in its PGPROC: a
+        // victim's end-of-transaction bookkeeping (which needs this lock) then always runs after
+        // its signal was sent, so a cancel never outlives the transaction it was meant for
+        // unnoticed (`end_of_transaction`).
         let mut signalled = 0;
-        for (pid, _, _) in holders {
-            let ok = Spi::get_one_with_args::<bool>("SELECT pg_cancel_backend($1)", &[pid.into()])
-                .unwrap_or(Some(false))
-                .unwrap_or(false);
-            if ok {
+        let mut s = STATE.exclusive();
+        for &(pid, backend_id, lxid) in &holders {
+            // SAFETY: looks up a PGPROC in the proc array (takes ProcArrayLock itself); the
+            // two fields are plain integers, read once.
+            let live = unsafe {
+                let proc = pg_sys::BackendPidGetProc(pid);
+                !proc.is_null() && (*proc).backendId == backend_id && (*proc).lxid == lxid
+            };
+            if !live || s.victims.iter().any(|v| !v.stray && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid) {
+                continue;
+            }
+            let Some(slot) = s.victims.iter_mut().find(|v| v.migration_id == 0) else { break };
+            *slot = Victim { migration_id, pid, backend_id, lxid, stray: false };
+            // What pg_cancel_backend() sends (the backend's whole process group), without SPI
+            // under the lock. SAFETY: signalling a live backend of this cluster.
+            if unsafe { kill(-pid, SIGINT) } == 0 || unsafe { kill(pid, SIGINT) } == 0 {
                 signalled += 1;
             }
         }
+        recount(&s);
+        drop(s);
         signalled
     }
 
