@@ -178,6 +178,7 @@ fn summary(m: Migration) -> MigrationRow {
 /// Moves `shard_id` and every shard co-located with it to `target_node`; returns when the
 /// migration has ended, with its figures. A migration that did not succeed raises its error.
 #[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)] // pgrx reads the column names from the signature
 fn remus_migrate_shard(
     shard_id: i64,
     target_node: &str,
@@ -205,6 +206,7 @@ fn remus_migrate_shard(
 
 /// Moves several shards (of one node) at once; see `remus_migrate_shard`.
 #[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)] // pgrx reads the column names from the signature
 fn remus_migrate_shards(
     shard_ids: Vec<i64>,
     target_node: &str,
