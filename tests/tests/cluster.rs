@@ -78,7 +78,8 @@ fn three_node_cluster_lifecycle() {
     // status: everything up.
     let st = c.ctl(&["cluster", "status"]);
     assert!(st.status.success(), "status: {}{}", stdout(&st), stderr(&st));
-    assert_eq!(stdout(&st).lines().filter(|l| l.contains(" up ")).count(), 5, "{}", stdout(&st));
+    assert_eq!(stdout(&st).lines().filter(|l| l.contains(" up ")).count(), 6, "{}", stdout(&st));
+    assert!(stdout(&st).lines().any(|l| l.starts_with("replay worker") && l.contains(" up ")), "{}", stdout(&st));
 
     // env prints libpq settings for the node asked for, and they work with psql.
     let env = c.ctl(&["cluster", "env", "--node", "n2"]);
@@ -102,7 +103,8 @@ fn three_node_cluster_lifecycle() {
     let mut pids: Vec<u32> = state.nodes.iter().filter_map(|n| n.postmaster_pid()).collect();
     pids.extend(state.etcd.pid);
     pids.extend(state.coordinator.pid);
-    assert_eq!(pids.len(), 5);
+    pids.extend(state.replay_worker.pid);
+    assert_eq!(pids.len(), 6);
     let down = c.ctl(&["cluster", "down"]);
     assert!(down.status.success(), "{}", stderr(&down));
     for pid in pids {
@@ -113,7 +115,7 @@ fn three_node_cluster_lifecycle() {
         .output()
         .unwrap();
     assert!(stdout(&children).trim().is_empty(), "processes left behind: {}", stdout(&children));
-    for port in [16001u16, 16002, 16003, 16101, 16102, 16103] {
+    for port in [16001u16, 16002, 16003, 16101, 16102, 16103, 16104] {
         assert!(TcpListener::bind(("127.0.0.1", port)).is_ok(), "port {port} still bound");
     }
     let st = c.ctl(&["cluster", "status"]);
