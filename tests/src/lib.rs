@@ -42,7 +42,13 @@ pub struct TestCluster {
 }
 
 impl TestCluster {
+    /// Every port of the cluster (nodes P.., etcd/coordinator/replay worker P+100..P+103) must
+    /// stay below Linux's ephemeral range (32768..), where any client socket of a concurrently
+    /// running test may already hold it.
     pub fn start(nodes: usize, base_port: u16) -> Result<Self> {
+        if u32::from(base_port) + 103 >= 32768 {
+            bail!("base port {base_port} reaches into the ephemeral port range (32768..); pick one below 32664");
+        }
         // Under /tmp (world-searchable) so the postgres OS user can reach the data directories.
         let dir = tempfile::Builder::new().prefix("remus-it-").tempdir_in("/tmp")?;
         let c = TestCluster { dir, base_port, nodes };

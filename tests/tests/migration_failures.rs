@@ -99,7 +99,7 @@ fn failures_change_nothing_and_leave_nothing() {
 
 #[test]
 fn remusctl_migrate_prints_phases_and_a_summary() {
-    let c = TestCluster::start(3, 32901).expect("cluster up");
+    let c = TestCluster::start(3, 28601).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute(
         "CREATE TABLE kv (k int PRIMARY KEY, v int NOT NULL);
