@@ -172,6 +172,11 @@ struct State {
     terminated: u64,
     /// Per node, when Tm committed there (text timestamptz): cleanup waits for older ones.
     tm_committed_at: Vec<(NodeRecord, String)>,
+    /// Remus: the source captures write sets (`remus.migration_capture`).
+    capturing: bool,
+    /// Remus: transactions (virtual xids) that held a write lock on the shards when capture
+    /// started; their write sets are incomplete, so the sync barrier waits for them.
+    pre_capture_writers: Vec<String>,
 }
 
 struct Run {
@@ -241,7 +246,12 @@ impl Run {
             Mode::LockAbort => self.handover_lock_abort().await?,
             Mode::WaitRemaster => self.handover_wait_remaster().await?,
             Mode::Remus => {
-                return Err(DriverError::Other("mode remus is not available yet".into()));
+                self.reporter.advance(Phase::Barrier).await?;
+                self.sync_barrier().await?;
+                // Dual execution is on: source commits of the shards validate on the target.
+                self.reporter.advance(Phase::Dual).await?;
+                self.reporter.advance(Phase::Handover).await?;
+                self.tm().await?;
             }
         }
         self.cleanup().await
@@ -263,6 +273,9 @@ impl Run {
         let ids = format!("ARRAY[{}]::bigint[]", join(&self.plan.shard_ids));
         self.state.registered = true;
         self.on_every_node(&format!("SELECT remus.migration_begin({id}, {ids})")).await?;
+        if self.plan.mode == Mode::Remus {
+            self.start_capture().await?;
+        }
 
         let tables: Vec<String> = self.plan.tables.iter().map(|t| t.qualified()).collect();
         let source = self.config.connector.connect(&self.plan.source).await?;
@@ -283,7 +296,18 @@ impl Run {
             .plan
             .tables
             .iter()
-            .map(|t| format!("CREATE TABLE {} (LIKE {} INCLUDING ALL);\n", t.qualified(), t.shell))
+            .map(|t| {
+                // The write-set capture trigger comes with the table, as on the source: a later
+                // migration of this shard must not need DDL on a hot table.
+                format!(
+                    "CREATE TABLE {q} (LIKE {} INCLUDING ALL);\n\
+                     CREATE TRIGGER remus_capture AFTER INSERT OR UPDATE OR DELETE ON {q} \
+                     FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n",
+                    t.shell,
+                    t.shard_id,
+                    q = t.qualified()
+                )
+            })
             .collect();
         // One transaction: either every table exists afterwards (and is ours to drop on
         // rollback) or none was created (and a table that was already there is left alone).
@@ -308,6 +332,18 @@ impl Run {
         let slot = self.slot();
         let pairs: Vec<(String, String)> = tables.iter().map(|t| (t.clone(), t.clone())).collect();
         let parallelism = pairs.len();
+        // Copied rows are committed under a Remus replication origin (one per copy session),
+        // so MOCC on the target tells them from rows a target transaction wrote.
+        let origin = format!("'remus_m{id}_c' || pg_catalog.pg_backend_pid()");
+        let copy_options = CopyOptions {
+            dest_setup_sql: Some(format!(
+                "SELECT pg_catalog.pg_replication_origin_create({origin}) \
+                  WHERE pg_catalog.pg_replication_origin_oid({origin}) IS NULL; \
+                 SELECT pg_catalog.pg_replication_origin_session_setup({origin}) \
+                  WHERE NOT pg_catalog.pg_replication_origin_session_is_setup();"
+            )),
+            ..CopyOptions::default()
+        };
         self.state.slot = Some(slot.clone());
         let (conn, created, stats) = tokio::task::spawn_blocking(move || {
             let mut conn = ReplicationConnection::connect_with(&repl_conninfo, ReplicationOptions::default())?;
@@ -318,7 +354,7 @@ impl Run {
                 &target_conninfo,
                 &pairs,
                 parallelism,
-                &CopyOptions::default(),
+                &copy_options,
             );
             let created = exported.release();
             Ok::<_, DriverError>((conn, created, stats?))
@@ -745,6 +781,173 @@ impl Run {
         order
     }
 
+    // ---- remus: capture, sync barrier --------------------------------------------------
+
+    /// Remus: the source starts capturing write sets on the shards, and notes the transactions
+    /// that already hold a write lock on them (their write sets miss what they wrote before).
+    async fn start_capture(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        source
+            .execute(
+                &format!("SELECT remus.migration_capture({id}, $1)"),
+                &[&self.config.replay_endpoint],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?;
+        self.state.capturing = true;
+        let rows = source
+            .query(
+                &format!(
+                    "SELECT DISTINCT virtualtransaction FROM pg_locks
+                      WHERE relation = ANY({}) AND granted
+                        AND mode NOT IN ('AccessShareLock', 'RowShareLock')",
+                    self.regclass_array()
+                ),
+                &[],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?;
+        self.state.pre_capture_writers = rows.iter().map(|r| r.get::<_, String>(0)).collect();
+        Ok(())
+    }
+
+    /// Waits until none of `vxids` holds a lock on the shard tables on the source any more.
+    async fn wait_for_lockers(&self, vxids: &[String], what: &str) -> Result<(), DriverError> {
+        if vxids.is_empty() {
+            return Ok(());
+        }
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let query = format!(
+            "SELECT count(DISTINCT virtualtransaction), min(pid) FROM pg_locks
+              WHERE relation = ANY({}) AND virtualtransaction = ANY($1)",
+            self.regclass_array()
+        );
+        let mut reported = false;
+        loop {
+            let row = source.query_one(&query, &[&vxids]).await.map_err(sql(&self.plan.source))?;
+            let n: i64 = row.get(0);
+            if n == 0 {
+                break;
+            }
+            if !reported {
+                let pid: Option<i32> = row.get(1);
+                let who = pid.map(|p| format!("pid {p}")).unwrap_or_else(|| "a prepared transaction".into());
+                self.reporter
+                    .waiting_on(Some(format!("{n} {what} on {} (e.g. {who})", self.plan.source.name)))
+                    .await;
+                info!(migration_id = self.id(), phase = "barrier", n, what, "waiting for transactions");
+                reported = true;
+            }
+            if let Some(p) = &self.state.propagator {
+                p.check()?;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if reported {
+            self.reporter.waiting_on(None).await;
+        }
+        Ok(())
+    }
+
+    /// The sync barrier: wait for the writers whose write sets are incomplete, switch the
+    /// source to sync mode (TS_unsync drains inside `remus.sync_barrier`), wait for the 2PC
+    /// participants prepared in async mode, then until the target applied everything up to
+    /// there. From then on every source commit on the shards is validated on the target.
+    async fn sync_barrier(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let started = Instant::now();
+        let writers = self.state.pre_capture_writers.clone();
+        self.wait_for_lockers(&writers, "transactions that were writing the shards when the migration started").await?;
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let lsn_unsync: i64 = source
+            .query_one(&format!("SELECT remus.sync_barrier({id})"), &[])
+            .await
+            .map_err(sql(&self.plan.source))?
+            .get(0);
+        // Prepared transactions (2PC participants) hold their shard locks without a backend;
+        // those prepared before sync mode committed unvalidated, and must be applied before
+        // the handover. Newer ones are validated already; waiting for them too is harmless.
+        let prepared: Vec<String> = source
+            .query(
+                &format!(
+                    "SELECT DISTINCT virtualtransaction FROM pg_locks
+                      WHERE relation = ANY({}) AND pid IS NULL",
+                    self.regclass_array()
+                ),
+                &[],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        self.wait_for_lockers(&prepared, "transactions prepared before the sync barrier").await?;
+        let lsn = self.sync_point().await?;
+        self.wait_applied(lsn).await?;
+        info!(
+            migration_id = id,
+            phase = "barrier",
+            lsn_unsync = %Lsn(lsn_unsync as u64),
+            ms = started.elapsed().as_millis() as u64,
+            "sync barrier set; dual execution on"
+        );
+        Ok(())
+    }
+
+    /// Remus: prepared shadow transactions of this migration still on the target after the
+    /// stream ended belong to source transactions that aborted (or whose commit never reached
+    /// the stream): each follows its source transaction's fate.
+    async fn resolve_shadows(&self) -> Result<(), DriverError> {
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let prefix = format!("remus:{}:", self.id());
+        let gids: Vec<String> = target
+            .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
+            .await
+            .map_err(sql(&self.plan.target))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for gid in gids {
+            let xid = gid.rsplit(':').next().unwrap_or_default().to_string();
+            let status: Option<String> = source
+                .query_one("SELECT pg_xact_status($1::text::xid8)", &[&xid])
+                .await
+                .map_err(sql(&self.plan.source))?
+                .get(0);
+            let verb = match status.as_deref() {
+                Some("committed") => "COMMIT",
+                _ => "ROLLBACK",
+            };
+            warn!(migration_id = self.id(), phase = "cleanup", %gid, ?status, "resolving a shadow transaction left prepared");
+            target
+                .batch_execute(&format!("{verb} PREPARED {}", quote_literal(&gid)))
+                .await
+                .map_err(sql(&self.plan.target))?;
+        }
+        Ok(())
+    }
+
+    /// Rollback: every prepared shadow of this migration on the target goes (the source keeps
+    /// everything its transactions wrote).
+    async fn drop_shadows(&self) -> Result<(), DriverError> {
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        let prefix = format!("remus:{}:", self.id());
+        let rows = target
+            .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
+            .await
+            .map_err(sql(&self.plan.target))?;
+        for r in rows {
+            let gid: String = r.get(0);
+            target
+                .batch_execute(&format!("ROLLBACK PREPARED {}", quote_literal(&gid)))
+                .await
+                .map_err(sql(&self.plan.target))?;
+        }
+        Ok(())
+    }
+
     // ---- cleanup ------------------------------------------------------------------------
 
     async fn cleanup(&mut self) -> Result<(), DriverError> {
@@ -752,11 +955,37 @@ impl Run {
         for (node, at) in self.state.tm_committed_at.clone() {
             self.wait_for_older_transactions(&node, &at, "transactions older than the handover").await?;
         }
+        if self.plan.mode == Mode::Remus {
+            // Source transactions that predate Tm kept committing (validated) after it; 2PC
+            // participants among them may still be prepared. The stream carries their commits
+            // (which commit their shadows): apply all of it before it stops.
+            let source = self.config.connector.connect(&self.plan.source).await?;
+            let prepared: Vec<String> = source
+                .query(
+                    &format!(
+                        "SELECT DISTINCT virtualtransaction FROM pg_locks
+                          WHERE relation = ANY({}) AND pid IS NULL",
+                        self.regclass_array()
+                    ),
+                    &[],
+                )
+                .await
+                .map_err(sql(&self.plan.source))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            self.wait_for_lockers(&prepared, "prepared transactions older than the handover").await?;
+            let lsn = self.sync_point().await?;
+            self.wait_applied(lsn).await?;
+        }
         let propagator = self.state.propagator.take().expect("propagator running");
         self.state.final_txns_applied =
             propagator.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire);
         let conn = propagator.stop(true).await?;
         self.drop_slot(Some(conn)).await?;
+        if self.plan.mode == Mode::Remus {
+            self.resolve_shadows().await?;
+        }
         let source = self.config.connector.connect(&self.plan.source).await?;
         source
             .batch_execute(&format!(
@@ -880,6 +1109,9 @@ impl Run {
             }
             .await;
             note(r);
+        }
+        if self.plan.mode == Mode::Remus && self.state.target_tables {
+            note(self.drop_shadows().await);
         }
         if self.state.target_tables {
             let r = async {

@@ -13,7 +13,7 @@ use tokio_stream::StreamExt;
 use tonic::Code;
 
 use crate::driver::{self, DriverConfig};
-use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode};
+use crate::migration::{MigrationError, MigrationRecord, MigrationStore};
 use crate::plan::{self, Refusal};
 use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
 
@@ -181,14 +181,6 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<Self::MigrateShardsStream>, Status> {
         let req = req.into_inner();
         let mode = plan::parse_mode(&req.mode).map_err(Refusal::into_status)?;
-        if mode == Mode::Remus {
-            return Err(Refusal::new(
-                Code::Unimplemented,
-                "0A000",
-                "mode remus is not available yet; use lock_abort or wait_remaster",
-            )
-            .into_status());
-        }
         let mut plan = plan::plan(&self.nodes, &self.driver.connector, &req.shard_ids, &req.target, mode)
             .await
             .map_err(Refusal::into_status)?;

@@ -351,10 +351,11 @@ fn create(
                 .iter()
                 .filter(|p| p.owner == owner)
                 .map(|p| {
+                    let table = shard_table_name(&info.rel_name, p.shard_id);
                     format!(
-                        "CREATE TABLE {} (LIKE {} INCLUDING ALL);\n",
-                        shard_table_name(&info.rel_name, p.shard_id),
-                        info.qualified
+                        "CREATE TABLE {table} (LIKE {} INCLUDING ALL);\n{}",
+                        info.qualified,
+                        crate::mocc::capture_trigger_ddl(&table, p.shard_id)
                     )
                 })
                 .collect()

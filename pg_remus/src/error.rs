@@ -56,6 +56,10 @@ pub enum RemusError {
     AbortedByMigration { migration_id: i64 },
     #[error("shard {shard_id} was moved by shard migration {migration_id}; retry the transaction")]
     ShardMoved { shard_id: i64, migration_id: i64 },
+    #[error("could not serialize access: write-write conflict on the destination of shard migration {migration_id}: {conflict}")]
+    MigrationConflict { migration_id: i64, conflict: String },
+    #[error("commit could not be validated on the destination of shard migration {migration_id}: {message}")]
+    SyncValidation { migration_id: i64, message: String },
     #[error("shard migration {migration_id} {status}: {error}")]
     MigrationFailed { migration_id: i64, status: String, error: String },
     #[error("remus.coordinator_address is not set; set it to the coordinator's gRPC address (e.g. http://127.0.0.1:6102)")]
@@ -80,7 +84,11 @@ impl RemusError {
             Self::NodeExists { .. } => ERRCODE_DUPLICATE_OBJECT,
             Self::NodeNameUnset => ERRCODE_CONFIG_FILE_ERROR,
             Self::NodeVanished(_) => ERRCODE_T_R_SERIALIZATION_FAILURE,
-            Self::AbortedByMigration { .. } | Self::ShardMoved { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
+            Self::AbortedByMigration { .. } | Self::ShardMoved { .. } | Self::MigrationConflict { .. } => {
+                ERRCODE_T_R_SERIALIZATION_FAILURE
+            }
+            // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.
+            Self::SyncValidation { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
             Self::CoordinatorUnset | Self::MigrationFailed { .. } => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Self::Spi(_) => ERRCODE_INTERNAL_ERROR,
             Self::InvalidArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,

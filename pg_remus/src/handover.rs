@@ -46,13 +46,31 @@ struct ShardEntry {
     shard_id: i64,
 }
 
-#[derive(Clone, Copy, Default)]
+/// Longest replay worker endpoint kept in shared memory (e.g. `http://127.0.0.1:16104`).
+const ENDPOINT_BYTES: usize = 128;
+/// Backends tracked by the sync barrier's "in async commit" marks, by `pgprocno`.
+const MAX_PROCS: usize = 2048;
+
+#[derive(Clone, Copy)]
 #[repr(C)]
 struct MigrationEntry {
     /// 0: free.
     migration_id: i64,
     fenced: bool,
     aborts: u64,
+    /// Remus mode: writes on the migration's shard tables are captured (write sets for MOCC).
+    capture: bool,
+    /// Remus mode: the sync barrier is set; commits that wrote the shards validate on the
+    /// destination first (dual execution).
+    sync: bool,
+    /// The replay worker that validates this migration's sync commits (NUL-padded).
+    endpoint: [u8; ENDPOINT_BYTES],
+}
+
+impl Default for MigrationEntry {
+    fn default() -> Self {
+        Self { migration_id: 0, fenced: false, aborts: 0, capture: false, sync: false, endpoint: [0; ENDPOINT_BYTES] }
+    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -84,6 +102,10 @@ struct HandoverState {
     migrations: [MigrationEntry; MAX_MIGRATIONS],
     victims: [Victim; MAX_VICTIMS],
     gate: Gate,
+    /// Sync barrier marks, by pgprocno: non-zero (a per-backend sequence number) while that
+    /// backend commits a transaction that wrote a capturing shard in async mode. The barrier
+    /// waits for the marks it saw when it set sync mode to change (TS_unsync drained).
+    async_commit: [u64; MAX_PROCS],
 }
 
 impl Default for HandoverState {
@@ -93,6 +115,7 @@ impl Default for HandoverState {
             migrations: [MigrationEntry::default(); MAX_MIGRATIONS],
             victims: [Victim::default(); MAX_VICTIMS],
             gate: Gate::default(),
+            async_commit: [0; MAX_PROCS],
         }
     }
 }
@@ -344,11 +367,159 @@ pub unsafe fn rewrite_cancel(edata: *mut pg_sys::ErrorData) -> Option<i64> {
     Some(migration_id)
 }
 
+/// The migration capturing writes on `shard_id`, if any (the write-set trigger's question).
+pub fn capturing_migration(shard_id: i64) -> Option<i64> {
+    if !active() {
+        return None;
+    }
+    let s = STATE.share();
+    let migration_id = migration_of(&s, shard_id)?;
+    s.migrations.iter().any(|m| m.migration_id == migration_id && m.capture).then_some(migration_id)
+}
+
+/// How a transaction that wrote a capturing shard of a migration commits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitMode {
+    /// Async mode: commit as usual; the stream carries the change.
+    Async,
+    /// Sync mode: validate on the destination through this replay worker first.
+    Sync { endpoint: String },
+    /// The migration is gone (ended or rolled back): nothing to do.
+    Gone,
+}
+
+/// This backend's pgprocno (index of its PGPROC), for the barrier marks.
+fn my_procno() -> Option<usize> {
+    // SAFETY: MyProc is this backend's own PGPROC once it runs transactions.
+    let procno = unsafe { if pg_sys::MyProc.is_null() { return None } else { (*pg_sys::MyProc).pgprocno } };
+    usize::try_from(procno).ok().filter(|&p| p < MAX_PROCS)
+}
+
+thread_local! {
+    static MARK_SEQ: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// At pre-commit (or pre-prepare) of a transaction that wrote capturing shards of
+/// `migrations`: reads each one's mode and, when any is async, marks this backend "in async
+/// commit" under the same lock, so the barrier either sees the mark or this backend sees sync
+/// (the Dekker pairing of the paper's barrier, made trivial by the lock). The mark stays until
+/// [`leave_commit`] at the end of the transaction.
+pub fn enter_commit(migrations: &[i64]) -> Vec<(i64, CommitMode)> {
+    let mut s = STATE.exclusive();
+    let mut modes = Vec::with_capacity(migrations.len());
+    let mut mark = false;
+    for &migration_id in migrations {
+        let mode = match s.migrations.iter().find(|m| m.migration_id == migration_id && m.capture) {
+            None => CommitMode::Gone,
+            Some(m) if m.sync => {
+                let len = m.endpoint.iter().position(|&b| b == 0).unwrap_or(ENDPOINT_BYTES);
+                CommitMode::Sync { endpoint: String::from_utf8_lossy(&m.endpoint[..len]).into_owned() }
+            }
+            Some(_) => {
+                mark = true;
+                CommitMode::Async
+            }
+        };
+        modes.push((migration_id, mode));
+    }
+    if mark {
+        if let Some(procno) = my_procno() {
+            let seq = MARK_SEQ.with(|c| {
+                c.set(c.get() + 1);
+                c.get()
+            });
+            s.async_commit[procno] = seq;
+        }
+    }
+    modes
+}
+
+/// At the end of the transaction: clears this backend's barrier mark.
+pub fn leave_commit() {
+    if let Some(procno) = my_procno() {
+        if STATE.share().async_commit[procno] != 0 {
+            STATE.exclusive().async_commit[procno] = 0;
+        }
+    }
+}
+
+/// Counts a transaction the migration aborted on this node (a MOCC conflict).
+pub fn count_migration_abort(migration_id: i64) {
+    count_abort(&mut STATE.exclusive(), migration_id);
+}
+
 #[pg_schema]
 mod remus {
     use pgrx::prelude::*;
 
     use super::*;
+
+    /// Remus mode: from now on writes on the migration's shard tables on this node are
+    /// captured as write sets, to be validated through the replay worker at `endpoint` once the
+    /// sync barrier is set. The migration must be registered. Idempotent.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_capture(migration_id: i64, endpoint: &str) {
+        require_superuser("remus.migration_capture");
+        if endpoint.is_empty() || endpoint.len() >= ENDPOINT_BYTES {
+            RemusError::InvalidArgument(format!("replay worker endpoint must be 1..{} bytes", ENDPOINT_BYTES - 1)).raise();
+        }
+        let mut s = STATE.exclusive();
+        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+            Some(m) => {
+                m.capture = true;
+                m.endpoint = [0; ENDPOINT_BYTES];
+                m.endpoint[..endpoint.len()].copy_from_slice(endpoint.as_bytes());
+            }
+            None => {
+                drop(s);
+                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+            }
+        }
+    }
+
+    /// The sync barrier (Remus mode): switches the migration to sync mode, then waits until
+    /// every transaction that was committing in async mode at that moment (TS_unsync) has
+    /// finished, and returns LSN_unsync, the WAL insert position after them (as a bigint). Commits that start
+    /// from now on validate on the destination; nothing is blocked while the mode changes.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn sync_barrier(migration_id: i64) -> i64 {
+        require_superuser("remus.sync_barrier");
+        let marked: Vec<(usize, u64)> = {
+            let mut s = STATE.exclusive();
+            match s.migrations.iter_mut().find(|m| m.migration_id == migration_id && m.capture) {
+                Some(m) => m.sync = true,
+                None => {
+                    drop(s);
+                    RemusError::InvalidArgument(format!("migration {migration_id} does not capture writes on this node")).raise()
+                }
+            }
+            s.async_commit.iter().enumerate().filter(|(_, &v)| v != 0).map(|(i, &v)| (i, v)).collect()
+        };
+        // TS_unsync: each marked backend clears (or renews) its mark when its commit is over.
+        let mut waiting = marked;
+        while !waiting.is_empty() {
+            {
+                let s = STATE.share();
+                waiting.retain(|&(procno, seq)| s.async_commit[procno] == seq);
+            }
+            if waiting.is_empty() {
+                break;
+            }
+            // SAFETY: a short sleep on this backend's own latch, interrupts served after.
+            unsafe {
+                pg_sys::WaitLatch(
+                    pg_sys::MyLatch,
+                    (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                    1,
+                    pg_sys::PG_WAIT_EXTENSION,
+                );
+                pg_sys::ResetLatch(pg_sys::MyLatch);
+            }
+            check_for_interrupts!();
+        }
+        // SAFETY: reads the shared WAL insert position.
+        unsafe { pg_sys::GetXLogInsertRecPtr() as i64 }
+    }
 
     /// Registers a migration's shards on this node (DDL on them is refused until
     /// `migration_end`). Idempotent.
@@ -372,7 +543,7 @@ mod remus {
                 drop(s);
                 RemusError::ObjectInUse(format!("too many concurrent migrations on this node (at most {MAX_MIGRATIONS})")).raise()
             };
-            *slot = MigrationEntry { migration_id, fenced: false, aborts: 0 };
+            *slot = MigrationEntry { migration_id, ..MigrationEntry::default() };
         }
         for shard_id in shard_ids {
             if migration_of(&s, shard_id).is_some() {
@@ -558,6 +729,37 @@ mod tests {
         assert_eq!(outcome("SELECT remus.migration_begin(9011, ARRAY[900102])"), "ok");
         Spi::run("SELECT remus.migration_end(9011)").unwrap();
         assert!(outcome("SELECT remus.migration_fence(9001)").starts_with("22023: migration 9001 is not registered"));
+    }
+
+    #[pg_test]
+    fn capture_needs_registration_and_the_barrier_needs_capture() {
+        assert!(outcome("SELECT remus.migration_capture(9101, 'http://127.0.0.1:1')").starts_with("22023: migration 9101 is not registered"));
+        Spi::run("SELECT remus.migration_begin(9101, ARRAY[910101])").unwrap();
+        assert!(outcome("SELECT remus.sync_barrier(9101)").starts_with("22023: migration 9101 does not capture writes"));
+        assert!(outcome("SELECT remus.migration_capture(9101, '')").starts_with("22023: replay worker endpoint must be"));
+        Spi::run("SELECT remus.migration_capture(9101, 'http://127.0.0.1:1')").unwrap();
+        // Nobody is committing in async mode: the barrier returns the insert position at once.
+        let lsn = Spi::get_one::<i64>("SELECT remus.sync_barrier(9101)").unwrap().unwrap();
+        let now = Spi::get_one::<i64>("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").unwrap();
+        assert!(lsn > 0 && Some(lsn) <= now.map(|n| n as i64), "{lsn} vs {now:?}");
+        Spi::run("SELECT remus.migration_end(9101)").unwrap();
+    }
+
+    #[pg_test]
+    fn capture_trigger_is_inert_without_a_capturing_migration() {
+        Spi::run("CREATE TABLE remus_shards.cap_910201 (id int PRIMARY KEY, v text)").unwrap();
+        Spi::run(&crate::mocc::capture_trigger_ddl("remus_shards.cap_910201", 910201)).unwrap();
+        Spi::run("INSERT INTO remus_shards.cap_910201 VALUES (1, 'a')").unwrap();
+        Spi::run("UPDATE remus_shards.cap_910201 SET v = 'b'").unwrap();
+        Spi::run("DELETE FROM remus_shards.cap_910201").unwrap();
+        assert_eq!(crate::mocc::captured_changes(), 0);
+        // Registered and capturing: each row change is in this transaction's write set.
+        Spi::run("SELECT remus.migration_begin(9102, ARRAY[910201])").unwrap();
+        Spi::run("SELECT remus.migration_capture(9102, 'http://127.0.0.1:1')").unwrap();
+        Spi::run("INSERT INTO remus_shards.cap_910201 VALUES (2, 'c'), (3, NULL)").unwrap();
+        Spi::run("UPDATE remus_shards.cap_910201 SET v = 'd' WHERE id = 2").unwrap();
+        assert_eq!(crate::mocc::captured_changes(), 3);
+        Spi::run("SELECT remus.migration_end(9102)").unwrap();
     }
 
     #[pg_test]

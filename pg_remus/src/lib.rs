@@ -9,6 +9,8 @@
 //! - [`router`]: planning and executing statements on distributed tables, from any node.
 //! - [`handover`]: shared-memory primitives of a migration's handover (registration, fence,
 //!   writer abort, admission gate).
+//! - [`mocc`]: write-set capture and validate-then-commit of source transactions (dual
+//!   execution).
 //! - [`migrate`]: `remus_migrate_shard(s)` and `remus_migrations`, answered by the coordinator.
 //! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
 //! - [`recovery_worker`]: the background worker that runs recovery on every node.
@@ -25,6 +27,7 @@ pub mod guc;
 pub mod handover;
 pub mod hashing;
 pub mod migrate;
+pub mod mocc;
 pub mod nodes;
 pub mod recovery;
 pub mod recovery_worker;

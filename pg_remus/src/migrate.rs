@@ -33,7 +33,7 @@ fn coordinator_error(message: String) -> RemusError {
 }
 
 /// Runs `fut` to completion on the backend's runtime, serving interrupts between slices.
-fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
+pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
     RUNTIME.with(|cell| {
         let rt = match cell.get() {
             Some(rt) => rt,

@@ -70,6 +70,9 @@ unsafe extern "C-unwind" fn subxact_callback(
             }
         }
         SUBXACT_EVENT_COMMIT_SUB | SUBXACT_EVENT_ABORT_SUB => {
+            if event == SUBXACT_EVENT_ABORT_SUB {
+                crate::mocc::subxact_aborted(my_subid);
+            }
             SUBXACTS.with(|s| s.borrow_mut().retain(|x| *x != subid));
             let commit = event == SUBXACT_EVENT_COMMIT_SUB;
             remote::for_each_in_transaction(|c| {
@@ -103,6 +106,19 @@ unsafe extern "C-unwind" fn subxact_callback(
 #[pg_guard]
 unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
     use pg_sys::XactEvent::*;
+    // Dual execution first: a write set refused by the destination fails the transaction
+    // before any remote participant is prepared.
+    match event {
+        XACT_EVENT_PRE_COMMIT | XACT_EVENT_PRE_PREPARE => {
+            if let Err(e) = crate::mocc::pre_commit() {
+                e.raise();
+            }
+        }
+        XACT_EVENT_COMMIT => crate::mocc::end_of_transaction(true),
+        XACT_EVENT_ABORT => crate::mocc::end_of_transaction(false),
+        XACT_EVENT_PREPARE => crate::mocc::prepared(),
+        _ => {}
+    }
     if matches!(
         event,
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE

@@ -121,7 +121,7 @@ pub enum ApplyError {
 }
 
 /// `message (SQLSTATE xxxxx): detail` for server errors, the client error otherwise.
-fn pg_message(e: &tokio_postgres::Error) -> String {
+pub(crate) fn pg_message(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => {
             let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
@@ -192,10 +192,10 @@ fn is_quoted_qualified_name(s: &str) -> bool {
 
 /// What a statement of the round trip was, for error messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct StmtInfo {
-    op: &'static str,
-    table: String,
-    key: String,
+pub(crate) struct StmtInfo {
+    pub(crate) op: &'static str,
+    pub(crate) table: String,
+    pub(crate) key: String,
     /// Wrapped in the exactly-one-row guard.
     guarded: bool,
 }
@@ -210,9 +210,12 @@ struct Prepared {
     stmts: Vec<StmtInfo>,
     keys: Vec<RowKey>,
     barrier: bool,
+    /// A transaction the source validated (MOCC): committing its prepared shadow is its apply.
+    shadow_gid: Option<String>,
+    commit_time_us: i64,
 }
 
-type Value = column_value::Value;
+pub(crate) type Value = column_value::Value;
 
 fn value_of(v: &remus_proto::v1::ColumnValue) -> Option<&Value> {
     v.value.as_ref()
@@ -249,7 +252,7 @@ fn relation_id(schema: &str, table: &str) -> u32 {
 }
 
 /// `a = 'x' AND b IS NULL` over the key columns, plus the same as `a=x, b=NULL` for messages.
-fn key_condition(values: &[(&str, &Value)]) -> (String, String) {
+pub(crate) fn key_condition(values: &[(&str, &Value)]) -> (String, String) {
     let mut cond = String::new();
     let mut shown = String::new();
     for (i, (col, v)) in values.iter().enumerate() {
@@ -281,10 +284,10 @@ fn guard(dml: &str) -> String {
     format!("WITH w AS ({dml}{returning}) SELECT 1/(count(*) = 1)::int FROM w")
 }
 
-type Row<'a> = Vec<(&'a str, &'a Value)>;
+pub(crate) type Row<'a> = Vec<(&'a str, &'a Value)>;
 
 /// The values of one row, paired with their column names; every value must be set.
-fn row_values<'a>(
+pub(crate) fn row_values<'a>(
     xid: u32,
     table: &str,
     c: &'a RowChange,
@@ -310,7 +313,7 @@ fn row_values<'a>(
 }
 
 /// The key columns of a row; there must be some, and none may be an unchanged TOAST value.
-fn key_values<'a>(
+pub(crate) fn key_values<'a>(
     xid: u32,
     table: &str,
     c: &RowChange,
@@ -338,13 +341,13 @@ fn key_values<'a>(
     Ok(key)
 }
 
-struct ChangeSql {
-    sql: String,
-    info: StmtInfo,
+pub(crate) struct ChangeSql {
+    pub(crate) sql: String,
+    pub(crate) info: StmtInfo,
     keys: Vec<RowKey>,
 }
 
-fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
+pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
     let malformed = |reason: String| ApplyError::Malformed { xid, reason };
     let kind = row_change::Kind::try_from(c.kind)
         .map_err(|_| malformed(format!("unknown change kind {}", c.kind)))?;
@@ -480,6 +483,25 @@ fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
 }
 
 fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
+    if !txn.shadow_gid.is_empty() {
+        // Its changes are in the prepared shadow already; they still give its key set, so
+        // dependent transactions wait for the commit.
+        let mut keys = Vec::new();
+        for c in &txn.changes {
+            keys.extend(change_sql(txn.xid, c)?.keys);
+        }
+        return Ok(Prepared {
+            xid: txn.xid,
+            commit_lsn: txn.commit_lsn,
+            end_lsn: txn.end_lsn,
+            sql: String::new(),
+            stmts: Vec::new(),
+            keys,
+            barrier: false,
+            shadow_gid: Some(txn.shadow_gid.clone()),
+            commit_time_us: txn.commit_time_us,
+        });
+    }
     let mut sql = String::from("BEGIN;\n");
     let mut stmts = Vec::with_capacity(txn.changes.len());
     let mut keys = Vec::new();
@@ -507,7 +529,56 @@ fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
         stmts,
         keys,
         barrier,
+        shadow_gid: None,
+        commit_time_us: txn.commit_time_us,
     })
+}
+
+/// Commits prepared transaction `gid` with the source's commit LSN and time recorded under the
+/// session's replication origin. Ok(false) when it does not exist (already resolved). A
+/// concurrent resolver holding it ("busy") is waited out.
+pub(crate) async fn commit_prepared_with_origin(
+    client: &Client,
+    gid: &str,
+    commit_lsn: u64,
+    commit_time_us: i64,
+) -> Result<bool, tokio_postgres::Error> {
+    let setup = format!(
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('{}'::pg_catalog.pg_lsn, \
+         '2000-01-01 00:00:00+00'::timestamptz + interval '{} microseconds')",
+        format_lsn(commit_lsn),
+        commit_time_us
+    );
+    let result = finish_prepared(client, &format!("COMMIT PREPARED {}", quote_literal(gid)), Some(&setup)).await;
+    // The values are session globals that the next transaction would reuse.
+    let reset = client.batch_execute("SELECT pg_catalog.pg_replication_origin_xact_reset()").await;
+    let found = result?;
+    reset?;
+    Ok(found)
+}
+
+/// Runs COMMIT/ROLLBACK PREPARED (alone: it refuses to share a query string), after `before`.
+pub(crate) async fn finish_prepared(
+    client: &Client,
+    statement: &str,
+    before: Option<&str>,
+) -> Result<bool, tokio_postgres::Error> {
+    for attempt in 0.. {
+        if let Some(before) = before {
+            client.batch_execute(before).await?;
+        }
+        match client.batch_execute(statement).await {
+            Ok(()) => return Ok(true),
+            Err(e) if e.code() == Some(&SqlState::UNDEFINED_OBJECT) => return Ok(false),
+            // Another session is finishing it right now (the stream and the source's
+            // post-commit call race): wait until it is gone.
+            Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) && attempt < 2000 => {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    unreachable!("the loop returns")
 }
 
 /// One destination connection bound to a replication origin.
@@ -570,6 +641,18 @@ impl Session {
 
     /// Runs the shadow transaction in one round trip; on any error it is rolled back.
     async fn apply(&self, p: &Prepared) -> Result<(), ApplyError> {
+        if let Some(gid) = &p.shadow_gid {
+            return commit_prepared_with_origin(&self.client, gid, p.commit_lsn, p.commit_time_us)
+                .await
+                .map(|_| ())
+                .map_err(|e| ApplyError::Statement {
+                    xid: p.xid,
+                    commit_lsn: format_lsn(p.commit_lsn),
+                    context: format!("COMMIT PREPARED {gid}"),
+                    sqlstate: e.code().map(|c| c.code().to_string()),
+                    message: pg_message(&e),
+                });
+        }
         // Statement indexes: 0 BEGIN, 1..=n changes, n+1 origin setup, n+2 COMMIT.
         let n = p.stmts.len();
         let mut completes: Vec<u64> = Vec::with_capacity(n + 3);
@@ -786,7 +869,7 @@ impl ShadowApplier {
         let seq = self.next_seq;
         self.watermark.register(seq, prepared.end_lsn)?;
         self.next_seq += 1;
-        if prepared.stmts.is_empty() {
+        if prepared.stmts.is_empty() && prepared.shadow_gid.is_none() {
             // Nothing to write: it is applied as soon as it is its turn in the watermark.
             self.txns_applied += 1;
             self.watermark.complete(seq)?;

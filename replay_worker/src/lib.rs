@@ -21,6 +21,7 @@ pub mod apply;
 pub mod progress;
 pub mod scheduler;
 pub mod service;
+pub mod validate;
 
 pub use apply::{origin_name, ApplyConfig, ApplyError, ShadowApplier, DEFAULT_PARALLELISM};
 pub use progress::{AppliedLsnWatcher, AppliedWatermark, WatermarkClosed, WatermarkError};

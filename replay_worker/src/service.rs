@@ -21,7 +21,11 @@ use std::future::Future;
 use std::time::Duration;
 
 use remus_proto::v1::replay_worker_server::{ReplayWorker, ReplayWorkerServer};
-use remus_proto::v1::{apply_request, ApplyProgress, ApplyRequest};
+use std::sync::Arc;
+
+use remus_proto::v1::{
+    apply_request, ApplyProgress, ApplyRequest, ResolveReply, ResolveRequest, ValidateReply, ValidateRequest,
+};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -29,6 +33,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::apply::{format_lsn, ApplyConfig, ApplyError, ShadowApplier};
+use crate::validate::{ValidateError, Validator, ValidatorRegistry, Verdict};
 
 /// Largest request accepted: one source transaction is one message, and bulk transactions are
 /// big (tonic's default limit is 4 MiB). Matches what the coordinator's client sends.
@@ -52,9 +57,28 @@ pub fn status_of(e: &ApplyError) -> Status {
 }
 
 /// Implementation of the `ReplayWorker` service.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ReplayWorkerService {
     progress_interval: Duration,
+    /// Migrations with a running `Apply` call: `Validate` and `Resolve` need their stream.
+    validators: ValidatorRegistry,
+}
+
+impl std::fmt::Debug for ReplayWorkerService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayWorkerService").field("progress_interval", &self.progress_interval).finish()
+    }
+}
+
+fn validate_status(e: &ValidateError) -> Status {
+    let code = match e {
+        ValidateError::StreamTimeout { .. } => Code::DeadlineExceeded,
+        ValidateError::StreamEnded(_) => Code::Unavailable,
+        ValidateError::Malformed(_) => Code::InvalidArgument,
+        ValidateError::Session { .. } => Code::Unavailable,
+        ValidateError::Destination(_) => Code::Internal,
+    };
+    Status::new(code, e.to_string())
 }
 
 impl Default for ReplayWorkerService {
@@ -67,6 +91,7 @@ impl ReplayWorkerService {
     pub fn new() -> Self {
         Self {
             progress_interval: PROGRESS_INTERVAL,
+            validators: Arc::default(),
         }
     }
 
@@ -97,6 +122,17 @@ pub async fn serve(
         .await
 }
 
+impl ReplayWorkerService {
+    fn validator(&self, migration_id: u64) -> Result<Arc<Validator>, Status> {
+        self.validators
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&migration_id)
+            .cloned()
+            .ok_or_else(|| Status::failed_precondition(format!("migration {migration_id} has no apply stream in this replay worker")))
+    }
+}
+
 fn describe(msg: &apply_request::Msg) -> &'static str {
     match msg {
         apply_request::Msg::Start(_) => "start",
@@ -109,6 +145,37 @@ fn describe(msg: &apply_request::Msg) -> &'static str {
 #[tonic::async_trait]
 impl ReplayWorker for ReplayWorkerService {
     type ApplyStream = ReceiverStream<Result<ApplyProgress, Status>>;
+
+    async fn validate(&self, request: Request<ValidateRequest>) -> Result<Response<ValidateReply>, Status> {
+        let req = request.into_inner();
+        let validator = self.validator(req.migration_id)?;
+        let span = info_span!("validate", migration_id = req.migration_id, gid = %req.gid);
+        let verdict = validator
+            .validate(&req.gid, req.wait_lsn, &req.changes, req.lock_timeout_ms)
+            .instrument(span.clone())
+            .await
+            .map_err(|e| {
+                warn!(parent: &span, error = %e, "validation failed");
+                validate_status(&e)
+            })?;
+        Ok(Response::new(match verdict {
+            Verdict::Prepared => ValidateReply { ok: true, conflict: String::new() },
+            Verdict::Conflict(why) => {
+                info!(parent: &span, conflict = %why, "write-write conflict; source transaction refused");
+                ValidateReply { ok: false, conflict: why }
+            }
+        }))
+    }
+
+    async fn resolve(&self, request: Request<ResolveRequest>) -> Result<Response<ResolveReply>, Status> {
+        let req = request.into_inner();
+        let validator = self.validator(req.migration_id)?;
+        let found = validator
+            .resolve(&req.gid, req.commit, req.commit_lsn, req.commit_time_us)
+            .await
+            .map_err(|e| validate_status(&e))?;
+        Ok(Response::new(ResolveReply { found }))
+    }
 
     async fn apply(
         &self,
@@ -144,8 +211,22 @@ impl ReplayWorker for ReplayWorkerService {
                 warn!(parent: &span, error = %e, "apply sessions could not be set up");
                 status_of(&e)
             })?;
+        let validator = Arc::new(Validator::new(applier.migration_id(), start.destination_conninfo.clone(), applier.watcher()));
+        self.validators
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(applier.migration_id(), validator.clone());
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(run(applier, inbound, tx, self.progress_interval).instrument(span));
+        let validators = self.validators.clone();
+        let migration_id = applier.migration_id();
+        let progress_interval = self.progress_interval;
+        tokio::spawn(
+            async move {
+                run(applier, &validator, inbound, tx, progress_interval).await;
+                validators.lock().unwrap_or_else(|p| p.into_inner()).remove(&migration_id);
+            }
+            .instrument(span),
+        );
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -158,6 +239,7 @@ enum End {
 
 async fn run(
     mut applier: ShadowApplier,
+    validator: &Validator,
     mut inbound: Streaming<ApplyRequest>,
     tx: mpsc::Sender<Result<ApplyProgress, Status>>,
     progress_interval: Duration,
@@ -209,6 +291,9 @@ async fn run(
             _ = tx.closed() => break End::Disconnected("response stream dropped".into()),
         }
     };
+    // No validation after the stream: its sessions leave their origins, which the coordinator
+    // drops with the migration's others.
+    validator.close().await;
     match end {
         End::Finish => match applier.finish().await {
             Ok(progress) => {

@@ -96,6 +96,13 @@ pub fn shadow_txn(txn: &CommittedTxn) -> ShadowTxn {
         end_lsn: txn.end_lsn.0,
         commit_time_us: txn.commit_time_us,
         changes,
+        // A transaction pg_remus validated (MOCC) names its prepared shadow in its `remus`
+        // message: the replay worker commits that instead of applying the changes again.
+        shadow_gid: txn
+            .remus_messages()
+            .next()
+            .map(|m| String::from_utf8_lossy(&m.content).into_owned())
+            .unwrap_or_default(),
     }
 }
 

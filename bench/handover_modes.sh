@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The same consolidation (every shard of n3 onto n1 and n2) under pgbench TPC-B against all three
+# nodes, once per handover mode, recorded with pgbench's per-transaction log (-l). Prints, per
+# mode: committed and failed transactions, the longest interval with no completed transaction
+# (over all clients of all nodes), and the mean latency of transactions that completed while a
+# migration was in its handover window (barrier/dual/handover for remus, handover for the
+# baselines) next to the steady state (no migration running). Measurement only (bench/README.md).
+#
+#   MODES (default "lock_abort wait_remaster remus")  SCALE (default 4)
+#   CLIENTS (default 4 per node)  WARMUP (default 5 s)  BASE_PORT (default 25801)
+set -euo pipefail
+source "$(dirname "$0")/../scripts/lib.sh"
+cd "$REPO_ROOT"
+"$REPO_ROOT/scripts/setup.sh" >/dev/null
+
+modes=${MODES:-lock_abort wait_remaster remus}
+scale=${SCALE:-4}
+clients=${CLIENTS:-4}
+warmup=${WARMUP:-5}
+port=${BASE_PORT:-25801}
+dir=/var/tmp/remus-bench-modes
+out=${OUT_DIR:-/var/tmp/remus-bench-modes-logs}
+ctl="$REPO_ROOT/target/release/remusctl"
+on() { local n=$1; shift; (eval "$("$ctl" cluster env --dir "$dir" --node "$n")"; "$@"); }
+trap '"$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true' EXIT
+rm -rf "$out"; mkdir -p "$out"; chmod 777 "$out"
+
+table="$out/table.txt"
+printf '%-14s %10s %7s %13s %14s %14s %11s\n' mode committed failed longest_gap_ms handover_lat_ms steady_lat_ms migrations > "$table"
+
+for mode in $modes; do
+    "$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true
+    rm -rf "$dir"
+    "$ctl" cluster up --nodes 3 --dir "$dir" --base-port "$port" >/dev/null
+    on n1 pgbench -i -s "$scale" -q >/dev/null 2>&1
+    on n1 psql -Xq -v ON_ERROR_STOP=1 -f sql/pgbench_distribute.sql >/dev/null
+    log "$mode: pgbench -c $clients per node on n1..n3, consolidating n3"
+    for n in n1 n2 n3; do
+        (cd "$out" && on "$n" pgbench -n -c "$clients" -j 2 -T 3600 --max-tries=1 -l \
+            --log-prefix="$mode-$n" > "$out/out-$mode-$n.txt" 2>&1) &
+    done
+    sleep "$warmup"
+    k=0
+    for shard in $(on n1 psql -XAtc "SELECT shard_id FROM remus_shards WHERE node_name = 'n3'
+                                        AND table_name <> 'pgbench_history' ORDER BY shard_id"); do
+        target=$([ $((k % 2)) -eq 0 ] && echo n1 || echo n2); k=$((k + 1))
+        on n2 psql -XAtq -c "SELECT status FROM remus_migrate_shard($shard, '$target', '$mode')" >/dev/null
+    done
+    sleep "$warmup"
+    pkill -INT -f "pgbench -n -c $clients -j 2 -T 3600" || true
+    wait
+    # Handover windows (epoch seconds): remus from the barrier on, the baselines their handover,
+    # each until the migration's cleanup began.
+    on n1 psql -XAt -F ' ' -c "
+        SELECT extract(epoch FROM started_at)
+                 + (coalesce((phase_ms::json->>'copy')::numeric, 0) + coalesce((phase_ms::json->>'catchup')::numeric, 0)) / 1000,
+               extract(epoch FROM finished_at) - coalesce((phase_ms::json->>'cleanup')::numeric, 0) / 1000
+          FROM remus_migrations WHERE mode = '$mode' AND status = 'succeeded'" > "$out/$mode.windows"
+    migrations=$(wc -l < "$out/$mode.windows")
+    # pgbench -l lines: client txn latency_us|failed script epoch_s epoch_us [lag] [retries].
+    gap=$(cat "$out/$mode"-n?.* | awk '$3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' | sort -n \
+        | awk 'NR > 1 && $1 - p > g { g = $1 - p } { p = $1 } END { printf "%.1f", g * 1000 }')
+    cat "$out/$mode"-n?.* 2>/dev/null | awk -v mode="$mode" -v migrations="$migrations" -v gap="$gap" -v windows="$out/$mode.windows" '
+        BEGIN { n = 0; while ((getline line < windows) > 0) { split(line, w, " "); ws[n] = w[1]; we[n] = w[2]; n++ } }
+        {
+            t = $5 + $6 / 1e6
+            if ($3 == "failed" || $3 ~ /^[a-z]/) { failed++; next }
+            ok++
+            inw = 0; for (i = 0; i < n; i++) if (t >= ws[i] && t <= we[i]) inw = 1
+            if (inw) { hs += $3; hn++ } else { ss += $3; sn++ }
+        }
+        END {
+            printf "%-14s %10d %7d %13.1f %14.2f %14.2f %11d\n", mode, ok, failed, gap,
+                (hn ? hs / hn / 1000 : 0), (sn ? ss / sn / 1000 : 0), migrations
+        }' >> "$table"
+    tail -1 "$table"
+done
+echo
+cat "$table"
+echo "(pgbench per-transaction logs and windows in $out)"

@@ -1,0 +1,407 @@
+//! Remus mode (sync barrier, MOCC dual execution, ordered diversion) on a real 3-node cluster.
+//!
+//! - Under pgbench TPC-B against all three nodes with no retries, four account shards move and
+//!   then n3 is consolidated onto n1 and n2: no transaction fails, every balance equals the sum
+//!   of its history deltas (row by row, so a lost or doubled write anywhere shows), and nothing
+//!   of the migrations is left behind.
+//! - Transactions spanning the handover: a writer that began during the copy and stays open
+//!   across Tm commits afterwards on the source and its write is on the destination; a long
+//!   read-only transaction is never blocked; a writer that was already writing when the
+//!   migration started is waited for (the migration says so), never aborted; a transaction
+//!   that begins after Tm runs on the destination.
+//! - A forced write-write conflict under REPEATABLE READ: the source transaction gets 40001 and
+//!   the destination keeps the winner's write.
+//! - Rows written through the stream and through validated shadows carry the source's commit
+//!   timestamps.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
+use integration::TestCluster;
+
+struct Moved {
+    migration_id: i64,
+    status: String,
+    aborted: i64,
+}
+
+fn migrate(c: &TestCluster, via: &str, shard: i64, target: &str) -> Moved {
+    let mut db = c.connect(via).unwrap();
+    let row = db
+        .query_one(
+            "SELECT migration_id, status, aborted_by_migration, copy_ms, catchup_ms, handover_ms,
+                    cleanup_ms, total_ms, txns_replayed
+               FROM remus_migrate_shard($1, $2)",
+            &[&shard, &target],
+        )
+        .unwrap_or_else(|e| panic!("migrating shard {shard} to {target}: {e:?}"));
+    let m = Moved { migration_id: row.get(0), status: row.get(1), aborted: row.get(2) };
+    println!(
+        "migration {} shard {shard} -> {target}: {} copy {} ms, catchup {} ms, handover {} ms, cleanup {} ms, total {} ms, replayed {}, aborted {}",
+        m.migration_id,
+        m.status,
+        row.get::<_, i64>(3),
+        row.get::<_, i64>(4),
+        row.get::<_, i64>(5),
+        row.get::<_, i64>(6),
+        row.get::<_, i64>(7),
+        row.get::<_, i64>(8),
+        m.aborted
+    );
+    m
+}
+
+fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
+    let mut db = c.connect("n1").unwrap();
+    db.query("SELECT shard_id, node_name FROM remus_shards WHERE table_name = $1 ORDER BY shard_id", &[&table])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+fn owner_of(c: &TestCluster, shard: i64) -> String {
+    let mut db = c.connect("n1").unwrap();
+    db.query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard]).unwrap().get(0)
+}
+
+/// Rows of `table` whose balance differs from the sum of its history deltas.
+fn balance_mismatches(c: &TestCluster, table: &str, key: &str, balance: &str) -> i64 {
+    let mut db = c.connect("n2").unwrap();
+    db.query_one(
+        &format!(
+            "SELECT count(*) FROM (SELECT {key}, {balance} FROM {table}) t
+               FULL JOIN (SELECT {key}, sum(delta) AS d FROM pgbench_history GROUP BY {key}) h USING ({key})
+              WHERE coalesce(t.{balance}, 0) <> coalesce(h.d, 0) OR t.{key} IS NULL"
+        ),
+        &[],
+    )
+    .unwrap()
+    .get(0)
+}
+
+#[test]
+fn remus_moves_and_consolidates_under_tpcb_without_failures() {
+    let c = TestCluster::start(3, 27001).expect("cluster up");
+    init_tpcb(&c, 4);
+    let before = owners(&c, "pgbench_accounts");
+    assert!(before.len() >= 8, "{before:?}");
+
+    let loads: Vec<_> = c
+        .node_names()
+        .iter()
+        .map(|n| {
+            c.pgbench(n, &["-n", "-c", "4", "-j", "2", "-T", "120", "--max-tries=1"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    thread::sleep(Duration::from_secs(3));
+
+    let mut moved = Vec::new();
+    for (i, (shard, owner)) in before.iter().take(4).enumerate() {
+        let target = match owner.as_str() {
+            "n1" => "n2",
+            "n2" => "n3",
+            _ => "n1",
+        };
+        moved.push(migrate(&c, &format!("n{}", i % 3 + 1), *shard, target));
+    }
+    let mut k = 0;
+    for table in ["pgbench_accounts", "pgbench_branches", "pgbench_tellers"] {
+        for (shard, owner) in owners(&c, table) {
+            if owner == "n3" {
+                let target = if k % 2 == 0 { "n1" } else { "n2" };
+                k += 1;
+                moved.push(migrate(&c, "n2", shard, target));
+            }
+        }
+    }
+    let results: Vec<_> = loads.into_iter().map(finish).collect();
+
+    for m in &moved {
+        assert_eq!(m.status, "succeeded", "migration {}", m.migration_id);
+    }
+    let failed: u64 = results.iter().map(|r| r.failed).sum();
+    let processed: u64 = results.iter().map(|r| r.processed).sum();
+    let aborted: i64 = moved.iter().map(|m| m.aborted).sum();
+    println!("remus: {} migrations, pgbench {processed} committed, {failed} failed; aborted_by_migration {aborted}", moved.len());
+    for r in &results {
+        assert_eq!(r.aborted_clients, 0, "a pgbench client died: {}", r.output);
+        assert!(r.processed > 0, "{}", r.output);
+    }
+    assert_eq!(failed, 0, "remus mode must not fail a transaction: {:?}", results.iter().map(|r| &r.output).collect::<Vec<_>>());
+    assert_eq!(aborted, 0);
+
+    let (a, b, t, h) = balances(&c, "n1");
+    assert_eq!((a, b, t), (h, h, h), "balances diverge from the history");
+    let history: i64 = c.connect("n3").unwrap().query_one("SELECT count(*) FROM pgbench_history", &[]).unwrap().get(0);
+    assert_eq!(history as u64, processed, "one history row per committed transaction");
+    // Row by row: every moved account, teller and branch holds exactly its history.
+    assert_eq!(balance_mismatches(&c, "pgbench_accounts", "aid", "abalance"), 0);
+    assert_eq!(balance_mismatches(&c, "pgbench_tellers", "tid", "tbalance"), 0);
+    assert_eq!(balance_mismatches(&c, "pgbench_branches", "bid", "bbalance"), 0);
+    for table in ["pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history"] {
+        assert!(owners(&c, table).iter().all(|(_, o)| o != "n3"), "n3 still owns a shard of {table}");
+    }
+    let left = c.migration_artifacts();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_eq!(prepared_everywhere(&c), 0);
+}
+
+/// The first account id of `shard` (accounts exist for every shard at scale 1).
+fn an_account_of(c: &TestCluster, shard: i64, skip: i64) -> i32 {
+    let mut db = c.connect("n1").unwrap();
+    let owner = owner_of(c, shard);
+    let mut on_owner = c.connect(&owner).unwrap();
+    let table: String = db
+        .query_one("SELECT 'remus_shards.pgbench_accounts_' || $1::text", &[&shard])
+        .unwrap()
+        .get(0);
+    on_owner
+        .query_one(&format!("SELECT aid FROM {table} ORDER BY aid OFFSET $1 LIMIT 1"), &[&skip])
+        .unwrap()
+        .get(0)
+}
+
+fn phase_of(db: &mut postgres::Client, migration: Option<i64>) -> Option<(i64, String, Option<String>)> {
+    let rows = db
+        .query(
+            "SELECT migration_id, phase, waiting_on FROM remus_migrations
+              WHERE status = 'running' AND ($1::bigint IS NULL OR migration_id = $1) ORDER BY migration_id DESC LIMIT 1",
+            &[&migration],
+        )
+        .unwrap();
+    rows.first().map(|r| (r.get(0), r.get(1), r.get(2)))
+}
+
+fn wait_for_phase(c: &TestCluster, phases: &[&str], limit: Duration) -> (i64, String, Option<String>) {
+    let mut db = c.connect("n1").unwrap();
+    let started = Instant::now();
+    loop {
+        if let Some(p) = phase_of(&mut db, None) {
+            if phases.contains(&p.1.as_str()) {
+                return p;
+            }
+        }
+        assert!(started.elapsed() < limit, "no migration reached {phases:?}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An open transaction that wrote `aid` before the migration starts: the barrier waits for it.
+fn hold_barrier(c: &TestCluster, source: &str, aid: i32) -> postgres::Client {
+    let mut db = c.connect(source).unwrap();
+    db.batch_execute("BEGIN").unwrap();
+    db.execute("UPDATE pgbench_accounts SET abalance = abalance WHERE aid = $1", &[&aid]).unwrap();
+    db
+}
+
+type MigrationCall = thread::JoinHandle<Result<(String, i64), postgres::Error>>;
+
+/// `remus_migrate_shard(shard, 'n2')` through n3, in a thread.
+fn start_migration(c: &TestCluster, shard: i64) -> MigrationCall {
+    let mut db = c.connect("n3").unwrap();
+    thread::spawn(move || {
+        db.query_one("SELECT status, aborted_by_migration FROM remus_migrate_shard($1, 'n2')", &[&shard])
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+    })
+}
+
+#[test]
+fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
+    let c = TestCluster::start(3, 27301).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let target = "n2";
+    let early_aid = an_account_of(&c, shard, 0);
+    let span_aid = an_account_of(&c, shard, 1);
+    let new_aid = an_account_of(&c, shard, 2);
+
+    // Already writing the shard when the migration starts.
+    let mut early = c.connect(&source).unwrap();
+    early.batch_execute("BEGIN").unwrap();
+    early.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&early_aid]).unwrap();
+    // A long read-only transaction with a snapshot from before the move.
+    let mut reader = c.connect("n3").unwrap();
+    reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ").unwrap();
+    let sum_before: i64 = reader
+        .query_one("SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1", &[&span_aid])
+        .unwrap()
+        .get(0);
+
+    let mover = start_migration(&c, shard);
+
+    // A writer that begins once the copy is under way and stays open across Tm.
+    wait_for_phase(&c, &["copy", "catchup", "barrier"], Duration::from_secs(60));
+    let mut spanning = c.connect(&source).unwrap();
+    spanning.batch_execute("BEGIN").unwrap();
+    spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 11 WHERE aid = $1", &[&span_aid]).unwrap();
+
+    // The migration waits for the early writer at the barrier, and says so.
+    let (migration_id, phase, waiting) = wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
+    let started = Instant::now();
+    let mut said = waiting;
+    while said.is_none() && started.elapsed() < Duration::from_secs(20) {
+        thread::sleep(Duration::from_millis(20));
+        said = phase_of(&mut c.connect("n1").unwrap(), Some(migration_id)).and_then(|p| p.2);
+    }
+    assert_eq!(phase, "barrier");
+    let said = said.expect("remus_migrations names what the barrier waits for");
+    assert!(said.contains("writing the shards when the migration started"), "{said}");
+    // The early writer is not blocked: it keeps working and commits.
+    early.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&early_aid]).unwrap();
+    early.batch_execute("COMMIT").unwrap();
+
+    // Tm happens while `spanning` is open: the migration reaches cleanup (draining it).
+    let (_, phase, _) = wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    assert_eq!(phase, "cleanup");
+    assert_eq!(owner_of(&c, shard), target);
+
+    // A transaction that begins after Tm, through any node, runs on the destination: its
+    // write lands in the destination's shard table (the source's is still there, draining).
+    let mut n3 = c.connect("n3").unwrap();
+    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&new_aid]).unwrap();
+    let mut dest = c.connect(target).unwrap();
+    dest.batch_execute("SET remus.migration_session = on").unwrap();
+    let on_dest: i32 = dest
+        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&new_aid])
+        .unwrap()
+        .get(0);
+    assert_eq!(on_dest, 5);
+
+    // The long reader is never blocked and keeps its snapshot.
+    let again: i64 = reader
+        .query_one("SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1", &[&span_aid])
+        .unwrap()
+        .get(0);
+    assert_eq!(again, sum_before);
+    reader.batch_execute("COMMIT").unwrap();
+
+    // The spanning writer writes once more on the source and commits; then its write is on
+    // the destination.
+    thread::sleep(Duration::from_secs(2));
+    spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 100 WHERE aid = $1", &[&span_aid]).unwrap();
+    spanning.batch_execute("COMMIT").expect("a transaction spanning Tm commits");
+
+    let (status, aborted) = mover.join().unwrap().expect("migration call");
+    assert_eq!((status.as_str(), aborted), ("succeeded", 0));
+    let v: i32 = dest
+        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&span_aid])
+        .unwrap()
+        .get(0);
+    assert_eq!(v, 111);
+    let v: i32 = dest
+        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&early_aid])
+        .unwrap()
+        .get(0);
+    assert_eq!(v, 8);
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+#[test]
+fn write_write_conflict_across_the_handover_aborts_exactly_one() {
+    let c = TestCluster::start(3, 27601).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let aid = an_account_of(&c, shard, 0);
+    let stamped_aid = an_account_of(&c, shard, 1);
+    // Holds the migration at its barrier while the test sets the scene.
+    let mut holder = hold_barrier(&c, &source, an_account_of(&c, shard, 2));
+    let mover = start_migration(&c, shard);
+    wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
+    // The loser: a REPEATABLE READ transaction on the source that writes the row before Tm.
+    let mut loser = c.connect(&source).unwrap();
+    loser.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ").unwrap();
+    loser.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&aid]).unwrap();
+    // A row written (autocommit) through the source while the stream carries changes: its
+    // commit time is checked on the destination afterwards.
+    let mut src = c.connect(&source).unwrap();
+    src.execute("UPDATE pgbench_accounts SET abalance = 42 WHERE aid = $1", &[&stamped_aid]).unwrap();
+    let mut src_shadow = c.connect(&source).unwrap();
+    src_shadow.batch_execute("SET remus.migration_session = on").unwrap();
+    let source_ts: String = src_shadow
+        .query_one(
+            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&stamped_aid],
+        )
+        .unwrap()
+        .get(0);
+    holder.batch_execute("COMMIT").unwrap();
+
+    // After Tm, the winner writes the same row on the destination (through n3) and commits.
+    wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    let mut winner = c.connect("n3").unwrap();
+    winner.execute("UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1", &[&aid]).unwrap();
+
+    let err = loser.batch_execute("COMMIT").expect_err("the source transaction loses the write-write conflict");
+    assert_eq!(err.code().map(|c| c.code()), Some("40001"), "{err:?}");
+    assert_eq!(mover.join().unwrap().expect("migration").0, "succeeded");
+
+    let mut dest = c.connect("n2").unwrap();
+    dest.batch_execute("SET remus.migration_session = on").unwrap();
+    let v: i32 = dest
+        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&aid])
+        .unwrap()
+        .get(0);
+    assert_eq!(v, 1000, "the destination holds the winner's write");
+    // Shadow rows carry the source's commit timestamps.
+    let dest_ts: String = dest
+        .query_one(
+            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&stamped_aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(dest_ts, source_ts);
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+#[test]
+fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
+    let c = TestCluster::start(3, 27901).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let aid = an_account_of(&c, shard, 0);
+    let mut holder = hold_barrier(&c, &source, an_account_of(&c, shard, 1));
+    let mover = start_migration(&c, shard);
+    wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
+    // A transaction open across Tm (so it commits in sync mode, after the flip), committed on
+    // the source; the very next read, on the destination, sees it. A read-only transaction on
+    // the source keeps the drain (and the source table) alive meanwhile.
+    let mut t = c.connect(&source).unwrap();
+    t.batch_execute("BEGIN").unwrap();
+    t.execute("UPDATE pgbench_accounts SET abalance = 777 WHERE aid = $1", &[&aid]).unwrap();
+    let mut old_reader = c.connect(&source).unwrap();
+    old_reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").unwrap();
+    holder.batch_execute("COMMIT").unwrap();
+    wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    t.batch_execute("COMMIT").unwrap();
+    let mut dest = c.connect("n2").unwrap();
+    dest.batch_execute("SET remus.migration_session = on").unwrap();
+    let row = dest
+        .query_one(
+            &format!("SELECT abalance, pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&aid],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 777, "read-your-writes across the move");
+    // The validated shadow committed with the source transaction's commit time.
+    let mut src = c.connect(&source).unwrap();
+    src.batch_execute("SET remus.migration_session = on").unwrap();
+    let source_ts: String = src
+        .query_one(
+            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(row.get::<_, String>(1), source_ts);
+    old_reader.batch_execute("COMMIT").unwrap();
+    let (status, aborted) = mover.join().unwrap().expect("migration");
+    assert_eq!((status.as_str(), aborted), ("succeeded", 0));
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
