@@ -58,10 +58,11 @@ for mode in $modes; do
           FROM remus_migrations WHERE mode = '$mode' AND status = 'succeeded'" > "$out/$mode.windows"
     migrations=$(wc -l < "$out/$mode.windows")
     # pgbench -l lines: client txn latency_us|failed script epoch_s epoch_us [lag] [retries].
-    gap=$(cat "$out/$mode"-n?.* | awk '$3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' | sort -n \
+    gap=$(cat "$out/$mode"-n?.* | awk 'NF >= 6 && $5 > 1e9 && $3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' | sort -n \
         | awk 'NR > 1 && $1 - p > g { g = $1 - p } { p = $1 } END { printf "%.1f", g * 1000 }')
     cat "$out/$mode"-n?.* 2>/dev/null | awk -v mode="$mode" -v migrations="$migrations" -v gap="$gap" -v windows="$out/$mode.windows" '
         BEGIN { n = 0; while ((getline line < windows) > 0) { split(line, w, " "); ws[n] = w[1]; we[n] = w[2]; n++ } }
+        NF < 6 || $5 < 1e9 { next }
         {
             t = $5 + $6 / 1e6
             if ($3 == "failed" || $3 ~ /^[a-z]/) { failed++; next }

@@ -90,6 +90,12 @@ psql -XAtc "SELECT format('balances after the moves: accounts %s, branches %s, t
                (SELECT sum(tbalance) FROM pgbench_tellers) t, (SELECT coalesce(sum(delta), 0) FROM pgbench_history) h) s"
 "$ctl" migrations --dir "$dir"
 
+# The three handover modes side by side, short form: the same consolidation of n3 under TPC-B
+# on a separate throwaway cluster per mode (bench/handover_modes.sh has the full version).
+log "handover modes compared (short run: scale 1, 2 clients per node)"
+SCALE=1 CLIENTS=2 WARMUP=2 BASE_PORT=$(( ${REMUS_BASE_PORT:-6001} + 500 )) \
+    OUT_DIR=/var/tmp/remus-demo-modes "$REPO_ROOT/bench/handover_modes.sh" | tail -5
+
 cat <<MSG
 
 Connect to node n1:

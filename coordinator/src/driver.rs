@@ -241,10 +241,15 @@ impl Run {
         self.copy().await?;
         self.reporter.advance(Phase::Catchup).await?;
         self.catch_up().await?;
-        self.reporter.advance(Phase::Handover).await?;
         match self.plan.mode {
-            Mode::LockAbort => self.handover_lock_abort().await?,
-            Mode::WaitRemaster => self.handover_wait_remaster().await?,
+            Mode::LockAbort => {
+                self.reporter.advance(Phase::Handover).await?;
+                self.handover_lock_abort().await?
+            }
+            Mode::WaitRemaster => {
+                self.reporter.advance(Phase::Handover).await?;
+                self.handover_wait_remaster().await?
+            }
             Mode::Remus => {
                 self.reporter.advance(Phase::Barrier).await?;
                 self.sync_barrier().await?;
@@ -812,6 +817,24 @@ impl Run {
         Ok(())
     }
 
+    /// Prepared transactions (2PC participants: no backend) holding locks on the source's shard
+    /// tables, as virtual xids.
+    async fn prepared_shard_lockers(&self) -> Result<Vec<String>, DriverError> {
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let rows = source
+            .query(
+                &format!(
+                    "SELECT DISTINCT virtualtransaction FROM pg_locks
+                      WHERE relation = ANY({}) AND pid IS NULL",
+                    self.regclass_array()
+                ),
+                &[],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
     /// Waits until none of `vxids` holds a lock on the shard tables on the source any more.
     async fn wait_for_lockers(&self, vxids: &[String], what: &str) -> Result<(), DriverError> {
         if vxids.is_empty() {
@@ -868,20 +891,7 @@ impl Run {
         // Prepared transactions (2PC participants) hold their shard locks without a backend;
         // those prepared before sync mode committed unvalidated, and must be applied before
         // the handover. Newer ones are validated already; waiting for them too is harmless.
-        let prepared: Vec<String> = source
-            .query(
-                &format!(
-                    "SELECT DISTINCT virtualtransaction FROM pg_locks
-                      WHERE relation = ANY({}) AND pid IS NULL",
-                    self.regclass_array()
-                ),
-                &[],
-            )
-            .await
-            .map_err(sql(&self.plan.source))?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let prepared = self.prepared_shard_lockers().await?;
         self.wait_for_lockers(&prepared, "transactions prepared before the sync barrier").await?;
         let lsn = self.sync_point().await?;
         self.wait_applied(lsn).await?;
@@ -959,21 +969,7 @@ impl Run {
             // Source transactions that predate Tm kept committing (validated) after it; 2PC
             // participants among them may still be prepared. The stream carries their commits
             // (which commit their shadows): apply all of it before it stops.
-            let source = self.config.connector.connect(&self.plan.source).await?;
-            let prepared: Vec<String> = source
-                .query(
-                    &format!(
-                        "SELECT DISTINCT virtualtransaction FROM pg_locks
-                          WHERE relation = ANY({}) AND pid IS NULL",
-                        self.regclass_array()
-                    ),
-                    &[],
-                )
-                .await
-                .map_err(sql(&self.plan.source))?
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
+            let prepared = self.prepared_shard_lockers().await?;
             self.wait_for_lockers(&prepared, "prepared transactions older than the handover").await?;
             let lsn = self.sync_point().await?;
             self.wait_applied(lsn).await?;

@@ -301,7 +301,6 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         (fxid, end_of_last_record(lsn))
     };
     let gid = format!("remus:{migration_id}:{fxid}");
-    let mut client = client_for(endpoint)?;
     let request = ValidateRequest {
         migration_id: migration_id as u64,
         gid: gid.clone(),
@@ -309,17 +308,21 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         changes,
         lock_timeout_ms: 0,
     };
-    let reply = crate::migrate::block_on(async move { client.validate(request).await });
+    // The channel is made inside the runtime: tonic spawns its connection task there.
+    let reply = crate::migrate::block_on(async move {
+        let mut client = client_for(endpoint)?;
+        Ok::<_, RemusError>(client.validate(request).await)
+    });
     let reply = match reply {
-        Err(e) => return Err(e),
-        Ok(Err(status)) => {
+        Err(e) | Ok(Err(e)) => return Err(e),
+        Ok(Ok(Err(status))) => {
             forget_client(endpoint);
             return Err(RemusError::SyncValidation {
                 migration_id,
                 message: format!("replay worker {endpoint}: {}", status.message()),
             });
         }
-        Ok(Ok(reply)) => reply.into_inner(),
+        Ok(Ok(Ok(reply))) => reply.into_inner(),
     };
     if !reply.ok {
         handover::count_migration_abort(migration_id);
@@ -400,7 +403,7 @@ pub fn prepared() {
 }
 
 fn resolve(v: &Validated, commit: bool, commit_time_us: i64, commit_lsn: u64) {
-    let Ok(mut client) = client_for(&v.endpoint) else { return };
+    let endpoint = v.endpoint.clone();
     let request = ResolveRequest {
         migration_id: v.migration_id as u64,
         gid: v.gid.clone(),
@@ -410,13 +413,14 @@ fn resolve(v: &Validated, commit: bool, commit_time_us: i64, commit_lsn: u64) {
     };
     // Interrupts are held here (the transaction is over): a bounded wait, never an ERROR.
     let outcome = crate::migrate::block_on(async move {
-        tokio::time::timeout(RESOLVE_TIMEOUT, client.resolve(request)).await
+        let mut client = client_for(&endpoint)?;
+        Ok::<_, RemusError>(tokio::time::timeout(RESOLVE_TIMEOUT, client.resolve(request)).await)
     });
     let failure = match outcome {
-        Ok(Ok(Ok(_))) => None,
-        Ok(Ok(Err(status))) => Some(status.message().to_string()),
-        Ok(Err(_)) => Some(format!("no answer within {} s", RESOLVE_TIMEOUT.as_secs())),
-        Err(e) => Some(e.to_string()),
+        Ok(Ok(Ok(Ok(_)))) => None,
+        Ok(Ok(Ok(Err(status)))) => Some(status.message().to_string()),
+        Ok(Ok(Err(_))) => Some(format!("no answer within {} s", RESOLVE_TIMEOUT.as_secs())),
+        Ok(Err(e)) | Err(e) => Some(e.to_string()),
     };
     if let Some(why) = failure {
         forget_client(&v.endpoint);

@@ -1,7 +1,8 @@
 //! Remus mode (sync barrier, MOCC dual execution, ordered diversion) on a real 3-node cluster.
 //!
 //! - Under pgbench TPC-B against all three nodes with no retries, four account shards move and
-//!   then n3 is consolidated onto n1 and n2: no transaction fails, every balance equals the sum
+//!   then n3 is consolidated onto n1 and n2: no transaction fails except counted write-write
+//!   conflicts on a hot row across Tm (see the test), every balance equals the sum
 //!   of its history deltas (row by row, so a lost or doubled write anywhere shows), and nothing
 //!   of the migrations is left behind.
 //! - Transactions spanning the handover: a writer that began during the copy and stays open
@@ -133,8 +134,11 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
         assert_eq!(r.aborted_clients, 0, "a pgbench client died: {}", r.output);
         assert!(r.processed > 0, "{}", r.output);
     }
-    assert_eq!(failed, 0, "remus mode must not fail a transaction: {:?}", results.iter().map(|r| &r.output).collect::<Vec<_>>());
-    assert_eq!(aborted, 0);
+    // What remus mode may abort: a real write-write conflict on one row between a source
+    // transaction that predates Tm and a destination transaction that follows it (under READ
+    // COMMITTED too: the shadow carries row images). Every failure must be such a counted
+    // conflict; no lock_abort-style abort, no stall-induced failure.
+    assert_eq!(failed as i64, aborted, "pgbench failures must be exactly the counted write-write conflicts: {:?}", results.iter().map(|r| &r.output).collect::<Vec<_>>());
 
     let (a, b, t, h) = balances(&c, "n1");
     assert_eq!((a, b, t), (h, h, h), "balances diverge from the history");
@@ -154,13 +158,9 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
 
 /// The first account id of `shard` (accounts exist for every shard at scale 1).
 fn an_account_of(c: &TestCluster, shard: i64, skip: i64) -> i32 {
-    let mut db = c.connect("n1").unwrap();
     let owner = owner_of(c, shard);
     let mut on_owner = c.connect(&owner).unwrap();
-    let table: String = db
-        .query_one("SELECT 'remus_shards.pgbench_accounts_' || $1::text", &[&shard])
-        .unwrap()
-        .get(0);
+    let table = format!("remus_shards.pgbench_accounts_{shard}");
     on_owner
         .query_one(&format!("SELECT aid FROM {table} ORDER BY aid OFFSET $1 LIMIT 1"), &[&skip])
         .unwrap()
@@ -192,12 +192,32 @@ fn wait_for_phase(c: &TestCluster, phases: &[&str], limit: Duration) -> (i64, St
     }
 }
 
-/// An open transaction that wrote `aid` before the migration starts: the barrier waits for it.
-fn hold_barrier(c: &TestCluster, source: &str, aid: i32) -> postgres::Client {
+/// An open transaction holding a write lock (ROW EXCLUSIVE, what a writer holds) on the
+/// accounts shard table, without an xid (so the slot creation does not wait for it), from
+/// before the migration: the sync barrier waits for it, which holds the migration there while a
+/// test sets the scene.
+fn hold_barrier(c: &TestCluster, source: &str, shard: i64) -> postgres::Client {
     let mut db = c.connect(source).unwrap();
-    db.batch_execute("BEGIN").unwrap();
-    db.execute("UPDATE pgbench_accounts SET abalance = abalance WHERE aid = $1", &[&aid]).unwrap();
+    db.batch_execute(&format!(
+        "BEGIN; LOCK TABLE remus_shards.pgbench_accounts_{shard} IN ROW EXCLUSIVE MODE"
+    ))
+    .unwrap();
     db
+}
+
+/// Waits until node `via` sees `target` as the owner of `shard` (Tm committed there: the
+/// phase moves to cleanup at the decision, before the nodes commit).
+fn wait_owner(c: &TestCluster, via: &str, shard: i64, target: &str) {
+    let mut db = c.connect(via).unwrap();
+    let started = Instant::now();
+    loop {
+        let owner: String = db.query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard]).unwrap().get(0);
+        if owner == target {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{via} never saw {target} owning shard {shard}");
+        thread::sleep(Duration::from_millis(10));
+    }
 }
 
 type MigrationCall = thread::JoinHandle<Result<(String, i64), postgres::Error>>;
@@ -221,45 +241,52 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     let span_aid = an_account_of(&c, shard, 1);
     let new_aid = an_account_of(&c, shard, 2);
 
-    // Already writing the shard when the migration starts.
+    // Already writing the shard when the migration starts (it holds an xid: the slot's
+    // creation waits for it).
     let mut early = c.connect(&source).unwrap();
     early.batch_execute("BEGIN").unwrap();
     early.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&early_aid]).unwrap();
-    // A long read-only transaction with a snapshot from before the move.
+    let mut holder = hold_barrier(&c, &source, shard);
+
+    let mover = start_migration(&c, shard);
+
+    // The migration waits for the early writer, and says so in remus_migrations.
+    let mut n1 = c.connect("n1").unwrap();
+    let started = Instant::now();
+    let said = loop {
+        if let Some((_, _, Some(w))) = phase_of(&mut n1, None) {
+            break w;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "remus_migrations never said what the migration waits for");
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert!(said.contains("waits for transactions"), "{said}");
+    // The early writer is not blocked: it keeps working and commits.
+    early.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&early_aid]).unwrap();
+    early.batch_execute("COMMIT").unwrap();
+
+    // The copy runs, and the migration reaches its barrier (held there by `holder`); a writer
+    // that begins now stays open across Tm.
+    let (_, phase, _) = wait_for_phase(&c, &["barrier"], Duration::from_secs(120));
+    assert_eq!(phase, "barrier");
+    let mut spanning = c.connect(&source).unwrap();
+    spanning.batch_execute("BEGIN").unwrap();
+    spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 11 WHERE aid = $1", &[&span_aid]).unwrap();
+    // A long read-only transaction with a snapshot from before Tm (begun after the slot was
+    // created: a transaction that touched the source through another node holds an xid there,
+    // and slot creation waits for those).
     let mut reader = c.connect("n3").unwrap();
     reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ").unwrap();
     let sum_before: i64 = reader
         .query_one("SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1", &[&span_aid])
         .unwrap()
         .get(0);
-
-    let mover = start_migration(&c, shard);
-
-    // A writer that begins once the copy is under way and stays open across Tm.
-    wait_for_phase(&c, &["copy", "catchup", "barrier"], Duration::from_secs(60));
-    let mut spanning = c.connect(&source).unwrap();
-    spanning.batch_execute("BEGIN").unwrap();
-    spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 11 WHERE aid = $1", &[&span_aid]).unwrap();
-
-    // The migration waits for the early writer at the barrier, and says so.
-    let (migration_id, phase, waiting) = wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
-    let started = Instant::now();
-    let mut said = waiting;
-    while said.is_none() && started.elapsed() < Duration::from_secs(20) {
-        thread::sleep(Duration::from_millis(20));
-        said = phase_of(&mut c.connect("n1").unwrap(), Some(migration_id)).and_then(|p| p.2);
-    }
-    assert_eq!(phase, "barrier");
-    let said = said.expect("remus_migrations names what the barrier waits for");
-    assert!(said.contains("writing the shards when the migration started"), "{said}");
-    // The early writer is not blocked: it keeps working and commits.
-    early.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&early_aid]).unwrap();
-    early.batch_execute("COMMIT").unwrap();
+    holder.batch_execute("COMMIT").unwrap();
 
     // Tm happens while `spanning` is open: the migration reaches cleanup (draining it).
     let (_, phase, _) = wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
     assert_eq!(phase, "cleanup");
-    assert_eq!(owner_of(&c, shard), target);
+    wait_owner(&c, "n3", shard, target);
 
     // A transaction that begins after Tm, through any node, runs on the destination: its
     // write lands in the destination's shard table (the source's is still there, draining).
@@ -310,7 +337,7 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
     let aid = an_account_of(&c, shard, 0);
     let stamped_aid = an_account_of(&c, shard, 1);
     // Holds the migration at its barrier while the test sets the scene.
-    let mut holder = hold_barrier(&c, &source, an_account_of(&c, shard, 2));
+    let mut holder = hold_barrier(&c, &source, shard);
     let mover = start_migration(&c, shard);
     wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
     // The loser: a REPEATABLE READ transaction on the source that writes the row before Tm.
@@ -334,6 +361,7 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
 
     // After Tm, the winner writes the same row on the destination (through n3) and commits.
     wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    wait_owner(&c, "n3", shard, "n2");
     let mut winner = c.connect("n3").unwrap();
     winner.execute("UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1", &[&aid]).unwrap();
 
@@ -366,7 +394,7 @@ fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
     init_tpcb(&c, 1);
     let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let aid = an_account_of(&c, shard, 0);
-    let mut holder = hold_barrier(&c, &source, an_account_of(&c, shard, 1));
+    let mut holder = hold_barrier(&c, &source, shard);
     let mover = start_migration(&c, shard);
     wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
     // A transaction open across Tm (so it commits in sync mode, after the flip), committed on
@@ -379,6 +407,7 @@ fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
     old_reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").unwrap();
     holder.batch_execute("COMMIT").unwrap();
     wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    wait_owner(&c, "n1", shard, "n2");
     t.batch_execute("COMMIT").unwrap();
     let mut dest = c.connect("n2").unwrap();
     dest.batch_execute("SET remus.migration_session = on").unwrap();
