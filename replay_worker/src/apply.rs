@@ -1102,6 +1102,7 @@ mod tests {
             end_lsn: 0x1_0000_0040,
             commit_time_us: 123,
             changes,
+            shadow_gid: String::new(),
         }
     }
 

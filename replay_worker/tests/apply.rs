@@ -136,6 +136,7 @@ fn stxn(i: u64, changes: Vec<RowChange>) -> ShadowTxn {
         end_lsn: commit_lsn + 0x30,
         commit_time_us: 700_000_000_000_000 + i as i64 * 1_000,
         changes,
+        shadow_gid: String::new(),
     }
 }
 

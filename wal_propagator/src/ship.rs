@@ -67,8 +67,11 @@ fn row_change(
 
 /// The `ShadowTxn` for one committed source transaction, changes in source order.
 ///
-/// The caller decides whether to ship it at all (e.g. skip [`CommittedTxn::is_remus_marked`]
-/// transactions); logical messages are not part of the shadow transaction.
+/// A transaction pg_remus validated through MOCC (marked by a transactional logical message
+/// with the prefix [`REMUS_MESSAGE_PREFIX`](crate::assembler::REMUS_MESSAGE_PREFIX), see [`CommittedTxn::is_remus_marked`]) is still
+/// shipped, with `shadow_gid` set to that message's content: the replay worker then commits the
+/// prepared shadow named by it instead of applying the changes again, and the changes still
+/// order dependent transactions. Other logical messages are not part of the shadow transaction.
 pub fn shadow_txn(txn: &CommittedTxn) -> ShadowTxn {
     use row_change::Kind;
     let changes = txn
@@ -96,19 +99,28 @@ pub fn shadow_txn(txn: &CommittedTxn) -> ShadowTxn {
         end_lsn: txn.end_lsn.0,
         commit_time_us: txn.commit_time_us,
         changes,
-        // A transaction pg_remus validated (MOCC) names its prepared shadow in its `remus`
-        // message: the replay worker commits that instead of applying the changes again.
-        shadow_gid: txn
-            .remus_messages()
-            .next()
-            .map(|m| String::from_utf8_lossy(&m.content).into_owned())
-            .unwrap_or_default(),
+        shadow_gid: shadow_gid(txn),
     }
+}
+
+/// The gid of the prepared shadow a MOCC-validated transaction names in its `remus` message
+/// (pg_remus emits exactly one, after the destination acknowledged the validation); empty for
+/// any other transaction. The gid is ASCII (`remus:<migration>:<xid>`), so the lossy
+/// conversion never alters a gid pg_remus wrote.
+fn shadow_gid(txn: &CommittedTxn) -> String {
+    if !txn.is_remus_marked() {
+        return String::new();
+    }
+    txn.remus_messages()
+        .next()
+        .map(|m| String::from_utf8_lossy(&m.content).into_owned())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::assembler::{TxnMessage, REMUS_MESSAGE_PREFIX};
     use crate::pgoutput::{Column, Lsn, ReplicaIdentity};
     use bytes::Bytes;
 
@@ -165,6 +177,38 @@ mod tests {
         assert_eq!(s.end_lsn, 0x16B_3778);
         assert_eq!(s.commit_time_us, 812_345_678_901_234);
         assert!(s.changes.is_empty());
+        assert!(s.shadow_gid.is_empty(), "an unmarked transaction names no shadow");
+    }
+
+    fn message(prefix: &str, content: &str) -> TxnMessage {
+        TxnMessage {
+            after_changes: 1,
+            lsn: Lsn(0x16B_3760),
+            prefix: prefix.into(),
+            content: Bytes::copy_from_slice(content.as_bytes()),
+        }
+    }
+
+    #[test]
+    fn a_remus_marked_transaction_names_its_prepared_shadow_and_keeps_its_changes() {
+        let r = rel("app", "accounts");
+        let mut t = txn(vec![Change::Insert {
+            relation: r,
+            new: TupleData::new(vec![text("1"), text("a"), ColumnValue::Null]),
+        }]);
+        t.messages = vec![
+            message("other_ext", "not a gid"),
+            message(REMUS_MESSAGE_PREFIX, "remus:7:123456789"),
+        ];
+        assert!(t.is_remus_marked());
+        let s = shadow_txn(&t);
+        assert_eq!(s.shadow_gid, "remus:7:123456789");
+        assert_eq!(s.changes.len(), 1, "the changes still order dependent transactions");
+
+        // A message with another prefix does not mark the transaction.
+        t.messages = vec![message("remusx", "remus:7:1")];
+        assert!(!t.is_remus_marked());
+        assert_eq!(shadow_txn(&t).shadow_gid, "");
     }
 
     #[test]
