@@ -558,12 +558,16 @@ pub(crate) async fn commit_prepared_with_origin(
 }
 
 /// Runs COMMIT/ROLLBACK PREPARED (alone: it refuses to share a query string), after `before`.
+/// Ok(false) when no such prepared transaction exists (SQLSTATE 42704: already finished).
 pub(crate) async fn finish_prepared(
     client: &Client,
     statement: &str,
     before: Option<&str>,
 ) -> Result<bool, tokio_postgres::Error> {
-    for attempt in 0.. {
+    // Up to ~10 s: a concurrent COMMIT PREPARED only has to write and flush its commit record.
+    const BUSY_RETRIES: u32 = 2000;
+    let mut attempt = 0;
+    loop {
         if let Some(before) = before {
             client.batch_execute(before).await?;
         }
@@ -572,13 +576,13 @@ pub(crate) async fn finish_prepared(
             Err(e) if e.code() == Some(&SqlState::UNDEFINED_OBJECT) => return Ok(false),
             // Another session is finishing it right now (the stream and the source's
             // post-commit call race): wait until it is gone.
-            Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) && attempt < 2000 => {
+            Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) && attempt < BUSY_RETRIES => {
+                attempt += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
             Err(e) => return Err(e),
         }
     }
-    unreachable!("the loop returns")
 }
 
 /// One destination connection bound to a replication origin.

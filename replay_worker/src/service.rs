@@ -15,6 +15,13 @@
 //!   stream that ends without `finish` (the call ends with ABORTED): running transactions are
 //!   cancelled (they roll back), the sessions are reset and closed, and the origins are left. The coordinator drops `remus_m<id>_%` origins when it rolls the migration back.
 //!
+//! While an `Apply` call runs, its migration is registered for `Validate` and `Resolve` (MOCC
+//! dual execution, see [`crate::validate`]): they need the call's applied position and the
+//! destination. Their sessions are bound to origins `remus_m<id>_v<k>`; `finish` stops new
+//! validations, drains the stream (resolutions still run), then detaches and drops those
+//! origins; any other end detaches and leaves them. A migration without a running call answers
+//! FAILED_PRECONDITION.
+//!
 //! Every log line of a call carries its `migration_id` (through the call's tracing span).
 
 use std::future::Future;
@@ -33,7 +40,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::apply::{format_lsn, ApplyConfig, ApplyError, ShadowApplier};
-use crate::validate::{ValidateError, Validator, ValidatorRegistry, Verdict};
+use crate::validate::{ValidateError, Validator, ValidatorRegistry, Verdict, STREAM_WAIT};
 
 /// Largest request accepted: one source transaction is one message, and bulk transactions are
 /// big (tonic's default limit is 4 MiB). Matches what the coordinator's client sends.
@@ -60,6 +67,8 @@ pub fn status_of(e: &ApplyError) -> Status {
 #[derive(Clone)]
 pub struct ReplayWorkerService {
     progress_interval: Duration,
+    /// Longest wait of a `Validate` for its migration's stream to reach `wait_lsn`.
+    stream_wait: Duration,
     /// Migrations with a running `Apply` call: `Validate` and `Resolve` need their stream.
     validators: ValidatorRegistry,
 }
@@ -74,7 +83,7 @@ fn validate_status(e: &ValidateError) -> Status {
     let code = match e {
         ValidateError::StreamTimeout { .. } => Code::DeadlineExceeded,
         ValidateError::StreamEnded(_) => Code::Unavailable,
-        ValidateError::Malformed(_) => Code::InvalidArgument,
+        ValidateError::Malformed(_) | ValidateError::BadGid { .. } => Code::InvalidArgument,
         ValidateError::Session { .. } => Code::Unavailable,
         ValidateError::Destination(_) => Code::Internal,
     };
@@ -91,6 +100,7 @@ impl ReplayWorkerService {
     pub fn new() -> Self {
         Self {
             progress_interval: PROGRESS_INTERVAL,
+            stream_wait: STREAM_WAIT,
             validators: Arc::default(),
         }
     }
@@ -98,6 +108,13 @@ impl ReplayWorkerService {
     /// Minimum spacing of progress messages (default [`PROGRESS_INTERVAL`]).
     pub fn with_progress_interval(mut self, interval: Duration) -> Self {
         self.progress_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Longest wait of a `Validate` for the stream to reach its `wait_lsn` (default
+    /// [`STREAM_WAIT`]); past it the call fails with DEADLINE_EXCEEDED.
+    pub fn with_stream_wait(mut self, wait: Duration) -> Self {
+        self.stream_wait = wait;
         self
     }
 
@@ -211,23 +228,42 @@ impl ReplayWorker for ReplayWorkerService {
                 warn!(parent: &span, error = %e, "apply sessions could not be set up");
                 status_of(&e)
             })?;
-        let validator = Arc::new(Validator::new(applier.migration_id(), start.destination_conninfo.clone(), applier.watcher()));
-        self.validators
+        let migration_id = applier.migration_id();
+        let validator = Arc::new(
+            Validator::new(migration_id, start.destination_conninfo.clone(), applier.watcher())
+                .with_stream_wait(self.stream_wait),
+        );
+        // A new call for the migration (the coordinator reconnected) replaces a previous one
+        // that is still winding down; that one then unregisters only itself.
+        if let Some(previous) = self
+            .validators
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(applier.migration_id(), validator.clone());
+            .insert(migration_id, validator.clone())
+        {
+            warn!(parent: &span, "a previous apply call of the migration is still registered; replaced");
+            previous.stop_validating();
+        }
         let (tx, rx) = mpsc::channel(16);
         let validators = self.validators.clone();
-        let migration_id = applier.migration_id();
         let progress_interval = self.progress_interval;
         tokio::spawn(
             async move {
                 run(applier, &validator, inbound, tx, progress_interval).await;
-                validators.lock().unwrap_or_else(|p| p.into_inner()).remove(&migration_id);
+                let mut registry = validators.lock().unwrap_or_else(|p| p.into_inner());
+                if registry.get(&migration_id).is_some_and(|v| Arc::ptr_eq(v, &validator)) {
+                    registry.remove(&migration_id);
+                }
             }
             .instrument(span),
         );
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+async fn close_leaving_origins(validator: &Validator) {
+    if let Err(e) = validator.close(false).await {
+        warn!(error = %e, "closing the validation sessions failed");
     }
 }
 
@@ -291,32 +327,44 @@ async fn run(
             _ = tx.closed() => break End::Disconnected("response stream dropped".into()),
         }
     };
-    // No validation after the stream: its sessions leave their origins, which the coordinator
-    // drops with the migration's others.
-    validator.close().await;
     match end {
-        End::Finish => match applier.finish().await {
-            Ok(progress) => {
-                let _ = tx.send(Ok(progress)).await;
-                info!(
-                    applied_lsn = %format_lsn(progress.applied_lsn),
-                    txns_applied = progress.txns_applied,
-                    "apply call finished"
-                );
+        End::Finish => {
+            // Resolutions keep working while the stream drains (a stream transaction may wait
+            // for a shadow's row lock); new validations are refused.
+            validator.stop_validating();
+            let finished = applier.finish().await;
+            let closed = validator.close(finished.is_ok()).await;
+            if let Err(e) = &closed {
+                // The coordinator drops every remus_m<id>_% origin at cleanup anyway.
+                warn!(error = %e, "closing the validation sessions failed");
             }
-            Err(e) => {
-                warn!(error = %e, "finishing the apply call failed");
-                let _ = tx.send(Err(status_of(&e))).await;
+            match finished {
+                Ok(progress) => {
+                    let _ = tx.send(Ok(progress)).await;
+                    info!(
+                        applied_lsn = %format_lsn(progress.applied_lsn),
+                        txns_applied = progress.txns_applied,
+                        "apply call finished"
+                    );
+                }
+                Err(e) => {
+                    warn!(error = %e, "finishing the apply call failed");
+                    let _ = tx.send(Err(status_of(&e))).await;
+                }
             }
-        },
+        }
         End::Failed(status) => {
             warn!(error = %status.message(), "apply call failed");
+            // The stream first: cancelling its transactions releases row locks a running
+            // validation may be waiting for.
             applier.abort().await;
+            close_leaving_origins(validator).await;
             let _ = tx.send(Err(status)).await;
         }
         End::Disconnected(why) => {
             warn!(why = %why, "client went away; stopping, origins left in place");
             applier.abort().await;
+            close_leaving_origins(validator).await;
         }
     }
 }

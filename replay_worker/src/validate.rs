@@ -16,6 +16,7 @@
 //! destination forever).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,8 +24,8 @@ use remus_proto::v1::{row_change, RowChange};
 use thiserror::Error;
 use tokio::sync::Semaphore;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Client, NoTls};
-use tracing::{debug, warn, Instrument};
+use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+use tracing::{debug, info, warn, Instrument};
 
 use crate::apply::{
     change_sql, commit_prepared_with_origin, finish_prepared, key_condition, key_values, pg_message, quote_literal,
@@ -36,8 +37,13 @@ use crate::progress::AppliedLsnWatcher;
 pub const MAX_VALIDATION_SESSIONS: usize = 16;
 /// Default longest wait for a destination row lock.
 pub const DEFAULT_LOCK_TIMEOUT_MS: u32 = 5000;
-/// Longest wait for the stream to pass a transaction's L_T.
+/// Default longest wait for the stream to pass a transaction's L_T.
 pub const STREAM_WAIT: Duration = Duration::from_secs(30);
+/// Longest wait, when the Apply call ends, for running validations and resolutions to give their
+/// sessions back (each is bounded by its lock timeout) before the origins are detached.
+const CLOSE_WAIT: Duration = Duration::from_secs(30);
+/// PostgreSQL's GIDSIZE (200) includes the terminating NUL.
+const MAX_GID_BYTES: usize = 199;
 
 #[derive(Debug, Error)]
 pub enum ValidateError {
@@ -47,6 +53,8 @@ pub enum ValidateError {
     StreamEnded(u64),
     #[error("malformed write set: {0}")]
     Malformed(String),
+    #[error("bad gid {gid:?} for migration {migration_id}: {reason}")]
+    BadGid { migration_id: u64, gid: String, reason: &'static str },
     #[error("validation session of migration {migration_id}: {message}")]
     Session { migration_id: u64, message: String },
     #[error("destination error: {0}")]
@@ -78,9 +86,14 @@ pub struct Validator {
     migration_id: u64,
     conninfo: String,
     watcher: AppliedLsnWatcher,
+    stream_wait: Duration,
     idle: Mutex<Vec<PooledSession>>,
     permits: Semaphore,
-    next_origin: Mutex<usize>,
+    /// Origins `remus_m<id>_v<k>` for k below this may have been created (dropped at finish).
+    next_origin: AtomicUsize,
+    /// Cleared when the Apply call received `finish`: the source has no sync transaction left,
+    /// so a late validation could only leave a shadow the stream never commits.
+    accepting: AtomicBool,
 }
 
 /// Migrations whose `Apply` call is running in this process, by id.
@@ -91,27 +104,52 @@ pub fn validation_origin(migration_id: u64, k: usize) -> String {
     format!("remus_m{migration_id}_v{k}")
 }
 
+/// The gid a migration's shadows must carry: `remus:<migration_id>:<source xid>`, which the
+/// coordinator's cleanup recognises (and a shadow of another migration cannot be touched).
+fn check_gid(migration_id: u64, gid: &str) -> Result<(), ValidateError> {
+    let bad = |reason| Err(ValidateError::BadGid { migration_id, gid: gid.to_string(), reason });
+    let prefix = format!("remus:{migration_id}:");
+    if !gid.starts_with(&prefix) || gid.len() == prefix.len() {
+        return bad("expected remus:<migration_id>:<source xid>");
+    }
+    if gid.len() > MAX_GID_BYTES {
+        return bad("longer than PostgreSQL's 199 bytes");
+    }
+    if gid.contains('\0') {
+        return bad("contains NUL");
+    }
+    Ok(())
+}
+
 impl Validator {
     pub fn new(migration_id: u64, conninfo: String, watcher: AppliedLsnWatcher) -> Self {
         Self {
             migration_id,
             conninfo,
             watcher,
+            stream_wait: STREAM_WAIT,
             idle: Mutex::new(Vec::new()),
             permits: Semaphore::new(MAX_VALIDATION_SESSIONS),
-            next_origin: Mutex::new(0),
+            next_origin: AtomicUsize::new(0),
+            accepting: AtomicBool::new(true),
         }
     }
 
-    async fn open(&self) -> Result<PooledSession, ValidateError> {
-        let k = {
-            let mut n = self.next_origin.lock().unwrap_or_else(|p| p.into_inner());
-            *n += 1;
-            *n - 1
-        };
+    /// Longest wait for the stream to pass a validation's `wait_lsn` (default [`STREAM_WAIT`]).
+    pub fn with_stream_wait(mut self, wait: Duration) -> Self {
+        self.stream_wait = wait;
+        self
+    }
+
+    pub fn migration_id(&self) -> u64 {
+        self.migration_id
+    }
+
+    async fn connect(&self) -> Result<PooledSession, ValidateError> {
         let migration_id = self.migration_id;
-        let session_err = |e: tokio_postgres::Error| ValidateError::Session { migration_id, message: pg_message(&e) };
-        let (client, connection) = tokio_postgres::connect(&self.conninfo, NoTls).await.map_err(session_err)?;
+        let (client, connection) = tokio_postgres::connect(&self.conninfo, NoTls)
+            .await
+            .map_err(|e| ValidateError::Session { migration_id, message: pg_message(&e) })?;
         let connection = tokio::spawn(
             async move {
                 if let Err(e) = connection.await {
@@ -120,20 +158,42 @@ impl Validator {
             }
             .in_current_span(),
         );
-        let o = quote_literal(&validation_origin(migration_id, k));
-        client
-            .batch_execute(&format!(
+        Ok(PooledSession { client, connection })
+    }
+
+    /// A new session bound to an origin of its own. An origin still held by a session that is
+    /// going away (a previous Apply call of the migration, a dropped broken session) is skipped
+    /// for the next number rather than waited for.
+    async fn open(&self) -> Result<PooledSession, ValidateError> {
+        let migration_id = self.migration_id;
+        let session = self.connect().await?;
+        let mut last = String::new();
+        for _ in 0..2 * MAX_VALIDATION_SESSIONS {
+            let k = self.next_origin.fetch_add(1, Ordering::Relaxed);
+            let o = quote_literal(&validation_origin(migration_id, k));
+            // Like the apply sessions: replica role (the source already ran the user triggers
+            // and checked the foreign keys; their effects are in the write set) and the
+            // pg_remus session flag (the destination's ownership checks let shadows through).
+            let setup = format!(
                 "SET remus.migration_session = on;
+                 SET session_replication_role = replica;
                  SET standard_conforming_strings = on;
                  SET application_name = {app};
                  SELECT pg_catalog.pg_replication_origin_create({o})
                    WHERE pg_catalog.pg_replication_origin_oid({o}) IS NULL;
                  SELECT pg_catalog.pg_replication_origin_session_setup({o});",
                 app = quote_literal(&format!("remus-validate m{migration_id} v{k}")),
-            ))
-            .await
-            .map_err(session_err)?;
-        Ok(PooledSession { client, connection })
+            );
+            match session.client.batch_execute(&setup).await {
+                Ok(()) => {
+                    debug!(migration_id, origin = k, "validation session ready");
+                    return Ok(session);
+                }
+                Err(e) if e.code() == Some(&SqlState::OBJECT_IN_USE) => last = pg_message(&e),
+                Err(e) => return Err(ValidateError::Session { migration_id, message: pg_message(&e) }),
+            }
+        }
+        Err(ValidateError::Session { migration_id, message: format!("no free validation origin: {last}") })
     }
 
     async fn session(&self) -> Result<(tokio::sync::SemaphorePermit<'_>, PooledSession), ValidateError> {
@@ -163,19 +223,29 @@ impl Validator {
         changes: &[RowChange],
         lock_timeout_ms: u32,
     ) -> Result<Verdict, ValidateError> {
+        check_gid(self.migration_id, gid)?;
         let checks = changes.iter().map(check_sql).collect::<Result<Vec<_>, _>>()?;
-        match tokio::time::timeout(STREAM_WAIT, self.watcher.wait_for(wait_lsn)).await {
+        if !self.accepting.load(Ordering::Acquire) {
+            return Err(ValidateError::StreamEnded(self.migration_id));
+        }
+        match tokio::time::timeout(self.stream_wait, self.watcher.wait_for(wait_lsn)).await {
             Err(_) => {
                 return Err(ValidateError::StreamTimeout {
                     migration_id: self.migration_id,
                     wait_lsn: crate::apply::format_lsn(wait_lsn),
-                    secs: STREAM_WAIT.as_secs(),
+                    secs: self.stream_wait.as_secs(),
                 })
             }
             Ok(Err(_)) => return Err(ValidateError::StreamEnded(self.migration_id)),
             Ok(Ok(_)) => {}
         }
         let (_permit, session) = self.session().await?;
+        // Checked again with the session in hand: `close` waits for the sessions, so a
+        // validation that got one before `finish` completes and any later one is refused.
+        if !self.accepting.load(Ordering::Acquire) {
+            self.give_back(session);
+            return Err(ValidateError::StreamEnded(self.migration_id));
+        }
         let lock_timeout = if lock_timeout_ms == 0 { DEFAULT_LOCK_TIMEOUT_MS } else { lock_timeout_ms };
         let verdict = run_shadow(&session.client, gid, &checks, lock_timeout).await;
         match verdict {
@@ -196,6 +266,7 @@ impl Validator {
     /// Commits (with the source's commit time) or rolls back the prepared shadow `gid`.
     /// Ok(false) when it does not exist.
     pub async fn resolve(&self, gid: &str, commit: bool, commit_lsn: u64, commit_time_us: i64) -> Result<bool, ValidateError> {
+        check_gid(self.migration_id, gid)?;
         let (_permit, session) = self.session().await?;
         let result = if commit {
             commit_prepared_with_origin(&session.client, gid, commit_lsn, commit_time_us).await
@@ -211,14 +282,75 @@ impl Validator {
         }
     }
 
-    /// Detaches the pooled sessions from their origins and closes them (the coordinator drops
-    /// the origins at cleanup; an attached origin could not be dropped).
-    pub async fn close(&self) {
+    /// Refuses validations from now on (the Apply call received `finish`); resolutions still
+    /// run until [`close`](Self::close).
+    pub fn stop_validating(&self) {
+        self.accepting.store(false, Ordering::Release);
+    }
+
+    /// Ends the validation side with its Apply call: waits (bounded) for running validations
+    /// and resolutions, detaches the pooled sessions from their origins and closes them. With
+    /// `drop_origins` (a clean `finish`) the validation origins are dropped as well; otherwise
+    /// they are left for the coordinator, which drops every `remus_m<id>_%` origin at cleanup
+    /// and rollback. An attached origin cannot be dropped, hence the order.
+    pub async fn close(&self, drop_origins: bool) -> Result<(), ValidateError> {
+        let migration_id = self.migration_id;
+        self.stop_validating();
+        // The semaphore is fair: once this waits, later callers queue behind it and see it closed.
+        match tokio::time::timeout(CLOSE_WAIT, self.permits.acquire_many(MAX_VALIDATION_SESSIONS as u32)).await {
+            Ok(Ok(all)) => all.forget(),
+            Ok(Err(_)) => {}
+            Err(_) => warn!(migration_id, "validations still running after {} s; closing anyway", CLOSE_WAIT.as_secs()),
+        }
         self.permits.close();
         let sessions: Vec<PooledSession> = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut detached = Vec::with_capacity(sessions.len());
         for s in sessions {
-            if let Err(e) = s.client.batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()").await {
-                warn!(migration_id = self.migration_id, error = %pg_message(&e), "detaching a validation session failed");
+            match s.client.batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()").await {
+                Ok(()) => detached.push(s),
+                Err(e) => warn!(migration_id, error = %pg_message(&e), "detaching a validation session failed"),
+            }
+        }
+        let created = self.next_origin.load(Ordering::Relaxed);
+        if !drop_origins || created == 0 {
+            return Ok(());
+        }
+        let fresh;
+        let client = match detached.first() {
+            Some(s) => &s.client,
+            None => {
+                fresh = self.connect().await?;
+                &fresh.client
+            }
+        };
+        for k in 0..created {
+            drop_origin(client, migration_id, &validation_origin(migration_id, k)).await?;
+        }
+        info!(migration_id, origins = created, "validation origins dropped");
+        Ok(())
+    }
+}
+
+/// Drops an origin if it exists. A session that was closed rather than detached releases its
+/// origin only when its backend exits, a moment later: "in use" is retried for a while.
+async fn drop_origin(client: &Client, migration_id: u64, origin: &str) -> Result<(), ValidateError> {
+    let o = quote_literal(origin);
+    let sql = format!(
+        "SELECT pg_catalog.pg_replication_origin_drop({o}) WHERE pg_catalog.pg_replication_origin_oid({o}) IS NOT NULL"
+    );
+    let mut attempts = 0;
+    loop {
+        match client.batch_execute(&sql).await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.code() == Some(&SqlState::OBJECT_IN_USE) && attempts < 250 => {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => {
+                return Err(ValidateError::Session {
+                    migration_id,
+                    message: format!("dropping origin {origin}: {}", pg_message(&e)),
+                })
             }
         }
     }
@@ -248,15 +380,18 @@ fn check_sql(c: &RowChange) -> Result<Check, ValidateError> {
         let old = row_values(0, &table, c, old_vals, "old row").map_err(malformed)?;
         let key = key_values(0, &table, c, &old, "old").map_err(malformed)?;
         let (cond, shown) = key_condition(&key);
-        // The latest version (FOR UPDATE follows the update chain and waits for writers,
-        // prepared ones included), with the origin of the transaction that committed it.
+        // FOR UPDATE waits for writers (prepared shadows included) and follows the update
+        // chain to the latest version; the origin of its xmin must be looked up *after* the
+        // lock, outside the locking query: a join inside it would be rechecked against the
+        // row version it first saw (EvalPlanQual keeps the other relations' rows), i.e. the
+        // origin of a version a concurrent destination transaction has just replaced.
         Some((
             format!(
-                "SELECT c.roident::text, o.roname
-                   FROM {table} t
-                   LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(t.xmin) c ON true
-                   LEFT JOIN pg_catalog.pg_replication_origin o ON o.roident = c.roident
-                  WHERE {cond} FOR UPDATE OF t"
+                "WITH l AS MATERIALIZED (SELECT t.xmin AS x FROM {table} t WHERE {cond} FOR UPDATE OF t)
+                 SELECT c.roident::text, o.roname
+                   FROM l
+                   LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(l.x) c ON true
+                   LEFT JOIN pg_catalog.pg_replication_origin o ON o.roident = c.roident"
             ),
             shown,
         ))
@@ -264,12 +399,21 @@ fn check_sql(c: &RowChange) -> Result<Check, ValidateError> {
     Ok(Check { lock, op: cs.info.op, table: cs.info.table.clone(), key: cs.info.key.clone(), apply: cs.sql })
 }
 
-fn is_conflict_code(e: &tokio_postgres::Error) -> bool {
-    matches!(
-        e.code(),
-        Some(c) if *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::T_R_DEADLOCK_DETECTED
-            || *c == SqlState::UNIQUE_VIOLATION || *c == SqlState::DIVISION_BY_ZERO
-    )
+/// Errors that mean "the shadow cannot be applied as the source saw it": a write-write conflict.
+fn conflict_reason(e: &tokio_postgres::Error) -> Option<&'static str> {
+    let code = e.code()?;
+    if *code == SqlState::LOCK_NOT_AVAILABLE {
+        Some("row lock not granted within the lock timeout")
+    } else if *code == SqlState::T_R_DEADLOCK_DETECTED {
+        Some("deadlock on the destination")
+    } else if *code == SqlState::UNIQUE_VIOLATION {
+        Some("key already exists on the destination")
+    } else if *code == SqlState::DIVISION_BY_ZERO {
+        // The exactly-one-row guard of an UPDATE/DELETE: the locked row changed key under us.
+        Some("the statement did not change exactly one row")
+    } else {
+        None
+    }
 }
 
 async fn run_shadow(client: &Client, gid: &str, checks: &[Check], lock_timeout_ms: u32) -> Result<Verdict, ValidateError> {
@@ -282,43 +426,46 @@ async fn run_shadow(client: &Client, gid: &str, checks: &[Check], lock_timeout_m
         if let Some((lock, shown)) = &check.lock {
             let rows = match client.simple_query(lock).await {
                 Ok(r) => r,
-                Err(e) if is_conflict_code(&e) => return conflict(client, format!("{} on {} ({shown}): {}", check.op, check.table, pg_message(&e))).await,
-                Err(e) => return Err(dest(e)),
+                Err(e) => match conflict_reason(&e) {
+                    Some(why) => {
+                        return conflict(client, format!("{} on {} ({shown}): {why}: {}", check.op, check.table, pg_message(&e))).await
+                    }
+                    None => return Err(dest(e)),
+                },
             };
             let row = rows.iter().find_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(r) => Some((r.get(0).map(str::to_string), r.get(1).map(str::to_string))),
+                SimpleQueryMessage::Row(r) => Some((r.get(0).map(str::to_string), r.get(1).map(str::to_string))),
                 _ => None,
             });
             match row {
                 None => {
-                    return conflict(client, format!("{} on {}: row ({shown}) is missing on the destination", check.op, check.table)).await
+                    return conflict(client, format!("{} on {}: row ({shown}) missing on the destination", check.op, check.table)).await
                 }
-                // No commit timestamp data: a version older than the migration (or this
-                // shadow's own earlier change).
+                // No commit timestamp data: a frozen or pre-`track_commit_timestamp` version
+                // (older than the migration), or this shadow's own earlier change.
                 Some((None, _)) => {}
                 Some((Some(roident), name)) => {
                     let remus = roident != "0" && name.as_deref().is_some_and(|n| n.starts_with("remus_m"));
                     if !remus {
                         return conflict(
                             client,
-                            format!("{} on {}: row ({shown}) was changed by a transaction on the destination", check.op, check.table),
+                            format!(
+                                "{} on {}: row ({shown}) was changed by a transaction on the destination (origin {})",
+                                check.op,
+                                check.table,
+                                name.as_deref().unwrap_or(&roident)
+                            ),
                         )
                         .await;
                     }
                 }
             }
         }
-        match client.simple_query(&check.apply).await {
-            Ok(_) => {}
-            Err(e) if is_conflict_code(&e) => {
-                let why = if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
-                    format!("{} on {}: key ({}) already exists on the destination", check.op, check.table, check.key)
-                } else {
-                    format!("{} on {} ({}): {}", check.op, check.table, check.key, pg_message(&e))
-                };
-                return conflict(client, why).await;
-            }
-            Err(e) => return Err(dest(e)),
+        if let Err(e) = client.simple_query(&check.apply).await {
+            return match conflict_reason(&e) {
+                Some(why) => conflict(client, format!("{} on {} ({}): {why}: {}", check.op, check.table, check.key, pg_message(&e))).await,
+                None => Err(dest(e)),
+            };
         }
     }
     client
@@ -334,4 +481,25 @@ async fn conflict(client: &Client, why: String) -> Result<Verdict, ValidateError
         .await
         .map_err(|e| ValidateError::Destination(pg_message(&e)))?;
     Ok(Verdict::Conflict(why))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gids_must_name_the_migration() {
+        assert!(check_gid(7, "remus:7:123").is_ok());
+        assert!(check_gid(7, "remus:8:123").is_err());
+        assert!(check_gid(7, "remus:7:").is_err());
+        assert!(check_gid(7, "remus:77:1").is_err());
+        assert!(check_gid(7, "x").is_err());
+        assert!(check_gid(7, &format!("remus:7:{}", "9".repeat(200))).is_err());
+    }
+
+    #[test]
+    fn truncate_is_refused_before_anything_runs() {
+        let c = RowChange { kind: row_change::Kind::Truncate as i32, truncate_tables: vec!["\"public\".\"a\"".into()], ..Default::default() };
+        assert!(matches!(check_sql(&c), Err(ValidateError::Malformed(_))));
+    }
 }
