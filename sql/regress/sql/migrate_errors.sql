@@ -12,7 +12,7 @@ SELECT * FROM remus_migrate_shard(:s1, :'o1', 'wait_remaster');
 \echo :LAST_ERROR_SQLSTATE
 SELECT * FROM remus_migrate_shard(:s1, 'n3', 'bogus');
 \echo :LAST_ERROR_SQLSTATE
-SELECT * FROM remus_migrate_shard(:s1, 'n3');
+SELECT * FROM remus_migrate_shard(:s1, :'o1');
 \echo :LAST_ERROR_SQLSTATE
 SELECT * FROM remus_migrate_shards(ARRAY[]::bigint[], 'n3', 'lock_abort');
 \echo :LAST_ERROR_SQLSTATE
