@@ -725,6 +725,12 @@ impl Run {
             .map_err(sql(node))?;
             sessions.push((node.clone(), c));
         }
+        // A stream that has already failed is known before the decision: roll back rather
+        // than hand over to a target that stopped receiving the source's commits. (One that
+        // fails after it is recovered in `cleanup`.)
+        if let Some(p) = &self.state.propagator {
+            p.check()?;
+        }
         // The decision.
         self.reporter.advance(Phase::Cleanup).await?;
         self.state.tm_decided = true;
@@ -906,8 +912,10 @@ impl Run {
     }
 
     /// Remus: prepared shadow transactions of this migration still on the target after the
-    /// stream ended belong to source transactions that aborted (or whose commit never reached
-    /// the stream): each follows its source transaction's fate.
+    /// stream ended belong to source transactions whose commit or abort the target has not
+    /// heard of (the source's post-commit call or the stream did not reach it): each follows
+    /// its source transaction's fate. A committed one gets the source's commit time, through a
+    /// replication origin of the migration (dropped with the others).
     async fn resolve_shadows(&self) -> Result<(), DriverError> {
         let target = self.config.connector.connect(&self.plan.target).await?;
         let source = self.config.connector.connect(&self.plan.source).await?;
@@ -919,24 +927,76 @@ impl Run {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        for gid in gids {
-            let xid = gid.rsplit(':').next().unwrap_or_default().to_string();
-            let status: Option<String> = source
-                .query_one("SELECT pg_xact_status($1::text::xid8)", &[&xid])
-                .await
-                .map_err(sql(&self.plan.source))?
-                .get(0);
-            let verb = match status.as_deref() {
-                Some("committed") => "COMMIT",
-                _ => "ROLLBACK",
-            };
-            warn!(migration_id = self.id(), phase = "cleanup", %gid, ?status, "resolving a shadow transaction left prepared");
-            target
-                .batch_execute(&format!("{verb} PREPARED {}", quote_literal(&gid)))
-                .await
-                .map_err(sql(&self.plan.target))?;
+        if gids.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let origin = quote_literal(&format!("remus_m{}_recovery", self.id()));
+        target
+            .batch_execute(&format!(
+                "SELECT pg_replication_origin_create({origin}) WHERE pg_replication_origin_oid({origin}) IS NULL;
+                 SELECT pg_replication_origin_session_setup({origin});"
+            ))
+            .await
+            .map_err(sql(&self.plan.target))?;
+        let resolved = async {
+            for gid in &gids {
+                let fxid = gid.rsplit(':').next().unwrap_or_default();
+                let row = loop {
+                    let row = source
+                    .query_one(
+                        "SELECT pg_xact_status(x), pg_xact_commit_timestamp((x::text::bigint % 4294967296)::text::xid)::text,
+                                pg_current_wal_lsn()::text
+                           FROM (SELECT $1::text::xid8 AS x) t",
+                        &[&fxid],
+                    )
+                    .await
+                    .map_err(sql(&self.plan.source))?;
+                    // Still running or prepared on the source: its fate is not known yet.
+                    if row.get::<_, Option<String>>(0).as_deref() != Some("in progress") {
+                        break row;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                };
+                let status: Option<String> = row.get(0);
+                let committed_at: Option<String> = row.get(1);
+                let lsn: String = row.get(2);
+                let statement = match (status.as_deref(), committed_at) {
+                    (Some("committed"), Some(at)) => {
+                        target
+                            .batch_execute(&format!(
+                                "SELECT pg_replication_origin_xact_setup({}::pg_lsn, {}::timestamptz)",
+                                quote_literal(&lsn),
+                                quote_literal(&at)
+                            ))
+                            .await
+                            .map_err(sql(&self.plan.target))?;
+                        format!("COMMIT PREPARED {}", quote_literal(gid))
+                    }
+                    (Some("committed"), None) => format!("COMMIT PREPARED {}", quote_literal(gid)),
+                    _ => format!("ROLLBACK PREPARED {}", quote_literal(gid)),
+                };
+                warn!(migration_id = self.id(), phase = "cleanup", %gid, ?status, "resolving a shadow transaction left prepared by its source transaction's fate");
+                match target.batch_execute(&statement).await {
+                    Ok(()) => {}
+                    // Finished meanwhile by the replay worker (a late post-commit call).
+                    Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT) => {}
+                    Err(e) => return Err(sql(&self.plan.target)(e)),
+                }
+                target
+                    .batch_execute("SELECT pg_replication_origin_xact_reset()")
+                    .await
+                    .map_err(sql(&self.plan.target))?;
+            }
+            Ok::<_, DriverError>(())
+        }
+        .await;
+        // Detached before `drop_origins` (an origin in use cannot be dropped).
+        let reset = target
+            .batch_execute("SELECT pg_replication_origin_session_reset()")
+            .await
+            .map_err(sql(&self.plan.target));
+        resolved?;
+        reset
     }
 
     /// Rollback: every prepared shadow of this migration on the target goes (the source keeps
@@ -960,8 +1020,10 @@ impl Run {
 
     // ---- cleanup ------------------------------------------------------------------------
 
-    async fn cleanup(&mut self) -> Result<(), DriverError> {
-        let id = self.id();
+    /// Waits until every transaction that could still use the source shards has ended: those
+    /// older than Tm on every node and (Remus) 2PC participants prepared on the source. With
+    /// `stream`, the target then applies the source's stream up to here.
+    async fn drain_after_tm(&mut self, stream: bool) -> Result<(), DriverError> {
         for (node, at) in self.state.tm_committed_at.clone() {
             self.wait_for_older_transactions(&node, &at, "transactions older than the handover").await?;
         }
@@ -971,14 +1033,44 @@ impl Run {
             // (which commit their shadows): apply all of it before it stops.
             let prepared = self.prepared_shard_lockers().await?;
             self.wait_for_lockers(&prepared, "prepared transactions older than the handover").await?;
-            let lsn = self.sync_point().await?;
-            self.wait_applied(lsn).await?;
+            if stream {
+                let lsn = self.sync_point().await?;
+                self.wait_applied(lsn).await?;
+            }
         }
+        Ok(())
+    }
+
+    async fn cleanup(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let stream_lost = match self.drain_after_tm(true).await {
+            Ok(()) => None,
+            // Remus after Tm: every source commit since the sync barrier was validated, so its
+            // shadow is prepared or committed on the target already; the stream only carried
+            // the commit decisions. Finish from the shadows (paper section 3.7).
+            Err(DriverError::Propagator(e)) if self.plan.mode == Mode::Remus => Some(e),
+            Err(e) => return Err(e),
+        };
         let propagator = self.state.propagator.take().expect("propagator running");
         self.state.final_txns_applied =
             propagator.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire);
-        let conn = propagator.stop(true).await?;
-        self.drop_slot(Some(conn)).await?;
+        let conn = match stream_lost {
+            None => Some(propagator.stop(true).await?),
+            Some(e) => {
+                warn!(migration_id = id, phase = "cleanup", error = %e, "the stream failed after the handover; completing from the prepared shadows");
+                self.reporter
+                    .waiting_on(Some(format!("the stream failed after the handover ({e}); completing from the prepared shadows")))
+                    .await;
+                // Abandoning the apply call makes the replay worker refuse validations, so
+                // source transactions older than Tm that are still to commit fail now rather
+                // than wait for a stream that will not come; then wait for all of them to end.
+                let conn = propagator.stop(false).await.ok();
+                self.drain_after_tm(false).await?;
+                self.reporter.waiting_on(None).await;
+                conn
+            }
+        };
+        self.drop_slot(conn).await?;
         if self.plan.mode == Mode::Remus {
             self.resolve_shadows().await?;
         }
@@ -1015,13 +1107,24 @@ impl Run {
             }
             None => {
                 let source = self.config.connector.connect(&self.plan.source).await?;
-                source
-                    .execute(
-                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
-                        &[&slot],
-                    )
-                    .await
-                    .map_err(sql(&self.plan.source))?;
+                // A walsender that just lost its client may still hold the slot for a moment.
+                let mut attempt = 0u32;
+                loop {
+                    match source
+                        .execute(
+                            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+                            &[&slot],
+                        )
+                        .await
+                    {
+                        Ok(_) => break,
+                        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 200 => {
+                            attempt += 1;
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        Err(e) => return Err(sql(&self.plan.source)(e)),
+                    }
+                }
             }
         }
         self.state.slot = None;
@@ -1030,14 +1133,25 @@ impl Run {
 
     async fn drop_origins(&self) -> Result<(), DriverError> {
         let target = self.config.connector.connect(&self.plan.target).await?;
-        target
-            .execute(
-                "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE $1",
-                &[&format!(r"remus\_m{}\_%", self.id())],
-            )
-            .await
-            .map_err(sql(&self.plan.target))?;
-        Ok(())
+        // The sessions of a replay worker that died are still attached to their origins until
+        // their backends notice the lost client and exit.
+        let mut attempt = 0u32;
+        loop {
+            match target
+                .execute(
+                    "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE $1",
+                    &[&format!(r"remus\_m{}\_%", self.id())],
+                )
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 200 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(sql(&self.plan.target)(e)),
+            }
+        }
     }
 
     /// Ends the registration on every node; returns the transactions the nodes counted as

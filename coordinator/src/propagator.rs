@@ -121,7 +121,15 @@ impl Propagator {
                         }
                         break;
                     }
-                    None => break,
+                    None => {
+                        // Only a stop ends the call cleanly; anything else is a lost worker.
+                        if !p.stop.load(Ordering::Acquire) {
+                            if let Ok(mut f) = p.failed.lock() {
+                                f.get_or_insert_with(|| "the replay call ended".into());
+                            }
+                        }
+                        break;
+                    }
                 }
             }
         });

@@ -14,6 +14,8 @@
 //!   the destination keeps the winner's write.
 //! - Rows written through the stream and through validated shadows carry the source's commit
 //!   timestamps.
+//! - A stream or destination failure during dual execution: source commits get an error, not a
+//!   hang; the migration rolls back before Tm and completes from the prepared shadows after it.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -432,5 +434,190 @@ fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
     old_reader.batch_execute("COMMIT").unwrap();
     let (status, aborted) = mover.join().unwrap().expect("migration");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+/// Holds Tm on `node`: Tm's UPDATE of the shard's map row there waits for this lock, so the
+/// migration stays in dual execution while a test sets the scene.
+fn hold_tm(c: &TestCluster, node: &str, shard: i64) -> postgres::Client {
+    let mut db = c.connect(node).unwrap();
+    db.batch_execute("BEGIN").unwrap();
+    db.execute("SELECT 1 FROM remus.shard_map WHERE shard_id = $1 FOR UPDATE", &[&shard]).unwrap();
+    db
+}
+
+/// Waits until a session on `node` waits for a lock on the shard map (Tm is held there).
+fn wait_tm_blocked(c: &TestCluster, node: &str) {
+    let mut db = c.connect(node).unwrap();
+    let started = Instant::now();
+    loop {
+        let n: i64 = db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%shard_map%'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "Tm never reached the shard map on {node}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn balance_on(db: &mut postgres::Client, shard: i64, aid: i32) -> i32 {
+    db.batch_execute("SET remus.migration_session = on").unwrap();
+    db.query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&aid])
+        .unwrap()
+        .get(0)
+}
+
+/// Paper section 3.7 on a real cluster, both sides of the decision:
+/// - after Tm the propagator's stream fails (its walsender is terminated): a source
+///   transaction still to commit gets an error (not a hang), the migration completes from the
+///   prepared shadows, and a shadow whose source transaction (a user 2PC transaction) commits
+///   only after the failure is committed by that fate, with the source's commit time;
+/// - before Tm the destination's replay worker dies: source commits get an error, the
+///   migration rolls back completely, and the source keeps everything its transactions wrote,
+///   including a transaction validated (prepared) on the destination before the failure.
+#[test]
+fn a_stream_or_destination_failure_during_dual_execution() {
+    let c = TestCluster::start(3, 30001).expect("cluster up");
+    init_tpcb(&c, 1);
+    let n1_shards: Vec<i64> =
+        owners(&c, "pgbench_accounts").into_iter().filter(|(_, o)| o == "n1").map(|(s, _)| s).collect();
+    assert!(n1_shards.len() >= 2, "n1 owns two account shards: {n1_shards:?}");
+
+    // ---- after Tm: the stream fails; the migration completes from the shadows ----
+    let shard = n1_shards[0];
+    let (prepared_aid, committed_aid, failing_aid) =
+        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let mut n1 = c.connect("n1").unwrap();
+    let (rows_before, sum_before): (i64, i64) = {
+        let mut direct = c.connect("n1").unwrap();
+        direct.batch_execute("SET remus.migration_session = on").unwrap();
+        let r = direct
+            .query_one(&format!("SELECT count(*), sum(abalance)::bigint FROM remus_shards.pgbench_accounts_{shard}"), &[])
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    let mut tm_holder = hold_tm(&c, "n2", shard);
+    let mover = start_migration(&c, shard);
+    wait_for_phase(&c, &["handover"], Duration::from_secs(120));
+    wait_tm_blocked(&c, "n2");
+    // In dual execution: a user 2PC transaction validated at its PREPARE, an autocommit write
+    // (validated and committed on both sides), and a writer left open across Tm.
+    let mut x = c.connect("n1").unwrap();
+    x.batch_execute("BEGIN").unwrap();
+    let x_xid: i64 = x.query_one("SELECT txid_current()", &[]).unwrap().get(0);
+    x.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&prepared_aid]).unwrap();
+    x.batch_execute("PREPARE TRANSACTION 'remus_it_x'").unwrap();
+    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&committed_aid]).unwrap();
+    let mut w = c.connect("n1").unwrap();
+    w.batch_execute("BEGIN").unwrap();
+    w.execute("UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1", &[&failing_aid]).unwrap();
+    tm_holder.batch_execute("COMMIT").unwrap();
+    let (migration_id, _, _) = wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    wait_owner(&c, "n3", shard, "n2");
+
+    // The stream fails: its walsender on the source is terminated.
+    let killed: i64 = n1
+        .query_one(
+            "SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots
+              WHERE slot_name = 'remus_m' || $1::bigint AND active_pid IS NOT NULL",
+            &[&migration_id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 1, "the migration's walsender was running");
+    let started = Instant::now();
+    loop {
+        let said = phase_of(&mut n1, Some(migration_id)).and_then(|p| p.2).unwrap_or_default();
+        if said.contains("stream failed") {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "remus_migrations never reported the failure: {said:?}");
+        thread::sleep(Duration::from_millis(20));
+    }
+    // The open writer cannot be validated any more: an error, and its write is not applied.
+    let e = w.batch_execute("COMMIT").expect_err("the writer's commit cannot be validated");
+    assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
+    assert!(format!("{e:?}").contains("could not be validated"), "{e:?}");
+    // The prepared source transaction commits after the failure; its shadow follows.
+    x.batch_execute("COMMIT PREPARED 'remus_it_x'").unwrap();
+    let x_committed_at: String = n1
+        .query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&x_xid])
+        .unwrap()
+        .get(0);
+    let (status, _) = mover.join().unwrap().expect("the migration completes");
+    assert_eq!(status, "succeeded");
+    assert_eq!(owner_of(&c, shard), "n2");
+    let mut n2 = c.connect("n2").unwrap();
+    assert_eq!(balance_on(&mut n2, shard, prepared_aid), 3);
+    assert_eq!(balance_on(&mut n2, shard, committed_aid), 17);
+    assert_eq!(balance_on(&mut n2, shard, failing_aid), 0);
+    let shadow_committed_at: String = n2
+        .query_one(
+            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&prepared_aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(shadow_committed_at, x_committed_at, "the resolved shadow carries the source's commit time");
+    let (rows_after, sum_after): (i64, i64) = {
+        let r = n2
+            .query_one(&format!("SELECT count(*), sum(abalance)::bigint FROM remus_shards.pgbench_accounts_{shard}"), &[])
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((rows_after, sum_after), (rows_before, sum_before + 20));
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+
+    // ---- before Tm: the replay worker dies; the migration rolls back ----
+    let shard = n1_shards[1];
+    let (prepared_aid, failing_aid, later_aid) =
+        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let mut tm_holder = hold_tm(&c, "n2", shard);
+    let mover = start_migration(&c, shard);
+    let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
+    wait_tm_blocked(&c, "n2");
+    let mut v = c.connect("n1").unwrap();
+    v.batch_execute("BEGIN").unwrap();
+    v.execute("UPDATE pgbench_accounts SET abalance = abalance + 19 WHERE aid = $1", &[&prepared_aid]).unwrap();
+    v.batch_execute("PREPARE TRANSACTION 'remus_it_v'").unwrap();
+    let mut u = c.connect("n1").unwrap();
+    u.batch_execute("BEGIN").unwrap();
+    u.execute("UPDATE pgbench_accounts SET abalance = abalance + 23 WHERE aid = $1", &[&failing_aid]).unwrap();
+    let worker = c.state().unwrap().replay_worker.live_pid().expect("replay worker runs");
+    // SAFETY: SIGKILL to the replay worker this test's cluster started.
+    unsafe { libc::kill(worker as i32, libc::SIGKILL) };
+    let e = u.batch_execute("COMMIT").expect_err("no destination to validate on");
+    assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
+    tm_holder.batch_execute("COMMIT").unwrap();
+    let e = mover.join().unwrap().expect_err("the migration rolls back");
+    assert!(format!("{e:?}").contains("rolled_back"), "{e:?}");
+    let (status, error): (String, Option<String>) = {
+        let r = n1
+            .query_one("SELECT status, error FROM remus_migrations WHERE migration_id = $1", &[&migration_id])
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(status, "rolled_back");
+    assert!(error.unwrap_or_default().contains("replay worker"), "remus_migrations says why");
+    // The validated transaction commits on the source, which still owns the shard; the source
+    // takes writes again.
+    v.batch_execute("COMMIT PREPARED 'remus_it_v'").unwrap();
+    assert_eq!(owner_of(&c, shard), "n1");
+    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 29 WHERE aid = $1", &[&later_aid]).unwrap();
+    let mut src = c.connect("n1").unwrap();
+    assert_eq!(balance_on(&mut src, shard, prepared_aid), 19);
+    assert_eq!(balance_on(&mut src, shard, failing_aid), 0);
+    assert_eq!(balance_on(&mut src, shard, later_aid), 29);
+    let on_target: bool = n2
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&format!("remus_shards.pgbench_accounts_{shard}")])
+        .unwrap()
+        .get(0);
+    assert!(!on_target, "the destination's copy is dropped");
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
 }
