@@ -4,6 +4,11 @@
 //! the local transaction still running → leave it; a decision row exists → COMMIT PREPARED;
 //! no row → the local transaction aborted (or never reached its commit) → ROLLBACK PREPARED.
 //! Decision rows whose prepared transaction is gone everywhere are then deleted.
+//!
+//! A transaction prepared less than [`IN_DOUBT_GRACE`] ago is left alone (and its decision row
+//! kept): its coordinating backend runs the second phase itself right after its local commit,
+//! and a recovery round stepping in between would race it for the same gid ("busy" or "does
+//! not exist" on one side, and a dropped connection).
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -18,6 +23,10 @@ pub struct RecoveryStats {
     pub rolled_back: i64,
     pub in_progress: i64,
 }
+
+/// How long a prepared transaction belongs to its coordinating backend before recovery may
+/// finish it (a PostgreSQL interval).
+const IN_DOUBT_GRACE: &str = "5 seconds";
 
 fn parse_xid(gid: &str, me: &str) -> Option<u32> {
     gid.strip_prefix(&format!("remus_{me}_"))?.split('_').next()?.parse().ok()
@@ -40,7 +49,9 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
         let pattern = format!("remus\\_{me}\\_%");
         let listing = remote::with_connection(&peer, |c| {
             c.exec(&format!(
-                "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE {} AND database = current_database()",
+                "SELECT gid, (prepared > now() - interval {})::text FROM pg_prepared_xacts
+                  WHERE gid LIKE {} AND database = current_database()",
+                quote_literal(IN_DOUBT_GRACE),
                 quote_literal(&pattern)
             ))
         });
@@ -54,10 +65,13 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
                 continue;
             }
         };
-        for gid in rows.into_iter().filter_map(|r| r.into_iter().next().flatten()) {
+        for row in rows {
+            let mut cols = row.into_iter();
+            let Some(gid) = cols.next().flatten() else { continue };
+            let young = cols.next().flatten().as_deref() == Some("true");
             let Some(xid) = parse_xid(&gid, &me) else { continue };
             // SAFETY: read-only probe of the proc array.
-            if unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(xid)) } {
+            if young || unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(xid)) } {
                 stats.in_progress += 1;
                 still_prepared.push(gid);
                 continue;
