@@ -67,6 +67,13 @@ struct MigrationEntry {
     endpoint: [u8; ENDPOINT_BYTES],
 }
 
+impl MigrationEntry {
+    fn endpoint(&self) -> String {
+        let len = self.endpoint.iter().position(|&b| b == 0).unwrap_or(ENDPOINT_BYTES);
+        String::from_utf8_lossy(&self.endpoint[..len]).into_owned()
+    }
+}
+
 impl Default for MigrationEntry {
     fn default() -> Self {
         Self { migration_id: 0, fenced: false, aborts: 0, capture: false, sync: false, endpoint: [0; ENDPOINT_BYTES] }
@@ -95,6 +102,18 @@ struct Gate {
     deadline: pg_sys::TimestampTz,
 }
 
+/// Prepared source transactions (2PC participants) whose shadows are prepared on a destination,
+/// so the session that finishes one can finish its shadows too (read-your-writes).
+const MAX_PREPARED_SHADOWS: usize = 256;
+
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct PreparedShadow {
+    /// 0: free.
+    migration_id: i64,
+    xid: u32,
+}
+
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct HandoverState {
@@ -106,6 +125,7 @@ struct HandoverState {
     /// backend commits a transaction that wrote a capturing shard in async mode. The barrier
     /// waits for the marks it saw when it set sync mode to change (TS_unsync drained).
     async_commit: [u64; MAX_PROCS],
+    prepared_shadows: [PreparedShadow; MAX_PREPARED_SHADOWS],
 }
 
 impl Default for HandoverState {
@@ -116,6 +136,7 @@ impl Default for HandoverState {
             victims: [Victim::default(); MAX_VICTIMS],
             gate: Gate::default(),
             async_commit: [0; MAX_PROCS],
+            prepared_shadows: [PreparedShadow::default(); MAX_PREPARED_SHADOWS],
         }
     }
 }
@@ -411,10 +432,7 @@ pub fn enter_commit(migrations: &[i64]) -> Vec<(i64, CommitMode)> {
     for &migration_id in migrations {
         let mode = match s.migrations.iter().find(|m| m.migration_id == migration_id && m.capture) {
             None => CommitMode::Gone,
-            Some(m) if m.sync => {
-                let len = m.endpoint.iter().position(|&b| b == 0).unwrap_or(ENDPOINT_BYTES);
-                CommitMode::Sync { endpoint: String::from_utf8_lossy(&m.endpoint[..len]).into_owned() }
-            }
+            Some(m) if m.sync => CommitMode::Sync { endpoint: m.endpoint() },
             Some(_) => {
                 mark = true;
                 CommitMode::Async
@@ -441,6 +459,41 @@ pub fn leave_commit() {
             STATE.exclusive().async_commit[procno] = 0;
         }
     }
+}
+
+/// A transaction validated for `migrations` was prepared as `xid` (a 2PC participant). With no
+/// free slot it is not noted: the stream and the migration's cleanup finish its shadows then.
+pub fn note_prepared_shadows(xid: u32, migrations: &[i64]) {
+    let mut s = STATE.exclusive();
+    for &migration_id in migrations {
+        if let Some(slot) = s.prepared_shadows.iter_mut().find(|p| p.migration_id == 0) {
+            *slot = PreparedShadow { migration_id, xid };
+        }
+    }
+}
+
+/// Is any prepared transaction noted by [`note_prepared_shadows`]? (Cheap enough per COMMIT
+/// PREPARED: only taken while a migration is registered here.)
+pub fn any_prepared_shadows() -> bool {
+    active() && STATE.share().prepared_shadows.iter().any(|p| p.migration_id != 0)
+}
+
+/// Removes the notes of prepared transaction `xid`; returns, per migration still in sync mode,
+/// its replay worker endpoint.
+pub fn take_prepared_shadows(xid: u32) -> Vec<(i64, String)> {
+    let mut s = STATE.exclusive();
+    let mut taken = Vec::new();
+    for i in 0..MAX_PREPARED_SHADOWS {
+        let p = s.prepared_shadows[i];
+        if p.migration_id == 0 || p.xid != xid {
+            continue;
+        }
+        s.prepared_shadows[i] = PreparedShadow::default();
+        if let Some(m) = s.migrations.iter().find(|m| m.migration_id == p.migration_id && m.capture) {
+            taken.push((p.migration_id, m.endpoint()));
+        }
+    }
+    taken
 }
 
 /// Counts a transaction the migration aborted on this node (a MOCC conflict).
@@ -601,6 +654,9 @@ mod remus {
         }
         for v in s.victims.iter_mut().filter(|v| v.migration_id == migration_id) {
             *v = Victim::default();
+        }
+        for p in s.prepared_shadows.iter_mut().filter(|p| p.migration_id == migration_id) {
+            *p = PreparedShadow::default();
         }
         if s.gate.migration_id == migration_id {
             s.gate = Gate::default();

@@ -20,6 +20,9 @@
 //!   transaction is committed): a failure is a WARNING, and the stream commits the shadow later.
 //!   An abort after validation rolls the shadow back the same way; a shadow whose source died
 //!   in between is resolved by the coordinator from the source transaction's status.
+//! - A 2PC participant's shadows wait for its COMMIT / ROLLBACK PREPARED, which may run in
+//!   another session: noted in shared memory under its xid, they are resolved by that session
+//!   before the statement returns.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -73,6 +76,8 @@ struct Validated {
     migration_id: i64,
     gid: String,
     endpoint: String,
+    /// The source transaction's top xid (what pg_prepared_xacts shows if it is prepared).
+    xid: u32,
 }
 
 thread_local! {
@@ -328,7 +333,9 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         handover::count_migration_abort(migration_id);
         return Err(RemusError::MigrationConflict { migration_id, conflict: reply.conflict });
     }
-    VALIDATED.with(|v| v.borrow_mut().push(Validated { migration_id, gid: gid.clone(), endpoint: endpoint.to_string() }));
+    VALIDATED.with(|v| {
+        v.borrow_mut().push(Validated { migration_id, gid: gid.clone(), endpoint: endpoint.to_string(), xid: fxid as u32 })
+    });
     let content = CString::new(gid).expect("gid has no NUL");
     // SAFETY: transactional message inside this transaction; the strings outlive the call.
     unsafe {
@@ -391,15 +398,80 @@ pub fn end_of_transaction(committed: bool) {
     }
 }
 
-/// The transaction was prepared (a 2PC participant): its shadows stay prepared; the stream
-/// commits them when the source's COMMIT PREPARED is decoded, and the coordinator rolls back
-/// those whose source was rolled back.
+/// The transaction was prepared (a 2PC participant): its shadows stay prepared, noted in
+/// shared memory under its xid so that the session running its COMMIT / ROLLBACK PREPARED
+/// finishes them too ([`prepared_finished`]). The stream (on the source's commit) and the
+/// migration's cleanup (by the source's fate) cover a note that is lost.
 pub fn prepared() {
     WRITE_SET.with(|w| w.borrow_mut().clear());
     if MARKED.with(|m| m.replace(false)) {
         handover::leave_commit();
     }
-    VALIDATED.with(|v| v.borrow_mut().clear());
+    let validated = VALIDATED.with(|v| std::mem::take(&mut *v.borrow_mut()));
+    if let Some(first) = validated.first() {
+        let migrations: Vec<i64> = validated.iter().map(|v| v.migration_id).collect();
+        handover::note_prepared_shadows(first.xid, &migrations);
+    }
+}
+
+/// The xid of prepared transaction `gid`, if its shadows are noted here (looked up before
+/// COMMIT / ROLLBACK PREPARED runs, while the gid still exists).
+pub fn prepared_xid(gid: &str) -> Option<u32> {
+    if !handover::any_prepared_shadows() {
+        return None;
+    }
+    // SAFETY: a transaction statement runs without an active snapshot; SPI's read-only
+    // queries need one. Pushed and popped around the one query.
+    let pushed = unsafe {
+        if pg_sys::ActiveSnapshotSet() {
+            false
+        } else {
+            pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+            true
+        }
+    };
+    let xid = Spi::get_one_with_args::<i64>(
+        "SELECT transaction::text::bigint FROM pg_catalog.pg_prepared_xacts WHERE gid = $1",
+        &[gid.into()],
+    );
+    if pushed {
+        // SAFETY: pairs the push above (the query cannot leave another snapshot pushed).
+        unsafe { pg_sys::PopActiveSnapshot() };
+    }
+    xid.ok().flatten().map(|x| x as u32)
+}
+
+/// COMMIT / ROLLBACK PREPARED of a validated 2PC participant finished in this session: its
+/// shadows follow before the statement returns, so the transaction's coordinator (and its
+/// client) sees COMMIT only once the destination has the writes. Never raises.
+pub fn prepared_finished(xid: u32, commit: bool) {
+    let shadows = handover::take_prepared_shadows(xid);
+    if shadows.is_empty() {
+        return;
+    }
+    // SAFETY: plain reads: the next xid's epoch (to rebuild the full xid the gid carries), the
+    // commit timestamp of a transaction that just committed, and the WAL insert position.
+    let (fxid, commit_time_us, lsn) = unsafe {
+        let next = pg_sys::ReadNextFullTransactionId().value;
+        let mut epoch = next >> 32;
+        if xid > next as u32 {
+            epoch -= 1;
+        }
+        let mut ts: pg_sys::TimestampTz = 0;
+        if commit {
+            pg_sys::TransactionIdGetCommitTsData(pg_sys::TransactionId::from(xid), &mut ts, std::ptr::null_mut());
+        }
+        ((epoch << 32) | u64::from(xid), ts, pg_sys::GetXLogInsertRecPtr())
+    };
+    // SAFETY: the prepared transaction is finished; like the post-commit path, the wait for the
+    // destination must not be turned into an ERROR by a cancel (the statement succeeded).
+    unsafe { pg_sys::InterruptHoldoffCount += 1 };
+    for (migration_id, endpoint) in shadows {
+        let v = Validated { migration_id, gid: format!("remus:{migration_id}:{fxid}"), endpoint, xid };
+        resolve(&v, commit, commit_time_us, lsn);
+    }
+    // SAFETY: pairs the increment above.
+    unsafe { pg_sys::InterruptHoldoffCount -= 1 };
 }
 
 fn resolve(v: &Validated, commit: bool, commit_time_us: i64, commit_lsn: u64) {

@@ -621,3 +621,70 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     assert!(!on_target, "the destination's copy is dropped");
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
 }
+
+/// A source transaction that is a 2PC participant validates at its PREPARE; the session that
+/// runs its COMMIT PREPARED (or ROLLBACK PREPARED) finishes the prepared shadow before it
+/// returns, so whoever coordinated it reads its write on the destination next. The stream is
+/// stalled (its walsender stopped) to show the shadow does not wait for it.
+#[test]
+fn a_finished_2pc_participant_is_finished_on_the_destination_before_it_returns() {
+    let c = TestCluster::start(3, 30201).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (committed_aid, rolled_back_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
+    let mut tm_holder = hold_tm(&c, "n2", shard);
+    let mover = start_migration(&c, shard);
+    let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
+    wait_tm_blocked(&c, "n2");
+
+    let mut p = c.connect("n1").unwrap();
+    p.batch_execute("BEGIN").unwrap();
+    let p_xid: i64 = p.query_one("SELECT txid_current()", &[]).unwrap().get(0);
+    p.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&committed_aid]).unwrap();
+    p.batch_execute("PREPARE TRANSACTION 'remus_it_p'").unwrap();
+    let mut r = c.connect("n1").unwrap();
+    r.batch_execute("BEGIN").unwrap();
+    r.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&rolled_back_aid]).unwrap();
+    r.batch_execute("PREPARE TRANSACTION 'remus_it_r'").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    let shadows = |db: &mut postgres::Client| -> i64 {
+        db.query_one("SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus:%'", &[]).unwrap().get(0)
+    };
+    assert_eq!(shadows(&mut n2), 2, "both participants validated at PREPARE");
+
+    let mut n1 = c.connect("n1").unwrap();
+    let walsender: i32 = n1
+        .query_one("SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'remus_m' || $1::bigint", &[&migration_id])
+        .unwrap()
+        .get(0);
+    // SAFETY: stops (and below resumes) the walsender of this test's migration.
+    unsafe { libc::kill(walsender, libc::SIGSTOP) };
+    let finished = n1.batch_execute("COMMIT PREPARED 'remus_it_p'").and_then(|_| n1.batch_execute("ROLLBACK PREPARED 'remus_it_r'"));
+    let left = shadows(&mut n2);
+    let committed = balance_on(&mut n2, shard, committed_aid);
+    let rolled_back = balance_on(&mut n2, shard, rolled_back_aid);
+    // SAFETY: as above.
+    unsafe { libc::kill(walsender, libc::SIGCONT) };
+    finished.unwrap();
+    assert_eq!(left, 0, "the shadows were finished with their source transactions");
+    assert_eq!((committed, rolled_back), (5, 0));
+    let source_ts: String = n1
+        .query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&p_xid])
+        .unwrap()
+        .get(0);
+    let dest_ts: String = n2
+        .query_one(
+            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&committed_aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(dest_ts, source_ts, "the shadow carries the source's commit time");
+
+    tm_holder.batch_execute("COMMIT").unwrap();
+    let (status, aborted) = mover.join().unwrap().expect("migration");
+    assert_eq!((status.as_str(), aborted), ("succeeded", 0));
+    assert_eq!(balance_on(&mut n2, shard, committed_aid), 5);
+    assert_eq!(balance_on(&mut n2, shard, rolled_back_aid), 0);
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}

@@ -47,10 +47,34 @@ unsafe extern "C-unwind" fn process_utility(
         Ok(false) => {}
         Err(e) => e.raise(),
     }
+    let finishing = finishing_prepared(pstmt);
     match PREV_UTILITY {
         Some(prev) => prev(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
         None => pg_sys::standard_ProcessUtility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
     }
+    if let Some((xid, commit)) = finishing {
+        crate::mocc::prepared_finished(xid, commit);
+    }
+}
+
+/// COMMIT / ROLLBACK PREPARED of a transaction whose Remus shadows are noted on this node:
+/// its xid and whether it commits.
+unsafe fn finishing_prepared(pstmt: *mut pg_sys::PlannedStmt) -> Option<(u32, bool)> {
+    let stmt = (*pstmt).utilityStmt;
+    if stmt.is_null() || (*stmt).type_ != pg_sys::NodeTag::T_TransactionStmt {
+        return None;
+    }
+    let t = stmt as *mut pg_sys::TransactionStmt;
+    let commit = match (*t).kind {
+        pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED => true,
+        pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK_PREPARED => false,
+        _ => return None,
+    };
+    if (*t).gid.is_null() {
+        return None;
+    }
+    let gid = CStr::from_ptr((*t).gid).to_string_lossy();
+    crate::mocc::prepared_xid(&gid).map(|xid| (xid, commit))
 }
 
 unsafe fn shell_of(rv: *mut pg_sys::RangeVar) -> Result<Option<DistTable>, RemusError> {
