@@ -11,7 +11,9 @@
 set -euo pipefail
 source "$(dirname "$0")/../scripts/lib.sh"
 cd "$REPO_ROOT"
-"$REPO_ROOT/scripts/setup.sh" >/dev/null
+# demo.sh has just set up (REMUS_SETUP_DONE=1): installing the extension again would stop its
+# running cluster (servers are stopped before the .so is replaced).
+[ "${REMUS_SETUP_DONE:-0}" = 1 ] || "$REPO_ROOT/scripts/setup.sh" >/dev/null
 
 modes=${MODES:-lock_abort wait_remaster remus}
 scale=${SCALE:-4}

@@ -69,11 +69,11 @@ mapfile -t movers < <(psql -XAtc "SELECT shard_id FROM remus_shards WHERE table_
 psql -XP pager=off -c "
   SELECT migration_id, shard_ids, source, target, mode, status, copy_ms, catchup_ms, handover_ms,
          cleanup_ms, total_ms, rows_copied, txns_replayed, aborted_by_migration
-    FROM remus_migrate_shard(${movers[0]}, 'n1', 'lock_abort')
+    FROM remus_migrate_shard(${movers[0]}, 'n1')
   UNION ALL
   SELECT * FROM (SELECT migration_id, shard_ids, source, target, mode, status, copy_ms, catchup_ms,
          handover_ms, cleanup_ms, total_ms, rows_copied, txns_replayed, aborted_by_migration
-    FROM remus_migrate_shard(${movers[1]}, 'n2', 'wait_remaster')) s"
+    FROM remus_migrate_shard(${movers[1]}, 'n2', 'lock_abort')) s"
 "$ctl" migrate --dir "$dir" --shard "${movers[0]}" --to n3 --mode wait_remaster
 wait
 printf '%-6s %10s %10s\n' node committed failed
@@ -83,7 +83,7 @@ for n in n1 n2 n3; do
         "$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$f")" \
         "$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' "$f")"
 done
-echo "(lock_abort's aborted_by_migration are pgbench's failed transactions; wait_remaster aborts none)"
+echo "(remus, the default, and wait_remaster abort none; lock_abort's aborted_by_migration are pgbench's failed transactions)"
 psql -XAtc "SELECT format('balances after the moves: accounts %s, branches %s, tellers %s, history deltas %s -> %s',
     a, b, t, h, CASE WHEN a = b AND b = t AND t = h THEN 'consistent' ELSE 'INCONSISTENT' END)
   FROM (SELECT (SELECT sum(abalance) FROM pgbench_accounts) a, (SELECT sum(bbalance) FROM pgbench_branches) b,
@@ -93,7 +93,7 @@ psql -XAtc "SELECT format('balances after the moves: accounts %s, branches %s, t
 # The three handover modes side by side, short form: the same consolidation of n3 under TPC-B
 # on a separate throwaway cluster per mode (bench/handover_modes.sh has the full version).
 log "handover modes compared (short run: scale 1, 2 clients per node)"
-SCALE=1 CLIENTS=2 WARMUP=2 BASE_PORT=$(( ${REMUS_BASE_PORT:-6001} + 500 )) \
+REMUS_SETUP_DONE=1 SCALE=1 CLIENTS=2 WARMUP=2 BASE_PORT=$(( ${REMUS_BASE_PORT:-6001} + 500 )) \
     OUT_DIR=/var/tmp/remus-demo-modes "$REPO_ROOT/bench/handover_modes.sh" | tail -5
 
 cat <<MSG
