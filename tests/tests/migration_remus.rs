@@ -14,6 +14,8 @@
 //!   the destination keeps the winner's write.
 //! - Rows written through the stream and through validated shadows carry the source's commit
 //!   timestamps.
+//! - COMMIT inside a procedure and 2PC participants (COMMIT / ROLLBACK PREPARED) in dual
+//!   execution: the destination has the outcome before the statement returns.
 //! - A stream or destination failure during dual execution: source commits get an error, not a
 //!   hang; the migration rolls back before Tm and completes from the prepared shadows after it.
 
@@ -622,20 +624,44 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
 }
 
-/// A source transaction that is a 2PC participant validates at its PREPARE; the session that
-/// runs its COMMIT PREPARED (or ROLLBACK PREPARED) finishes the prepared shadow before it
-/// returns, so whoever coordinated it reads its write on the destination next. The stream is
-/// stalled (its walsender stopped) to show the shadow does not wait for it.
+/// Commits that are not a plain COMMIT, in dual execution:
+/// - COMMIT inside a procedure: each one validates, and its write is on the destination when
+///   the CALL returns;
+/// - a source transaction that is a 2PC participant validates at its PREPARE; the session that
+///   runs its COMMIT PREPARED (or ROLLBACK PREPARED) finishes the prepared shadow before it
+///   returns, so whoever coordinated it reads its write on the destination next. The stream is
+///   stalled (its walsender stopped) to show the shadow does not wait for it.
 #[test]
-fn a_finished_2pc_participant_is_finished_on_the_destination_before_it_returns() {
+fn procedure_commits_and_2pc_participants_in_dual_execution() {
     let c = TestCluster::start(3, 30201).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let (committed_aid, rolled_back_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
+    let (proc_a, proc_b) = (an_account_of(&c, shard, 2), an_account_of(&c, shard, 3));
     let mut tm_holder = hold_tm(&c, "n2", shard);
     let mover = start_migration(&c, shard);
     let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
     wait_tm_blocked(&c, "n2");
+
+    let mut caller = c.connect("n1").unwrap();
+    caller
+        .batch_execute(
+            "CREATE PROCEDURE remus_it_two_commits(a int, b int) LANGUAGE plpgsql AS $$
+             BEGIN
+               UPDATE pgbench_accounts SET abalance = abalance + 31 WHERE aid = a;
+               COMMIT;
+               UPDATE pgbench_accounts SET abalance = abalance + 37 WHERE aid = b;
+               COMMIT;
+             END $$",
+        )
+        .unwrap();
+    caller.execute("CALL remus_it_two_commits($1, $2)", &[&proc_a, &proc_b]).unwrap();
+    let mut on_dest = c.connect("n2").unwrap();
+    assert_eq!(
+        (balance_on(&mut on_dest, shard, proc_a), balance_on(&mut on_dest, shard, proc_b)),
+        (31, 37),
+        "both commits of the procedure are on the destination when CALL returns"
+    );
 
     let mut p = c.connect("n1").unwrap();
     p.batch_execute("BEGIN").unwrap();
@@ -686,5 +712,6 @@ fn a_finished_2pc_participant_is_finished_on_the_destination_before_it_returns()
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
     assert_eq!(balance_on(&mut n2, shard, committed_aid), 5);
     assert_eq!(balance_on(&mut n2, shard, rolled_back_aid), 0);
+    assert_eq!((balance_on(&mut n2, shard, proc_a), balance_on(&mut n2, shard, proc_b)), (31, 37));
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
 }
