@@ -22,6 +22,9 @@ use crate::node_registry::NodeRecord;
 use crate::plan::MigrationPlan;
 use crate::propagator::{Propagator, PropagatorError};
 
+/// After the Tm decision, how long the driver keeps retrying a node that does not answer (a
+/// crashed target restarting) before the migration ends `failed`.
+const NODE_WAIT: Duration = Duration::from_secs(300);
 /// A catch-up round this short means the target is close behind the source.
 const CATCHUP_CLOSE_ENOUGH: Duration = Duration::from_millis(500);
 /// A source that writes faster than the target applies never gets close; hand over anyway.
@@ -621,6 +624,39 @@ impl Run {
         Ok(())
     }
 
+    /// A session on `node`, retried while the node does not answer, for at most [`NODE_WAIT`]:
+    /// after the Tm decision the migration can only go forward, so a target that crashed is
+    /// waited for (its prepared shadows survive the restart). A stream failure meanwhile is
+    /// reported at once (the caller then completes without the stream).
+    async fn connect_when_up(&self, node: &NodeRecord) -> Result<tokio_postgres::Client, DriverError> {
+        let started = Instant::now();
+        let mut reported = false;
+        loop {
+            match self.config.connector.connect(node).await {
+                Ok(c) => {
+                    if reported {
+                        self.reporter.waiting_on(None).await;
+                    }
+                    return Ok(c);
+                }
+                Err(e) if started.elapsed() < NODE_WAIT => {
+                    if !reported {
+                        warn!(migration_id = self.id(), node = %node.name, error = %e, "node unreachable; retrying");
+                        self.reporter
+                            .waiting_on(Some(format!("node {} is unreachable ({e}); retrying", node.name)))
+                            .await;
+                        reported = true;
+                    }
+                    if let Some(p) = &self.state.propagator {
+                        p.check()?;
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     /// Waits until no client transaction that started before `before` (a timestamptz in text)
     /// is running on `node`, reporting what it waits for.
     async fn wait_for_older_transactions(
@@ -629,7 +665,7 @@ impl Run {
         before: &str,
         what: &str,
     ) -> Result<(), DriverError> {
-        let c = self.config.connector.connect(node).await?;
+        let mut c = self.connect_when_up(node).await?;
         let requester = match &self.plan.requested_by {
             Some((n, pid)) if *n == node.name => *pid,
             _ => 0,
@@ -643,7 +679,16 @@ impl Run {
         );
         let mut reported = false;
         loop {
-            let row = c.query_one(&query, &[]).await.map_err(sql(node))?;
+            let row = match c.query_one(&query, &[]).await {
+                Ok(row) => row,
+                // The node went away (a crash ends its transactions too): ask again once it is
+                // back.
+                Err(_) if c.is_closed() => {
+                    c = self.connect_when_up(node).await?;
+                    continue;
+                }
+                Err(e) => return Err(sql(node)(e)),
+            };
             let n: i64 = row.get(0);
             if n == 0 {
                 break;
@@ -917,8 +962,8 @@ impl Run {
     /// its source transaction's fate. A committed one gets the source's commit time, through a
     /// replication origin of the migration (dropped with the others).
     async fn resolve_shadows(&self) -> Result<(), DriverError> {
-        let target = self.config.connector.connect(&self.plan.target).await?;
-        let source = self.config.connector.connect(&self.plan.source).await?;
+        let target = self.connect_when_up(&self.plan.target).await?;
+        let source = self.connect_when_up(&self.plan.source).await?;
         let prefix = format!("remus:{}:", self.id());
         let gids: Vec<String> = target
             .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
@@ -1002,7 +1047,7 @@ impl Run {
     /// Rollback: every prepared shadow of this migration on the target goes (the source keeps
     /// everything its transactions wrote).
     async fn drop_shadows(&self) -> Result<(), DriverError> {
-        let target = self.config.connector.connect(&self.plan.target).await?;
+        let target = self.connect_when_up(&self.plan.target).await?;
         let prefix = format!("remus:{}:", self.id());
         let rows = target
             .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
@@ -1055,7 +1100,15 @@ impl Run {
         self.state.final_txns_applied =
             propagator.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire);
         let conn = match stream_lost {
-            None => Some(propagator.stop(true).await?),
+            // Everything up to the final sync point is applied; a worker that cannot finish
+            // cleanly now (its target restarting, say) leaves only its origins, dropped below.
+            None => match propagator.stop(true).await {
+                Ok(conn) => Some(conn),
+                Err(e) => {
+                    warn!(migration_id = id, phase = "cleanup", error = %e, "the replay worker did not finish cleanly");
+                    None
+                }
+            },
             Some(e) => {
                 warn!(migration_id = id, phase = "cleanup", error = %e, "the stream failed after the handover; completing from the prepared shadows");
                 self.reporter
@@ -1132,7 +1185,7 @@ impl Run {
     }
 
     async fn drop_origins(&self) -> Result<(), DriverError> {
-        let target = self.config.connector.connect(&self.plan.target).await?;
+        let target = self.connect_when_up(&self.plan.target).await?;
         // The sessions of a replay worker that died are still attached to their origins until
         // their backends notice the lost client and exit.
         let mut attempt = 0u32;
@@ -1225,7 +1278,7 @@ impl Run {
         }
         if self.state.target_tables {
             let r = async {
-                let c = self.config.connector.connect(&self.plan.target).await?;
+                let c = self.connect_when_up(&self.plan.target).await?;
                 let drops: String = self
                     .plan
                     .tables

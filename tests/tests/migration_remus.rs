@@ -17,7 +17,8 @@
 //! - COMMIT inside a procedure and 2PC participants (COMMIT / ROLLBACK PREPARED) in dual
 //!   execution: the destination has the outcome before the statement returns.
 //! - A stream or destination failure during dual execution: source commits get an error, not a
-//!   hang; the migration rolls back before Tm and completes from the prepared shadows after it.
+//!   hang; the migration rolls back before Tm and completes from the prepared shadows after it,
+//!   waiting for a destination that is down.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -713,5 +714,71 @@ fn procedure_commits_and_2pc_participants_in_dual_execution() {
     assert_eq!(balance_on(&mut n2, shard, committed_aid), 5);
     assert_eq!(balance_on(&mut n2, shard, rolled_back_aid), 0);
     assert_eq!((balance_on(&mut n2, shard, proc_a), balance_on(&mut n2, shard, proc_b)), (31, 37));
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+/// The destination's PostgreSQL goes down after Tm (paper section 3.7): a source transaction
+/// still to commit gets an error, the migration waits for the target (and says so) instead of
+/// failing, and once the target is back it completes: the prepared shadow of a source
+/// transaction that committed while the target was down is committed by that fate.
+#[test]
+fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
+    let c = TestCluster::start(3, 30401).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (prepared_aid, committed_aid, failing_aid) =
+        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let mut tm_holder = hold_tm(&c, "n2", shard);
+    let mover = start_migration(&c, shard);
+    let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
+    wait_tm_blocked(&c, "n2");
+    let mut x = c.connect("n1").unwrap();
+    x.batch_execute("BEGIN").unwrap();
+    let x_xid: i64 = x.query_one("SELECT txid_current()", &[]).unwrap().get(0);
+    x.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&prepared_aid]).unwrap();
+    x.batch_execute("PREPARE TRANSACTION 'remus_it_x'").unwrap();
+    let mut n1 = c.connect("n1").unwrap();
+    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&committed_aid]).unwrap();
+    let mut w = c.connect("n1").unwrap();
+    w.batch_execute("BEGIN").unwrap();
+    w.execute("UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1", &[&failing_aid]).unwrap();
+    tm_holder.batch_execute("COMMIT").unwrap();
+    drop(tm_holder);
+    wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    wait_owner(&c, "n3", shard, "n2");
+
+    c.stop_node("n2").unwrap();
+    let e = w.batch_execute("COMMIT").expect_err("no destination to validate on");
+    assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
+    x.batch_execute("COMMIT PREPARED 'remus_it_x'").unwrap();
+    let x_committed_at: String = n1
+        .query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&x_xid])
+        .unwrap()
+        .get(0);
+    let started = Instant::now();
+    loop {
+        let said = phase_of(&mut n1, Some(migration_id)).and_then(|p| p.2).unwrap_or_default();
+        if said.contains("n2 is unreachable") {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "remus_migrations never said it waits for n2: {said:?}");
+        thread::sleep(Duration::from_millis(50));
+    }
+    c.start_node("n2").unwrap();
+
+    let (status, _) = mover.join().unwrap().expect("the migration completes once the target is back");
+    assert_eq!(status, "succeeded");
+    let mut n2 = c.connect("n2").unwrap();
+    assert_eq!(balance_on(&mut n2, shard, prepared_aid), 3);
+    assert_eq!(balance_on(&mut n2, shard, committed_aid), 17);
+    assert_eq!(balance_on(&mut n2, shard, failing_aid), 0);
+    let shadow_committed_at: String = n2
+        .query_one(
+            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&prepared_aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(shadow_committed_at, x_committed_at);
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
 }
