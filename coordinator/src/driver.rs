@@ -167,6 +167,8 @@ struct State {
     gate_closed: bool,
     tm_prepared: bool,
     tm_decided: bool,
+    /// Set when the rollback starts: its steps on the target wait for it ([`Run::connect_when_up`]).
+    rolling_back: bool,
     read_through: bool,
     start_lsn: Lsn,
     sync_points: u64,
@@ -626,9 +628,15 @@ impl Run {
 
     /// A session on `node`, retried while the node does not answer, for at most [`NODE_WAIT`]:
     /// after the Tm decision the migration can only go forward, so a target that crashed is
-    /// waited for (its prepared shadows survive the restart). A stream failure meanwhile is
+    /// waited for (its prepared shadows survive the restart); a rollback waits for it to remove
+    /// its copy. A stream failure meanwhile is
     /// reported at once (the caller then completes without the stream).
     async fn connect_when_up(&self, node: &NodeRecord) -> Result<tokio_postgres::Client, DriverError> {
+        if !(self.state.tm_decided || self.state.rolling_back) {
+            // Before the decision a node that does not answer fails the migration at once
+            // (the rollback then waits for it): holding a handover for it would stall writers.
+            return Ok(self.config.connector.connect(node).await?);
+        }
         let started = Instant::now();
         let mut reported = false;
         loop {
@@ -1225,6 +1233,7 @@ impl Run {
     async fn rollback(&mut self) -> Result<(), DriverError> {
         let id = self.id();
         info!(migration_id = id, "rolling back");
+        self.state.rolling_back = true;
         let mut first_error: Option<DriverError> = None;
         let mut note = |r: Result<(), DriverError>| {
             if let Err(e) = r {
