@@ -632,6 +632,12 @@ impl Run {
     /// its copy. A stream failure meanwhile is
     /// reported at once (the caller then completes without the stream).
     async fn connect_when_up(&self, node: &NodeRecord) -> Result<tokio_postgres::Client, DriverError> {
+        self.connect_patiently(node, true).await
+    }
+
+    /// [`Self::connect_when_up`]; with `watch_stream` false a failed stream does not end the
+    /// wait (Tm's own steps: cleanup deals with the stream).
+    async fn connect_patiently(&self, node: &NodeRecord, watch_stream: bool) -> Result<tokio_postgres::Client, DriverError> {
         if !(self.state.tm_decided || self.state.rolling_back) {
             // Before the decision a node that does not answer fails the migration at once
             // (the rollback then waits for it): holding a handover for it would stall writers.
@@ -655,12 +661,38 @@ impl Run {
                             .await;
                         reported = true;
                     }
-                    if let Some(p) = &self.state.propagator {
+                    if let Some(p) = self.state.propagator.as_ref().filter(|_| watch_stream) {
                         p.check()?;
                     }
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Runs `query` (two text columns; the second is returned) on `node` after the Tm decision:
+    /// on the Tm session, else, if that session or the node went away (a restart also clears
+    /// the node's read-through and map cache state, so running it again is harmless), on a new
+    /// one once the node answers.
+    async fn after_decision(
+        &self,
+        node: &NodeRecord,
+        session: &tokio_postgres::Client,
+        query: &str,
+    ) -> Result<Option<String>, DriverError> {
+        let mut result = session.query_one(query, &[]).await;
+        let started = Instant::now();
+        loop {
+            match result {
+                Ok(row) => return Ok(row.get(1)),
+                Err(e) if started.elapsed() >= NODE_WAIT => return Err(sql(node)(e)),
+                Err(e) => {
+                    warn!(migration_id = self.id(), phase = "handover", node = %node.name, error = %e, "step after the Tm decision failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let c = self.connect_patiently(node, false).await?;
+                    result = c.query_one(query, &[]).await;
+                }
             }
         }
     }
@@ -691,7 +723,9 @@ impl Run {
                 Ok(row) => row,
                 // The node went away (a crash ends its transactions too): ask again once it is
                 // back.
-                Err(_) if c.is_closed() => {
+                Err(e) if c.is_closed() || self.state.tm_decided => {
+                    warn!(migration_id = self.id(), node = %node.name, error = %e, "polling for older transactions failed; reconnecting");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     c = self.connect_when_up(node).await?;
                     continue;
                 }
@@ -787,6 +821,7 @@ impl Run {
         // The decision.
         self.reporter.advance(Phase::Cleanup).await?;
         self.state.tm_decided = true;
+        let started = Instant::now();
         for (node, c) in &sessions {
             // Decided: a node that does not answer is retried (a fresh session each time)
             // until it commits; giving up here would leave the map split.
@@ -810,7 +845,7 @@ impl Run {
                 .await;
                 match r {
                     Ok(()) => break,
-                    Err(e) if attempt < 600 => {
+                    Err(e) if attempt < 600 || started.elapsed() < NODE_WAIT => {
                         attempt += 1;
                         if attempt == 1 {
                             warn!(migration_id = id, phase = "handover", node = %node.name, error = %describe(&e), "COMMIT PREPARED of Tm failed; retrying");
@@ -820,12 +855,14 @@ impl Run {
                     Err(e) => return Err(e),
                 }
             }
-            c.batch_execute("SELECT remus.bump_map_generation()").await.map_err(sql(node))?;
-            let at: String = c.query_one("SELECT clock_timestamp()::text", &[]).await.map_err(sql(node))?.get(0);
+            let at = self
+                .after_decision(node, c, "SELECT remus.bump_map_generation(), clock_timestamp()::text")
+                .await?
+                .unwrap_or_default();
             self.state.tm_committed_at.push((node.clone(), at));
         }
         for (node, c) in &sessions {
-            c.batch_execute("SELECT remus.end_read_through()").await.map_err(sql(node))?;
+            self.after_decision(node, c, "SELECT remus.end_read_through()::text, NULL::text").await?;
         }
         self.state.read_through = false;
         info!(migration_id = id, phase = "handover", "Tm committed on every node");

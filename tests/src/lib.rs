@@ -117,6 +117,17 @@ impl TestCluster {
         Ok(())
     }
 
+    /// The last `lines` lines of the coordinator's and the replay worker's logs (for failure
+    /// messages: the cluster directory is removed when the test ends).
+    pub fn daemon_logs(&self, lines: usize) -> String {
+        let Ok(state) = self.state() else { return String::new() };
+        format!(
+            "--- coordinator log ---\n{}\n--- replay worker log ---\n{}",
+            coordinator::process::log_tail(&state.coordinator.log, lines),
+            coordinator::process::log_tail(&state.replay_worker.log, lines)
+        )
+    }
+
     pub fn node_names(&self) -> Vec<String> {
         (1..=self.nodes).map(|i| format!("n{i}")).collect()
     }
