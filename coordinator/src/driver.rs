@@ -629,8 +629,8 @@ impl Run {
     /// A session on `node`, retried while the node does not answer, for at most [`NODE_WAIT`]:
     /// after the Tm decision the migration can only go forward, so a target that crashed is
     /// waited for (its prepared shadows survive the restart); a rollback waits for it to remove
-    /// its copy. A stream failure meanwhile is
-    /// reported at once (the caller then completes without the stream).
+    /// its copy. A stream failure meanwhile is reported at once (the caller then completes
+    /// without the stream).
     async fn connect_when_up(&self, node: &NodeRecord) -> Result<tokio_postgres::Client, DriverError> {
         self.connect_patiently(node, true).await
     }
@@ -1050,8 +1050,8 @@ impl Run {
                 let status: Option<String> = row.get(0);
                 let committed_at: Option<String> = row.get(1);
                 let lsn: String = row.get(2);
-                let statement = match (status.as_deref(), committed_at) {
-                    (Some("committed"), Some(at)) => {
+                let verb = if status.as_deref() == Some("committed") {
+                    if let Some(at) = committed_at {
                         target
                             .batch_execute(&format!(
                                 "SELECT pg_replication_origin_xact_setup({}::pg_lsn, {}::timestamptz)",
@@ -1060,11 +1060,12 @@ impl Run {
                             ))
                             .await
                             .map_err(sql(&self.plan.target))?;
-                        format!("COMMIT PREPARED {}", quote_literal(gid))
                     }
-                    (Some("committed"), None) => format!("COMMIT PREPARED {}", quote_literal(gid)),
-                    _ => format!("ROLLBACK PREPARED {}", quote_literal(gid)),
+                    "COMMIT"
+                } else {
+                    "ROLLBACK"
                 };
+                let statement = format!("{verb} PREPARED {}", quote_literal(gid));
                 warn!(migration_id = self.id(), phase = "cleanup", %gid, ?status, "resolving a shadow transaction left prepared by its source transaction's fate");
                 match target.batch_execute(&statement).await {
                     Ok(()) => {}
@@ -1206,23 +1207,13 @@ impl Run {
             None => {
                 let source = self.config.connector.connect(&self.plan.source).await?;
                 // A walsender that just lost its client may still hold the slot for a moment.
-                let mut attempt = 0u32;
-                loop {
-                    match source
-                        .execute(
-                            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
-                            &[&slot],
-                        )
-                        .await
-                    {
-                        Ok(_) => break,
-                        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 200 => {
-                            attempt += 1;
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                        Err(e) => return Err(sql(&self.plan.source)(e)),
-                    }
-                }
+                execute_while_in_use(
+                    &source,
+                    &self.plan.source,
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+                    &slot,
+                )
+                .await?;
             }
         }
         self.state.slot = None;
@@ -1233,23 +1224,13 @@ impl Run {
         let target = self.connect_when_up(&self.plan.target).await?;
         // The sessions of a replay worker that died are still attached to their origins until
         // their backends notice the lost client and exit.
-        let mut attempt = 0u32;
-        loop {
-            match target
-                .execute(
-                    "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE $1",
-                    &[&format!(r"remus\_m{}\_%", self.id())],
-                )
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 200 => {
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => return Err(sql(&self.plan.target)(e)),
-            }
-        }
+        execute_while_in_use(
+            &target,
+            &self.plan.target,
+            "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE $1",
+            &format!(r"remus\_m{}\_%", self.id()),
+        )
+        .await
     }
 
     /// Ends the registration on every node; returns the transactions the nodes counted as
@@ -1341,6 +1322,27 @@ impl Run {
         match first_error {
             None => Ok(()),
             Some(e) => Err(e),
+        }
+    }
+}
+
+/// Runs `statement` (one text parameter), retried for up to 10 s while it fails with "object
+/// in use" (55006): a slot or origin still held by a backend that is on its way out.
+async fn execute_while_in_use(
+    client: &tokio_postgres::Client,
+    node: &NodeRecord,
+    statement: &str,
+    param: &str,
+) -> Result<(), DriverError> {
+    let mut attempt = 0u32;
+    loop {
+        match client.execute(statement, &[&param]).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 200 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(sql(node)(e)),
         }
     }
 }

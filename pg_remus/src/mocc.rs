@@ -295,6 +295,12 @@ pub fn pre_commit() -> Result<(), RemusError> {
     Ok(())
 }
 
+/// The gid of the shadow of source transaction `fxid` (what the replay worker and the
+/// coordinator's cleanup expect).
+fn shadow_gid(migration_id: i64, fxid: u64) -> String {
+    format!("remus:{migration_id}:{fxid}")
+}
+
 fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Result<(), RemusError> {
     // SAFETY: the transaction wrote, so it has an xid; plain reads of WAL positions.
     let (fxid, wait_lsn) = unsafe {
@@ -305,7 +311,7 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         pg_sys::XLogFlush(lsn);
         (fxid, end_of_last_record(lsn))
     };
-    let gid = format!("remus:{migration_id}:{fxid}");
+    let gid = shadow_gid(migration_id, fxid);
     let request = ValidateRequest {
         migration_id: migration_id as u64,
         gid: gid.clone(),
@@ -467,7 +473,7 @@ pub fn prepared_finished(xid: u32, commit: bool) {
     // destination must not be turned into an ERROR by a cancel (the statement succeeded).
     unsafe { pg_sys::InterruptHoldoffCount += 1 };
     for (migration_id, endpoint) in shadows {
-        let v = Validated { migration_id, gid: format!("remus:{migration_id}:{fxid}"), endpoint, xid };
+        let v = Validated { migration_id, gid: shadow_gid(migration_id, fxid), endpoint, xid };
         resolve(&v, commit, commit_time_us, lsn);
     }
     // SAFETY: pairs the increment above.

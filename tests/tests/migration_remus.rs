@@ -476,6 +476,35 @@ fn balance_on(db: &mut postgres::Client, shard: i64, aid: i32) -> i32 {
         .get(0)
 }
 
+/// The commit time (text) of the version of account `aid` in the shard table on this node.
+fn row_commit_time(db: &mut postgres::Client, shard: i64, aid: i32) -> String {
+    db.batch_execute("SET remus.migration_session = on").unwrap();
+    db.query_one(
+        &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+        &[&aid],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// The commit time (text) of transaction `xid` (a `txid_current()` value) on this node.
+fn xact_commit_time(db: &mut postgres::Client, xid: i64) -> String {
+    db.query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&xid])
+        .unwrap()
+        .get(0)
+}
+
+/// A user 2PC transaction on n1 that adds `delta` to account `aid` and is prepared as `gid`:
+/// its session and its xid.
+fn prepared_update(c: &TestCluster, aid: i32, delta: i32, gid: &str) -> (postgres::Client, i64) {
+    let mut db = c.connect("n1").unwrap();
+    db.batch_execute("BEGIN").unwrap();
+    let xid: i64 = db.query_one("SELECT txid_current()", &[]).unwrap().get(0);
+    db.execute("UPDATE pgbench_accounts SET abalance = abalance + $2 WHERE aid = $1", &[&aid, &delta]).unwrap();
+    db.batch_execute(&format!("PREPARE TRANSACTION '{gid}'")).unwrap();
+    (db, xid)
+}
+
 /// Paper section 3.7 on a real cluster, both sides of the decision:
 /// - after Tm the propagator's stream fails (its walsender is terminated): a source
 ///   transaction still to commit gets an error (not a hang), the migration completes from the
@@ -511,11 +540,7 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     wait_tm_blocked(&c, "n2");
     // In dual execution: a user 2PC transaction validated at its PREPARE, an autocommit write
     // (validated and committed on both sides), and a writer left open across Tm.
-    let mut x = c.connect("n1").unwrap();
-    x.batch_execute("BEGIN").unwrap();
-    let x_xid: i64 = x.query_one("SELECT txid_current()", &[]).unwrap().get(0);
-    x.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&prepared_aid]).unwrap();
-    x.batch_execute("PREPARE TRANSACTION 'remus_it_x'").unwrap();
+    let (mut x, x_xid) = prepared_update(&c, prepared_aid, 3, "remus_it_x");
     n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&committed_aid]).unwrap();
     let mut w = c.connect("n1").unwrap();
     w.batch_execute("BEGIN").unwrap();
@@ -559,10 +584,7 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     };
     // The prepared source transaction commits after the failure; its shadow follows.
     x.batch_execute("COMMIT PREPARED 'remus_it_x'").unwrap();
-    let x_committed_at: String = n1
-        .query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&x_xid])
-        .unwrap()
-        .get(0);
+    let x_committed_at = xact_commit_time(&mut n1, x_xid);
     let (status, _) = mover
         .join()
         .unwrap()
@@ -574,13 +596,7 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     assert_eq!(balance_on(&mut n2, shard, committed_aid), 17);
     let w_delta = if w_committed { 13 } else { 0 };
     assert_eq!(balance_on(&mut n2, shard, failing_aid), w_delta);
-    let shadow_committed_at: String = n2
-        .query_one(
-            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
-            &[&prepared_aid],
-        )
-        .unwrap()
-        .get(0);
+    let shadow_committed_at = row_commit_time(&mut n2, shard, prepared_aid);
     assert_eq!(shadow_committed_at, x_committed_at, "the resolved shadow carries the source's commit time");
     let (rows_after, sum_after): (i64, i64) = {
         let r = n2
@@ -599,10 +615,7 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     let mover = start_migration(&c, shard);
     let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
     wait_tm_blocked(&c, "n2");
-    let mut v = c.connect("n1").unwrap();
-    v.batch_execute("BEGIN").unwrap();
-    v.execute("UPDATE pgbench_accounts SET abalance = abalance + 19 WHERE aid = $1", &[&prepared_aid]).unwrap();
-    v.batch_execute("PREPARE TRANSACTION 'remus_it_v'").unwrap();
+    let (mut v, _) = prepared_update(&c, prepared_aid, 19, "remus_it_v");
     let mut u = c.connect("n1").unwrap();
     u.batch_execute("BEGIN").unwrap();
     u.execute("UPDATE pgbench_accounts SET abalance = abalance + 23 WHERE aid = $1", &[&failing_aid]).unwrap();
@@ -678,15 +691,8 @@ fn procedure_commits_and_2pc_participants_in_dual_execution() {
         "both commits of the procedure are on the destination when CALL returns"
     );
 
-    let mut p = c.connect("n1").unwrap();
-    p.batch_execute("BEGIN").unwrap();
-    let p_xid: i64 = p.query_one("SELECT txid_current()", &[]).unwrap().get(0);
-    p.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&committed_aid]).unwrap();
-    p.batch_execute("PREPARE TRANSACTION 'remus_it_p'").unwrap();
-    let mut r = c.connect("n1").unwrap();
-    r.batch_execute("BEGIN").unwrap();
-    r.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&rolled_back_aid]).unwrap();
-    r.batch_execute("PREPARE TRANSACTION 'remus_it_r'").unwrap();
+    let (_p, p_xid) = prepared_update(&c, committed_aid, 5, "remus_it_p");
+    let (_r, _) = prepared_update(&c, rolled_back_aid, 7, "remus_it_r");
     let mut n2 = c.connect("n2").unwrap();
     let shadows = |db: &mut postgres::Client| -> i64 {
         db.query_one("SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus:%'", &[]).unwrap().get(0)
@@ -709,17 +715,8 @@ fn procedure_commits_and_2pc_participants_in_dual_execution() {
     finished.unwrap();
     assert_eq!(left, 0, "the shadows were finished with their source transactions");
     assert_eq!((committed, rolled_back), (5, 0));
-    let source_ts: String = n1
-        .query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&p_xid])
-        .unwrap()
-        .get(0);
-    let dest_ts: String = n2
-        .query_one(
-            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
-            &[&committed_aid],
-        )
-        .unwrap()
-        .get(0);
+    let source_ts = xact_commit_time(&mut n1, p_xid);
+    let dest_ts = row_commit_time(&mut n2, shard, committed_aid);
     assert_eq!(dest_ts, source_ts, "the shadow carries the source's commit time");
 
     tm_holder.batch_execute("COMMIT").unwrap();
@@ -746,11 +743,7 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
     let mover = start_migration(&c, shard);
     let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
     wait_tm_blocked(&c, "n2");
-    let mut x = c.connect("n1").unwrap();
-    x.batch_execute("BEGIN").unwrap();
-    let x_xid: i64 = x.query_one("SELECT txid_current()", &[]).unwrap().get(0);
-    x.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&prepared_aid]).unwrap();
-    x.batch_execute("PREPARE TRANSACTION 'remus_it_x'").unwrap();
+    let (mut x, x_xid) = prepared_update(&c, prepared_aid, 3, "remus_it_x");
     let mut n1 = c.connect("n1").unwrap();
     n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&committed_aid]).unwrap();
     let mut w = c.connect("n1").unwrap();
@@ -765,10 +758,7 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
     let e = w.batch_execute("COMMIT").expect_err("no destination to validate on");
     assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
     x.batch_execute("COMMIT PREPARED 'remus_it_x'").unwrap();
-    let x_committed_at: String = n1
-        .query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&x_xid])
-        .unwrap()
-        .get(0);
+    let x_committed_at = xact_commit_time(&mut n1, x_xid);
     // The migration waits for n2 (and says so) rather than fail; give it a moment to get there.
     let started = Instant::now();
     let mut said = String::new();
@@ -789,13 +779,7 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
     assert_eq!(balance_on(&mut n2, shard, prepared_aid), 3);
     assert_eq!(balance_on(&mut n2, shard, committed_aid), 17);
     assert_eq!(balance_on(&mut n2, shard, failing_aid), 0);
-    let shadow_committed_at: String = n2
-        .query_one(
-            &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
-            &[&prepared_aid],
-        )
-        .unwrap()
-        .get(0);
+    let shadow_committed_at = row_commit_time(&mut n2, shard, prepared_aid);
     assert_eq!(shadow_committed_at, x_committed_at);
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
 }
