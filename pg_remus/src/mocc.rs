@@ -305,11 +305,14 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
     // SAFETY: the transaction wrote, so it has an xid; plain reads of WAL positions.
     let (fxid, wait_lsn) = unsafe {
         let fxid = pg_sys::GetTopFullTransactionId().value;
-        let lsn = pg_sys::GetXLogInsertRecPtr();
+        // The insert position may lie just past the header of a page no record has reached
+        // yet; flushing up to there fails ("xlog flush request … is not satisfied"), so both
+        // the flush and L_T stop at the end of the last record.
+        let lsn = end_of_last_record(pg_sys::GetXLogInsertRecPtr());
         // The destination waits until its stream has passed L_T; the walsender only decodes
         // flushed WAL, so flush now rather than wait for the WAL writer.
         pg_sys::XLogFlush(lsn);
-        (fxid, end_of_last_record(lsn))
+        (fxid, lsn)
     };
     let gid = shadow_gid(migration_id, fxid);
     let request = ValidateRequest {
