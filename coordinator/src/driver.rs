@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use tokio::sync::watch;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{debug, info, info_span, warn, Instrument};
 use wal_propagator::{CopyOptions, Lsn, ReplicationConnection, ReplicationOptions};
 
 use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode, Phase, Status};
@@ -796,13 +796,22 @@ impl Run {
         let order = self.tm_order();
         let ids = join(&self.plan.shard_ids);
         let target = quote_literal(&self.plan.target.name);
+        // Remus: from here a write routed to the shards on the target first waits on the
+        // source for the row's older writers (shared memory, so it holds whatever Tm's fate;
+        // `migration_end` clears it).
+        let drain = if self.plan.mode == Mode::Remus {
+            format!("SELECT remus.migration_drain_source({id}, {});", quote_literal(&self.plan.source.name))
+        } else {
+            String::new()
+        };
         let mut sessions = Vec::new();
         for node in &order {
             let c = self.config.connector.connect(node).await?;
             self.state.read_through = true;
             self.state.tm_prepared = true;
             c.batch_execute(&format!(
-                "BEGIN;
+                "{drain}
+                 BEGIN;
                  SELECT remus.begin_read_through();
                  UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});
                  PREPARE TRANSACTION {};",
@@ -830,17 +839,7 @@ impl Run {
             loop {
                 let r = async {
                     let c = self.config.connector.connect(node).await?;
-                    let pending = !c
-                        .query("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
-                        .await
-                        .map_err(sql(node))?
-                        .is_empty();
-                    if pending {
-                        c.batch_execute(&format!("COMMIT PREPARED {}", quote_literal(&gid)))
-                            .await
-                            .map_err(sql(node))?;
-                    }
-                    Ok::<_, DriverError>(())
+                    finish_tm_if_prepared(&c, node, &gid, "COMMIT PREPARED").await
                 }
                 .await;
                 match r {
@@ -1248,43 +1247,35 @@ impl Run {
 
     /// Undoes everything a migration that failed before the Tm decision built: the source keeps
     /// (and never lost) the shards.
+    ///
+    /// Every node that answers is released first (its prepared Tm rolled back, read-through
+    /// ended, gate opened, registration ended): a target that is down must not keep the source
+    /// in sync mode, where every write to the shards would fail to validate until it is back.
+    /// Then the source's stream, slot and publication go, and only then does the rollback wait
+    /// for the nodes that did not answer (the target's copy, shadows and origins with them).
     async fn rollback(&mut self) -> Result<(), DriverError> {
         let id = self.id();
-        info!(migration_id = id, "rolling back");
+        info!(migration_id = id, phase = "rollback", "rolling back");
         self.state.rolling_back = true;
         let mut first_error: Option<DriverError> = None;
         let mut note = |r: Result<(), DriverError>| {
             if let Err(e) = r {
-                warn!(migration_id = id, error = %describe(&e), "rollback step failed");
+                warn!(migration_id = id, phase = "rollback", error = %describe(&e), "rollback step failed");
                 first_error.get_or_insert(e);
             }
         };
-        if self.state.tm_prepared {
-            for node in self.plan.nodes.clone() {
-                let gid = tm_gid(id, &node.name);
-                let r = async {
-                    let c = self.config.connector.connect(&node).await?;
-                    let exists = !c
-                        .query("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
-                        .await
-                        .map_err(sql(&node))?
-                        .is_empty();
-                    if exists {
-                        c.batch_execute(&format!("ROLLBACK PREPARED {}", quote_literal(&gid)))
-                            .await
-                            .map_err(sql(&node))?;
-                    }
-                    Ok(())
-                }
-                .await;
-                note(r);
+        let mut unreachable = Vec::new();
+        for node in self.plan.nodes.clone() {
+            let released = async {
+                let c = self.config.connector.connect(&node).await?;
+                self.release_node(&node, &c).await
+            }
+            .await;
+            if let Err(e) = released {
+                warn!(migration_id = id, phase = "rollback", node = %node.name, error = %describe(&e), "node not released; retried once it answers");
+                unreachable.push(node);
             }
         }
-        if self.state.read_through {
-            note(self.on_every_node("SELECT remus.end_read_through()").await.map(|_| ()));
-            self.state.read_through = false;
-        }
-        note(self.open_gates().await);
         let conn = match self.state.propagator.take() {
             Some(p) => p.stop(false).await.ok(),
             None => self.take_repl(),
@@ -1296,6 +1287,14 @@ impl Run {
                 c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {}", self.publication()))
                     .await
                     .map_err(sql(&self.plan.source))
+            }
+            .await;
+            note(r);
+        }
+        for node in &unreachable {
+            let r = async {
+                let c = self.connect_when_up(node).await?;
+                self.release_node(node, &c).await
             }
             .await;
             note(r);
@@ -1318,11 +1317,35 @@ impl Run {
             note(r);
         }
         note(self.drop_origins().await);
-        note(self.end_registration().await.map(|_| ()));
+        if first_error.is_none() {
+            self.state.read_through = false;
+            self.state.gate_closed = false;
+            self.state.registered = false;
+        }
         match first_error {
             None => Ok(()),
             Some(e) => Err(e),
         }
+    }
+
+    /// The rollback's steps on one node, each idempotent: roll back its prepared Tm, end
+    /// read-through, open the gate, end the registration (capture and sync mode with it).
+    async fn release_node(&self, node: &NodeRecord, c: &tokio_postgres::Client) -> Result<(), DriverError> {
+        let id = self.id();
+        if self.state.tm_prepared {
+            finish_tm_if_prepared(c, node, &tm_gid(id, &node.name), "ROLLBACK PREPARED").await?;
+        }
+        if self.state.read_through {
+            c.batch_execute("SELECT remus.end_read_through()").await.map_err(sql(node))?;
+        }
+        if self.state.gate_closed {
+            c.batch_execute(&format!("SELECT remus.open_gate({id})")).await.map_err(sql(node))?;
+        }
+        if self.state.registered {
+            c.batch_execute(&format!("SELECT remus.migration_end({id})")).await.map_err(sql(node))?;
+        }
+        debug!(migration_id = id, phase = "rollback", node = %node.name, "node released");
+        Ok(())
     }
 }
 
@@ -1349,6 +1372,25 @@ async fn execute_while_in_use(
 
 fn tm_gid(id: u64, node: &str) -> String {
     format!("remus_tm:{id}:{node}")
+}
+
+/// Runs `verb` (COMMIT PREPARED or ROLLBACK PREPARED) on a node's Tm transaction if it is still
+/// prepared there: every caller may be a retry after the first attempt got through.
+async fn finish_tm_if_prepared(
+    c: &tokio_postgres::Client,
+    node: &NodeRecord,
+    gid: &str,
+    verb: &str,
+) -> Result<(), DriverError> {
+    let prepared = !c
+        .query("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
+        .await
+        .map_err(sql(node))?
+        .is_empty();
+    if prepared {
+        c.batch_execute(&format!("{verb} {}", quote_literal(gid))).await.map_err(sql(node))?;
+    }
+    Ok(())
 }
 
 fn join(ids: &[i64]) -> String {

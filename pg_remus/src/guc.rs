@@ -23,6 +23,10 @@ pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> = GucSetting::<Optio
 /// How often the recovery worker looks for in-doubt prepared transactions.
 pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
 
+/// Longest wait of a write on a draining shard's new owner for the row's older writers on the
+/// source (`router::drain_fence`); 0 turns the wait off.
+pub static DRAIN_WAIT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+
 /// The database the background workers connect to (where pg_remus is created).
 pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
@@ -42,6 +46,16 @@ pub fn register() {
         100,
         3_600_000,
         GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"remus.drain_wait_timeout",
+        c"Longest wait of a write on a migrated shard for the row's older writers on the source.",
+        c"Between Tm and the end of a Remus migration, a write routed to the new owner first waits for the source transactions that hold the row or are queued for it; past this it goes ahead (0: no wait).",
+        &DRAIN_WAIT_TIMEOUT_MS,
+        0,
+        3_600_000,
+        GucContext::Userset,
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_string_guc(

@@ -65,18 +65,40 @@ struct MigrationEntry {
     sync: bool,
     /// The replay worker that validates this migration's sync commits (NUL-padded).
     endpoint: [u8; ENDPOINT_BYTES],
+    /// Remus mode, from Tm until the migration ends: the node the shards left (NUL-padded).
+    /// A write routed to them elsewhere first waits there for the row's older writers.
+    drain_source: [u8; NODE_NAME_BYTES],
+}
+
+/// Longest node name kept in shared memory.
+const NODE_NAME_BYTES: usize = 64;
+
+fn padded_text(bytes: &[u8]) -> String {
+    let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..len]).into_owned()
 }
 
 impl MigrationEntry {
     fn endpoint(&self) -> String {
-        let len = self.endpoint.iter().position(|&b| b == 0).unwrap_or(ENDPOINT_BYTES);
-        String::from_utf8_lossy(&self.endpoint[..len]).into_owned()
+        padded_text(&self.endpoint)
+    }
+
+    fn drain_source(&self) -> Option<String> {
+        Some(padded_text(&self.drain_source)).filter(|s| !s.is_empty())
     }
 }
 
 impl Default for MigrationEntry {
     fn default() -> Self {
-        Self { migration_id: 0, fenced: false, aborts: 0, capture: false, sync: false, endpoint: [0; ENDPOINT_BYTES] }
+        Self {
+            migration_id: 0,
+            fenced: false,
+            aborts: 0,
+            capture: false,
+            sync: false,
+            endpoint: [0; ENDPOINT_BYTES],
+            drain_source: [0; NODE_NAME_BYTES],
+        }
     }
 }
 
@@ -398,6 +420,18 @@ pub fn capturing_migration(shard_id: i64) -> Option<i64> {
     s.migrations.iter().any(|m| m.migration_id == migration_id && m.capture).then_some(migration_id)
 }
 
+/// The node `shard_id` is leaving, while its migration (Remus mode) is between Tm and its end:
+/// a write routed to the shard on another node waits there first for the row's writers that
+/// predate Tm ([`crate::router::drain_fence`]).
+pub fn drain_source_of(shard_id: i64) -> Option<String> {
+    if !active() {
+        return None;
+    }
+    let s = STATE.share();
+    let migration_id = migration_of(&s, shard_id)?;
+    s.migrations.iter().find(|m| m.migration_id == migration_id)?.drain_source()
+}
+
 /// How a transaction that wrote a capturing shard of a migration commits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CommitMode {
@@ -522,6 +556,30 @@ mod remus {
                 m.capture = true;
                 m.endpoint = [0; ENDPOINT_BYTES];
                 m.endpoint[..endpoint.len()].copy_from_slice(endpoint.as_bytes());
+            }
+            None => {
+                drop(s);
+                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+            }
+        }
+    }
+
+    /// Remus mode, at Tm: from now until `migration_end`, a write routed to one of the
+    /// migration's shards on a node other than `source_node` first waits on `source_node` for
+    /// the transactions there that hold the row (they predate Tm), so it follows them the way
+    /// a READ COMMITTED writer follows an older one on a single node, instead of leaving them a
+    /// write-write conflict. The migration must be registered. Idempotent.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_drain_source(migration_id: i64, source_node: &str) {
+        require_superuser("remus.migration_drain_source");
+        if source_node.is_empty() || source_node.len() >= NODE_NAME_BYTES {
+            RemusError::InvalidArgument(format!("node name must be 1..{} bytes", NODE_NAME_BYTES - 1)).raise();
+        }
+        let mut s = STATE.exclusive();
+        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+            Some(m) => {
+                m.drain_source = [0; NODE_NAME_BYTES];
+                m.drain_source[..source_node.len()].copy_from_slice(source_node.as_bytes());
             }
             None => {
                 drop(s);
@@ -802,6 +860,19 @@ mod tests {
     }
 
     #[pg_test]
+    fn drain_source_needs_registration_and_ends_with_the_migration() {
+        assert!(outcome("SELECT remus.migration_drain_source(9201, 'n1')").starts_with("22023: migration 9201 is not registered"));
+        Spi::run("SELECT remus.migration_begin(9201, ARRAY[920101])").unwrap();
+        assert_eq!(super::drain_source_of(920101), None);
+        assert!(outcome("SELECT remus.migration_drain_source(9201, '')").starts_with("22023: node name must be"));
+        Spi::run("SELECT remus.migration_drain_source(9201, 'n1')").unwrap();
+        assert_eq!(super::drain_source_of(920101).as_deref(), Some("n1"));
+        assert_eq!(super::drain_source_of(920102), None, "another shard is not draining");
+        Spi::run("SELECT remus.migration_end(9201)").unwrap();
+        assert_eq!(super::drain_source_of(920101), None);
+    }
+
+    #[pg_test]
     fn capture_trigger_is_inert_without_a_capturing_migration() {
         Spi::run("CREATE TABLE remus_shards.cap_910201 (id int PRIMARY KEY, v text)").unwrap();
         Spi::run(&crate::mocc::capture_trigger_ddl("remus_shards.cap_910201", 910201)).unwrap();
@@ -898,6 +969,7 @@ mod tests {
             "SELECT remus.migration_aborts(9007)",
             "SELECT remus.close_gate(9007, 10)",
             "SELECT remus.abort_shard_writers(9007, ARRAY[]::regclass[])",
+            "SELECT remus.migration_drain_source(9007, 'n1')",
         ] {
             let o = outcome(q);
             assert!(o.starts_with("42501: permission denied for function remus."), "{q}: {o}");

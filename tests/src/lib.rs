@@ -50,7 +50,9 @@ impl TestCluster {
             bail!("base port {base_port} reaches into the ephemeral port range (32768..); pick one below 32664");
         }
         // Under /tmp (world-searchable) so the postgres OS user can reach the data directories.
-        let dir = tempfile::Builder::new().prefix("remus-it-").tempdir_in("/tmp")?;
+        // REMUS_TEST_KEEP=1 keeps the cluster's directory (server and daemon logs) after the test.
+        let keep = std::env::var_os("REMUS_TEST_KEEP").is_some();
+        let dir = tempfile::Builder::new().prefix("remus-it-").disable_cleanup(keep).tempdir_in("/tmp")?;
         let c = TestCluster { dir, base_port, nodes };
         let out = c.ctl(&["cluster", "up", "--nodes", &nodes.to_string(), "--base-port", &base_port.to_string()]);
         if !out.status.success() {

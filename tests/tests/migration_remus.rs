@@ -98,7 +98,7 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
         .node_names()
         .iter()
         .map(|n| {
-            c.pgbench(n, &["-n", "-c", "4", "-j", "2", "-T", "120", "--max-tries=1"])
+            c.pgbench(n, &["-n", "-c", "4", "-j", "2", "-T", "120", "--max-tries=1", "--verbose-errors"])
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .spawn()
@@ -139,11 +139,14 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
         assert_eq!(r.aborted_clients, 0, "a pgbench client died: {}", r.output);
         assert!(r.processed > 0, "{}", r.output);
     }
-    // What remus mode may abort: a real write-write conflict on one row between a source
-    // transaction that predates Tm and a destination transaction that follows it (under READ
-    // COMMITTED too: the shadow carries row images). Every failure must be such a counted
-    // conflict; no lock_abort-style abort, no stall-induced failure.
-    assert_eq!(failed as i64, aborted, "pgbench failures must be exactly the counted write-write conflicts: {:?}", results.iter().map(|r| &r.output).collect::<Vec<_>>());
+    // No transaction fails: under READ COMMITTED a destination writer that follows Tm waits
+    // on the source for the row's older writers (the holder and the ones queued behind it:
+    // the branch rows are hot), and a transaction that routes a shard while
+    // its node's Tm is in doubt waits for the outcome, so no source transaction meets a newer
+    // version on the destination (router::drain_fence).
+    let outputs: Vec<_> = results.iter().map(|r| &r.output).collect();
+    assert_eq!(failed as i64, aborted, "every pgbench failure must be a counted write-write conflict: {outputs:?}");
+    assert_eq!(failed, 0, "{outputs:?}");
 
     let (a, b, t, h) = balances(&c, "n1");
     assert_eq!((a, b, t), (h, h, h), "balances diverge from the history");
@@ -234,6 +237,19 @@ fn start_migration(c: &TestCluster, shard: i64) -> MigrationCall {
         db.query_one("SELECT status, aborted_by_migration FROM remus_migrate_shard($1, 'n2')", &[&shard])
             .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
     })
+}
+
+/// A 3-node TPC-B cluster (scale 1) moving one of n1's account shards to n2, held at its sync
+/// barrier by an open write lock: the cluster, the shard, its source, the migration call and
+/// the holder (commit it to let the migration go on).
+fn held_at_barrier(base_port: u16) -> (TestCluster, i64, String, MigrationCall, postgres::Client) {
+    let c = TestCluster::start(3, base_port).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let holder = hold_barrier(&c, &source, shard);
+    let mover = start_migration(&c, shard);
+    wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
+    (c, shard, source, mover, holder)
 }
 
 #[test]
@@ -336,19 +352,16 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
 
 #[test]
 fn write_write_conflict_across_the_handover_aborts_exactly_one() {
-    let c = TestCluster::start(3, 27601).expect("cluster up");
-    init_tpcb(&c, 1);
-    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    // Held at the barrier while the test sets the scene.
+    let (c, shard, source, mover, mut holder) = held_at_barrier(27601);
     let aid = an_account_of(&c, shard, 0);
     let stamped_aid = an_account_of(&c, shard, 1);
-    // Holds the migration at its barrier while the test sets the scene.
-    let mut holder = hold_barrier(&c, &source, shard);
-    let mover = start_migration(&c, shard);
-    wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
-    // The loser: a REPEATABLE READ transaction on the source that writes the row before Tm.
+    let pin_aid = an_account_of(&c, shard, 2);
+    // The loser: a REPEATABLE READ transaction on the source that uses the shard before Tm
+    // (so it stays there) and writes the contested row only after the winner committed it.
     let mut loser = c.connect(&source).unwrap();
     loser.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ").unwrap();
-    loser.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&aid]).unwrap();
+    loser.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&pin_aid]).unwrap();
     // A row written (autocommit) through the source while the stream carries changes: its
     // commit time is checked on the destination afterwards.
     let mut src = c.connect(&source).unwrap();
@@ -369,6 +382,9 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
     wait_owner(&c, "n3", shard, "n2");
     let mut winner = c.connect("n3").unwrap();
     winner.execute("UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1", &[&aid]).unwrap();
+    // On the source the row is as the loser's snapshot has it; the destination has a newer
+    // version, written by a transaction that is not the loser's shadow.
+    loser.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&aid]).unwrap();
 
     let err = loser.batch_execute("COMMIT").expect_err("the source transaction loses the write-write conflict");
     assert_eq!(err.code().map(|c| c.code()), Some("40001"), "{err:?}");
@@ -381,6 +397,11 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
         .unwrap()
         .get(0);
     assert_eq!(v, 1000, "the destination holds the winner's write");
+    let v: i32 = dest
+        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&pin_aid])
+        .unwrap()
+        .get(0);
+    assert_eq!(v, 0, "nothing of the loser reached the destination");
     // Shadow rows carry the source's commit timestamps.
     let dest_ts: String = dest
         .query_one(
@@ -395,13 +416,8 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
 
 #[test]
 fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
-    let c = TestCluster::start(3, 27901).expect("cluster up");
-    init_tpcb(&c, 1);
-    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (c, shard, source, mover, mut holder) = held_at_barrier(27901);
     let aid = an_account_of(&c, shard, 0);
-    let mut holder = hold_barrier(&c, &source, shard);
-    let mover = start_migration(&c, shard);
-    wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
     // A transaction open across Tm (so it commits in sync mode, after the flip), committed on
     // the source; the very next read, on the destination, sees it. A read-only transaction on
     // the source keeps the drain (and the source table) alive meanwhile.
@@ -781,5 +797,176 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
     assert_eq!(balance_on(&mut n2, shard, failing_aid), 0);
     let shadow_committed_at = row_commit_time(&mut n2, shard, prepared_aid);
     assert_eq!(shadow_committed_at, x_committed_at);
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+/// Paper section 3.7, the destination PostgreSQL itself down before the Tm decision: the
+/// migration rolls back, and the source serves the shard again at once, while the rollback
+/// still waits for the destination to remove its copy and shadows (a destination that stays
+/// down must not keep the source in sync mode, where every write would fail to validate).
+/// What the source's transactions wrote is all there, the destination has nothing left.
+#[test]
+fn a_destination_down_before_tm_rolls_back_and_the_source_keeps_serving() {
+    let c = TestCluster::start(3, 30601).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (validated_aid, open_aid, later_aid) =
+        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let tm_holder = hold_tm(&c, "n2", shard);
+    let mover = start_migration(&c, shard);
+    let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
+    wait_tm_blocked(&c, "n2");
+    // In dual execution: a write validated on the destination (its shadow is prepared there)
+    // and a writer still open when the destination goes down.
+    let mut n1 = c.connect("n1").unwrap();
+    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&validated_aid]).unwrap();
+    let mut w = c.connect("n1").unwrap();
+    w.batch_execute("BEGIN").unwrap();
+    w.execute("UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1", &[&open_aid]).unwrap();
+
+    // The destination stops: Tm's session there fails before any decision.
+    c.stop_node("n2").unwrap();
+    drop(tm_holder);
+    let started = Instant::now();
+    let mut said = String::new();
+    while !said.contains("n2 is unreachable") {
+        assert!(started.elapsed() < Duration::from_secs(60), "the rollback never waited for n2; said {said:?}\n{}", c.daemon_logs(60));
+        said = phase_of(&mut n1, Some(migration_id)).and_then(|p| p.2).unwrap_or_default();
+        thread::sleep(Duration::from_millis(50));
+    }
+    println!("remus_migrations.waiting_on while n2 was down: {said:?}");
+    // The rollback is waiting for n2, and the source takes writes to the shard again: the open
+    // writer commits, and so does a new one.
+    w.batch_execute("COMMIT").expect("the open writer commits on the source");
+    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 29 WHERE aid = $1", &[&later_aid])
+        .expect("a new write on the source while the destination is down");
+    assert_eq!(owner_of(&c, shard), "n1");
+
+    c.start_node("n2").unwrap();
+    let e = mover.join().unwrap().expect_err("the migration rolls back");
+    assert!(format!("{e:?}").contains("rolled_back"), "{e:?}\n{}", c.daemon_logs(60));
+    let status: String = n1
+        .query_one("SELECT status FROM remus_migrations WHERE migration_id = $1", &[&migration_id])
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "rolled_back");
+    assert_eq!(owner_of(&c, shard), "n1");
+    let mut src = c.connect("n1").unwrap();
+    assert_eq!(balance_on(&mut src, shard, validated_aid), 17);
+    assert_eq!(balance_on(&mut src, shard, open_aid), 13);
+    assert_eq!(balance_on(&mut src, shard, later_aid), 29);
+    let on_target: bool = c
+        .connect("n2")
+        .unwrap()
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&format!("remus_shards.pgbench_accounts_{shard}")])
+        .unwrap()
+        .get(0);
+    assert!(!on_target, "the destination's copy is dropped");
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert_eq!(prepared_everywhere(&c), 0);
+}
+
+/// Waits until a session on `node` waits for a lock (`wait_event_type` Lock) running a
+/// statement that contains `query_part`.
+fn wait_lock_waiter(c: &TestCluster, node: &str, query_part: &str) {
+    let mut db = c.connect(node).unwrap();
+    let started = Instant::now();
+    loop {
+        let n: i64 = db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0",
+                &[&query_part],
+            )
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "no session on {node} waits for a lock in {query_part:?}\n{}", c.daemon_logs(40));
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// READ COMMITTED across Tm, one hot row: a transaction that began before Tm wrote the row on
+/// the source and is still open; a transaction that begins after Tm (through another node)
+/// writes the same row. As on a single node, the newer one waits for the older one (on the
+/// source, for its row lock) and then applies its change on top; neither is aborted, and the
+/// destination ends up with both changes.
+#[test]
+fn a_newer_writer_of_a_hot_row_waits_for_the_older_one_across_tm() {
+    let (c, shard, source, mover, mut holder) = held_at_barrier(30801);
+    let aid = an_account_of(&c, shard, 0);
+    let mut older = c.connect(&source).unwrap();
+    older.batch_execute("BEGIN").unwrap();
+    older.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&aid]).unwrap();
+    holder.batch_execute("COMMIT").unwrap();
+    wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
+    wait_owner(&c, "n3", shard, "n2");
+
+    let mut n3 = c.connect("n3").unwrap();
+    let newer = thread::spawn(move || {
+        n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1", &[&aid])
+    });
+    // The newer writer waits on the source for the older one's row lock.
+    wait_lock_waiter(&c, &source, "FOR SHARE");
+    assert!(!newer.is_finished(), "the newer writer went ahead of the older one");
+    older.execute("UPDATE pgbench_accounts SET abalance = abalance + 10 WHERE aid = $1", &[&aid]).unwrap();
+    older.batch_execute("COMMIT").expect("the older writer commits");
+    assert_eq!(newer.join().unwrap().expect("the newer writer commits"), 1);
+
+    let (status, aborted) = mover.join().unwrap().expect("migration call");
+    assert_eq!((status.as_str(), aborted), ("succeeded", 0));
+    let mut n2 = c.connect("n2").unwrap();
+    assert_eq!(balance_on(&mut n2, shard, aid), 1011, "both writes, the newer on top of the older");
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+/// READ COMMITTED, first use of a shard while this node's Tm is prepared but not committed
+/// (held up on another node): the transaction waits for Tm's outcome instead of starting a
+/// new writer on the source, then runs on the destination.
+#[test]
+fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
+    let c = TestCluster::start(3, 31201).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let aid = an_account_of(&c, shard, 0);
+    // Tm prepares on the target (n2) first and is held on n3.
+    let mut tm_holder = hold_tm(&c, "n3", shard);
+    let mover = start_migration(&c, shard);
+    wait_for_phase(&c, &["handover"], Duration::from_secs(120));
+    wait_tm_blocked(&c, "n3");
+    let mut n2 = c.connect("n2").unwrap();
+    let prepared: i64 = n2
+        .query_one("SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus_tm:%'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(prepared, 1, "Tm is prepared on the target");
+
+    let mut via_n2 = c.connect("n2").unwrap();
+    let writer = thread::spawn(move || {
+        via_n2.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&aid])
+    });
+    wait_lock_waiter(&c, "n2", "UPDATE pgbench_accounts");
+    assert!(!writer.is_finished(), "the writer routed while Tm was in doubt");
+    tm_holder.batch_execute("COMMIT").unwrap();
+    assert_eq!(writer.join().unwrap().expect("the writer commits"), 1);
+    let (status, _) = mover.join().unwrap().expect("migration call");
+    assert_eq!(status, "succeeded");
+
+    // Written on the destination by the transaction itself: no Remus origin on the version.
+    assert_eq!(balance_on(&mut n2, shard, aid), 7);
+    let origin: Option<String> = n2
+        .query_one(
+            &format!(
+                "SELECT o.roname FROM remus_shards.pgbench_accounts_{shard} t
+                   LEFT JOIN LATERAL pg_xact_commit_timestamp_origin(t.xmin) x ON true
+                   LEFT JOIN pg_replication_origin o ON o.roident = x.roident
+                  WHERE t.aid = $1"
+            ),
+            &[&aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(origin, None, "the write ran on the destination, not as a shadow of a source transaction");
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
 }

@@ -15,6 +15,7 @@
 //! - Routing decisions read the shard map at execution time, never at plan time: cached plans
 //!   outlive migrations.
 
+pub mod drain_fence;
 pub mod map_cache;
 pub mod modify;
 pub mod ownership;
@@ -129,6 +130,28 @@ pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError>
             r
         }
     };
+    // While a Tm runs (read-through on, so nothing above came from the cache), a READ
+    // COMMITTED transaction routing these shards for the first time waits for a Tm prepared
+    // here (it may be committed elsewhere already), then reads the map with a snapshot taken
+    // after that: a Tm that committed here since the statement's snapshot counts too.
+    if !reference
+        && map_cache::read_through()
+        && drain_fence::routes_at_latest()
+        && r.iter().any(|p| !ownership::is_pinned(p.shard_id))
+    {
+        IN_LOOKUP.with(|f| f.set(true));
+        let waited = drain_fence::wait_for_in_doubt_flip(relid);
+        IN_LOOKUP.with(|f| f.set(false));
+        waited?;
+        // SAFETY: a snapshot taken now, active only for the map read; push and pop pair (an
+        // ERROR in between aborts the transaction, which resets the stack).
+        unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
+        IN_LOOKUP.with(|f| f.set(true));
+        let again = catalog::placements(relid);
+        IN_LOOKUP.with(|f| f.set(false));
+        unsafe { pg_sys::PopActiveSnapshot() };
+        r = again?;
+    }
     // A reference table's shard is on every node: there is no owner to pin.
     if !reference {
         for p in &mut r {
@@ -305,6 +328,20 @@ unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64) -> Result
         let rte = rtes[rti - 1];
         // The parser locked the shell, not the shard; the executor expects its relations locked.
         pg_sys::LockRelationOid(shard_relid, (*rte).rellockmode);
+        // The lock may have been granted only because a migration's cleanup dropped the shard
+        // meanwhile: then it is not here any more.
+        if !pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            pg_sys::Datum::from(shard_relid),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        ) {
+            return Err(RemusError::NotShardOwner {
+                shard_id: sid,
+                node: crate::guc::node_name().unwrap_or_default(),
+            });
+        }
         (*rte).relid = shard_relid;
     }
     Ok(())

@@ -243,6 +243,8 @@ unsafe extern "C-unwind" fn exec(node: *mut pg_sys::CustomScanState) -> *mut pg_
 struct ShardWork {
     placement: ShardPlacement,
     query: *mut pg_sys::Query,
+    /// UPDATE/DELETE by shard key: the key (text), for the wait on a draining shard's source.
+    key: Option<String>,
 }
 
 unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
@@ -262,7 +264,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     let reference = table.kind == 'r';
     let work = if reference {
         // One copy per node, all in this transaction (2PC).
-        all.iter().map(|p| ShardWork { placement: p.clone(), query }).collect()
+        all.iter().map(|p| ShardWork { placement: p.clone(), query, key: None }).collect()
     } else {
         let key_attno = super::key_attno(&table)?;
         targets(query, &table, key_attno, &all, ps)?
@@ -285,6 +287,9 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     }
     let mut affected = 0u64;
     for w in work {
+        if let Some(key) = &w.key {
+            super::drain_fence::wait_for_older_writers(&table, &w.placement, key)?;
+        }
         let sql = super::deparse(w.query);
         let r = super::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
         // A reference table's copies all change alike: report (and return) one of them.
@@ -380,11 +385,12 @@ unsafe fn targets(
                     return Ok(vec![]);
                 }
                 let p = super::placement_for(table, all, value, ty)?;
-                return Ok(vec![ShardWork { placement: p, query }]);
+                let key = Some(super::datum_to_text(value, ty));
+                return Ok(vec![ShardWork { placement: p, query, key }]);
             }
         }
         // No key filter: every shard, in the same transaction.
-        return Ok(all.iter().map(|p| ShardWork { placement: p.clone(), query }).collect());
+        return Ok(all.iter().map(|p| ShardWork { placement: p.clone(), query, key: None }).collect());
     }
 
     // INSERT: the key's target entry is either the value itself (one row) or a column of a
@@ -418,7 +424,7 @@ unsafe fn targets(
                 return Err(null_key(table));
             }
             let p = super::placement_for(table, all, value, ty)?;
-            Ok(vec![ShardWork { placement: p, query }])
+            Ok(vec![ShardWork { placement: p, query, key: None }])
         }
         Some((vidx, vrte)) => {
             if !is_tag(stripped, pg_sys::NodeTag::T_Var) || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1 {
@@ -461,7 +467,7 @@ unsafe fn targets(
                     }
                 }
                 (*q).targetList = kept;
-                out.push(ShardWork { placement, query: q });
+                out.push(ShardWork { placement, query: q, key: None });
             }
             Ok(out)
         }

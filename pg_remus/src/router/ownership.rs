@@ -41,6 +41,11 @@ pub fn pinned_owner(shard_id: i64, seen: &str) -> String {
     PINS.with(|p| p.borrow_mut().entry(shard_id).or_insert_with(|| seen.to_string()).clone())
 }
 
+/// Has this transaction already routed `shard_id`?
+pub fn is_pinned(shard_id: i64) -> bool {
+    PINS.with(|p| p.borrow().contains_key(&shard_id))
+}
+
 pub fn end_of_transaction() {
     PINS.with(|p| p.borrow_mut().clear());
 }

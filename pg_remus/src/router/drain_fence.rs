@@ -1,0 +1,188 @@
+//! READ COMMITTED order across Tm (Remus mode): a newer writer waits for the older ones.
+//!
+//! Between Tm and the end of a migration, a shard has two copies that take writes: the source,
+//! where transactions whose view predates Tm keep running, and the destination, where every
+//! newer transaction runs. A source transaction ships row images, not statements, so if a
+//! destination transaction changes a row first, the source transaction's later validation can
+//! only refuse it (40001), where a single node would have let it through by ordering the two
+//! writers on the row lock and re-evaluating the second one (EvalPlanQual). Two waits put that
+//! order back, both only while a migration is at its handover or drain:
+//!
+//! - [`wait_for_older_writers`]: before a key-equality UPDATE or DELETE is sent to a draining
+//!   shard's new owner, the coordinating backend takes a share lock on the row on the source,
+//!   in a session of its own, and lets go of it once no other source session is at work
+//!   writing the shard (see [`wait_until_row_queue_is_empty`]). That waits for every source
+//!   transaction that holds or is queued for the row, and each of them validates before it
+//!   commits and commits its shadow before it lets go of its locks; so the row the destination
+//!   then locks already carries their writes, and the newer writer re-evaluates on top of
+//!   them, as on a single node.
+//! - [`wait_for_in_doubt_flip`]: a READ COMMITTED transaction that routes a shard for the first
+//!   time while this node's Tm is prepared (decided elsewhere, perhaps already committed on the
+//!   destination) waits for that outcome and reads the map again, rather than start a new
+//!   writer on the source while others already write on the destination.
+//!
+//! Neither wait can fail the statement: a source that does not answer, or holds the row past
+//! `remus.drain_wait_timeout`, is logged and the write goes ahead (its older writer may then
+//! get the conflict it would have got without the wait).
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use std::time::{Duration, Instant};
+
+use crate::catalog::{quote_ident, DistTable, ShardPlacement};
+use crate::error::{RemusError, NOT_SHARD_OWNER};
+use crate::remote::{self, quote_literal, NodeAddr};
+
+/// Before a write of the row(s) with shard key `key` (text) of `table` in `placement`: if the
+/// shard is draining from another node, waits there for the row's older writers (holding or queued).
+pub fn wait_for_older_writers(
+    table: &DistTable,
+    placement: &ShardPlacement,
+    key: &str,
+) -> Result<(), RemusError> {
+    let Some(source) = crate::handover::drain_source_of(placement.shard_id) else {
+        return Ok(());
+    };
+    // This transaction runs on the source itself (it predates Tm): it is one of the older ones.
+    if source == placement.node_name {
+        return Ok(());
+    }
+    let Some(column) = table.shard_key.as_deref() else {
+        return Ok(());
+    };
+    let timeout_ms = crate::guc::DRAIN_WAIT_TIMEOUT_MS.get();
+    if timeout_ms <= 0 {
+        return Ok(());
+    }
+    let addr = crate::nodes::lookup(&source)?;
+    // A session of its own, outside this transaction: the share lock is dropped as soon as the
+    // row is free and must not join the two-phase commit.
+    let fence = NodeAddr {
+        name: format!("{}#drain", addr.name),
+        ..addr
+    };
+    let lock_row = super::marked(
+        placement.shard_id,
+        &format!(
+            "SELECT 1 FROM {} WHERE {} = {} FOR SHARE",
+            table.qualified_name,
+            quote_ident(column),
+            quote_literal(key)
+        ),
+    );
+    let shard_table = crate::catalog::shard_table_name(&table.rel_name, placement.shard_id);
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
+    let waited = remote::with_connection(&fence, |c| {
+        // Registered as in a transaction while it waits, so an ERROR here (a cancel, a
+        // statement timeout) makes the abort callback cancel the remote wait and roll it back.
+        c.in_transaction = true;
+        let r = wait_until_row_queue_is_empty(c, &lock_row, &shard_table, deadline);
+        if r.is_err() {
+            let _ = c.exec("ROLLBACK");
+        }
+        c.in_transaction = false;
+        r
+    });
+    match waited {
+        Ok(true) => {}
+        Ok(false) => log!(
+            "pg_remus: shard {} of {}: older writers of the row still queued on {source} after \
+             remus.drain_wait_timeout ({timeout_ms} ms); the write goes ahead",
+            placement.shard_id,
+            table.qualified_name
+        ),
+        // The source shard is already gone (the drain is over): nothing older is left to wait for.
+        Err(RemusError::Remote { sqlstate, .. }) if sqlstate == NOT_SHARD_OWNER || sqlstate == "42P01" => {}
+        Err(e) => log!(
+            "pg_remus: shard {} of {}: no wait on {source} for older writers of the row: {e}",
+            placement.shard_id,
+            table.qualified_name
+        ),
+    }
+    Ok(())
+}
+
+/// Why one share lock is not enough: the row's older writers queue for it, and between two of
+/// them the row can be free for an instant (the next one is woken but not yet running, or is
+/// following the update chain to the new version), long enough for a share lock to be granted
+/// ahead of the rest. So, holding the share lock, the fence also asks whether any other
+/// session is running a statement while it holds the source shard table's write lock (every
+/// writer takes it before it looks for its row, and keeps it until it ends): a writer queued,
+/// woken or in flight inside the source. If so it lets go, pauses, and tries again, until the
+/// row is free with no writer at work. Only source transactions whose view predates Tm write
+/// the source copy, so they drain and do not come back; one that is idle between statements
+/// and does not hold this row is not waited for.
+/// Returns false when writers were still at work at `deadline`.
+fn wait_until_row_queue_is_empty(
+    c: &mut remote::RemoteConnection,
+    lock_row: &str,
+    shard_table: &str,
+    deadline: Instant,
+) -> Result<bool, RemusError> {
+    let writers_at_work = format!(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+                         WHERE l.locktype = 'relation' AND l.relation = {}::regclass
+                           AND l.mode = 'RowExclusiveLock' AND l.granted
+                           AND a.state = 'active' AND l.pid <> pg_catalog.pg_backend_pid())",
+        quote_literal(shard_table)
+    );
+    let mut pause = false;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now()).as_millis();
+        if left == 0 {
+            return Ok(false);
+        }
+        if pause {
+            c.exec("SELECT pg_catalog.pg_sleep(0.002)")?;
+        }
+        c.exec(&format!("BEGIN; SET LOCAL lock_timeout = {left}"))?;
+        c.exec(lock_row)?;
+        let busy = c.exec(&writers_at_work)?;
+        c.exec("COMMIT")?;
+        if busy.rows.first().and_then(|r| r.first()).cloned().flatten().as_deref() != Some("t") {
+            return Ok(true);
+        }
+        pause = true;
+    }
+}
+
+/// Does this transaction route by the latest map (READ COMMITTED)? One that keeps a snapshot
+/// for the whole transaction routes by that snapshot: whatever it waited for, it would route as
+/// an older transaction.
+pub fn routes_at_latest() -> bool {
+    // SAFETY: reads the backend's isolation level.
+    (unsafe { pg_sys::XactIsoLevel } as u32) < pg_sys::XACT_REPEATABLE_READ
+}
+
+/// First use of `relid`'s shards in a READ COMMITTED transaction while this node's map is read
+/// through (a Tm in progress): waits for any prepared Tm on those shards' map rows. Returns
+/// true when it waited.
+pub fn wait_for_in_doubt_flip(relid: pg_sys::Oid) -> Result<bool, RemusError> {
+    let in_doubt: Vec<u32> = Spi::connect(|c| {
+        c.select(
+            "SELECT m.xmax::text::bigint
+               FROM remus.shards s
+               JOIN remus.shard_map m USING (shard_id)
+              WHERE s.logicalrelid = $1 AND m.xmax <> '0'::xid
+                AND EXISTS (SELECT 1 FROM pg_catalog.pg_prepared_xacts p WHERE p.transaction = m.xmax)",
+            None,
+            &[relid.into()],
+        )?
+        .map(|r| r.get::<i64>(1).map(|x| x.unwrap_or(0) as u32))
+        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+    })?;
+    for xid in &in_doubt {
+        // SAFETY: waits on the prepared transaction's xid lock (interruptible; lock_timeout
+        // applies), like a writer that meets its row version.
+        unsafe {
+            pg_sys::XactLockTableWait(
+                pg_sys::TransactionId::from(*xid),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                pg_sys::XLTW_Oper::XLTW_None,
+            )
+        };
+    }
+    Ok(!in_doubt.is_empty())
+}
