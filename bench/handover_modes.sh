@@ -49,7 +49,9 @@ for mode in $modes; do
         on n2 psql -XAtq -c "SELECT status FROM remus_migrate_shard($shard, '$target', '$mode')" >/dev/null
     done
     sleep "$warmup"
-    pkill -INT -f "pgbench -n -c $clients -j 2 -T 3600" || true
+    # TERM, not INT: started from a background job (`cmd &` in a script, nohup), this script and
+    # its pgbench clients inherit SIGINT ignored, and pgbench would run on for its whole -T.
+    pkill -TERM -f "pgbench -n -c $clients -j 2 -T 3600" || true
     wait
     # Handover windows (epoch seconds): remus from the barrier on, the baselines their handover,
     # each until the migration's cleanup began.
@@ -60,11 +62,12 @@ for mode in $modes; do
           FROM remus_migrations WHERE mode = '$mode' AND status = 'succeeded'" > "$out/$mode.windows"
     migrations=$(wc -l < "$out/$mode.windows")
     # pgbench -l lines: client txn latency_us|failed script epoch_s epoch_us [lag] [retries].
-    gap=$(cat "$out/$mode"-n?.* | awk 'NF >= 6 && $5 > 1e9 && $3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' | sort -n \
+    # A line cut short by the TERM above can run into the next one: a time field out of range drops it.
+    gap=$(cat "$out/$mode"-n?.* | awk 'NF >= 6 && NF <= 8 && $5 > 1e9 && $6 < 1e6 && $3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' | sort -n \
         | awk 'NR > 1 && $1 - p > g { g = $1 - p } { p = $1 } END { printf "%.1f", g * 1000 }')
     cat "$out/$mode"-n?.* 2>/dev/null | awk -v mode="$mode" -v migrations="$migrations" -v gap="$gap" -v windows="$out/$mode.windows" '
         BEGIN { n = 0; while ((getline line < windows) > 0) { split(line, w, " "); ws[n] = w[1]; we[n] = w[2]; n++ } }
-        NF < 6 || $5 < 1e9 { next }
+        NF < 6 || NF > 8 || $5 < 1e9 || $6 >= 1e6 { next }
         {
             t = $5 + $6 / 1e6
             if ($3 == "failed" || $3 ~ /^[a-z]/) { failed++; next }

@@ -57,7 +57,9 @@ result=$(on n2 psql -XAt -F ' ' -c "SELECT copy_ms, catchup_ms, handover_ms, cle
     rows_copied, bytes_copied, txns_replayed, aborted_by_migration, status
     FROM remus_migrate_shard($shard, 'n2', '$mode')")
 sleep 3
-pkill -INT -f "pgbench -n -c $clients -j 2 -T 600" || true
+# TERM, not INT: started from a background job (`cmd &` in a script, nohup), this script and
+# its pgbench clients inherit SIGINT ignored, and pgbench would run on for its whole -T.
+pkill -TERM -f "pgbench -n -c $clients -j 2 -T 600" || true
 wait || true
 read -r copy_ms catchup_ms handover_ms cleanup_ms total_ms rcopied bcopied replayed aborted status <<<"$result"
 mb=$(echo "scale=1; $bcopied / 1048576" | bc)
