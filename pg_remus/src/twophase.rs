@@ -211,9 +211,16 @@ fn pre_commit() -> Result<(), RemusError> {
         }
         let sql = if c.modified {
             let gid = format!("remus_{me}_{xid}_{}", c.addr.name);
+            // Recorded before the PREPARE is sent: an interrupt (a cancel, statement_timeout, a
+            // lock_abort migration) can raise out of the wait while the participant completes
+            // the PREPARE anyway, and the abort path must then roll back what may be prepared.
+            // Left alone, such an orphan holds its row locks until recovery's grace period.
+            c.prepared_gid = Some(gid.clone());
             let r = c.exec(&format!("PREPARE TRANSACTION {}", quote_literal(&gid)));
-            if r.is_ok() {
-                c.prepared_gid = Some(gid);
+            // The participant's own error proves nothing was prepared; a lost connection
+            // proves nothing either way (recovery rolls back an orphan without a decision).
+            if matches!(r, Err(RemusError::Remote { .. })) {
+                c.prepared_gid = None;
             }
             r
         } else {
@@ -233,7 +240,17 @@ fn finish(commit: bool) {
     remote::for_each_in_transaction(|c| {
         let sql = match (&c.prepared_gid, commit) {
             (Some(gid), true) => format!("COMMIT PREPARED {}", quote_literal(gid)),
-            (Some(gid), false) => format!("ROLLBACK PREPARED {}", quote_literal(gid)),
+            (Some(gid), false) => {
+                // A PREPARE interrupted on our side may still be running there: take its
+                // outcome first. A block still open there means the PREPARE never ran.
+                let gid = gid.clone();
+                c.cancel_running();
+                if c.transaction_idle() {
+                    format!("ROLLBACK PREPARED {}", quote_literal(&gid))
+                } else {
+                    "ROLLBACK".to_string()
+                }
+            }
             (None, _) => {
                 c.cancel_running();
                 if c.transaction_idle() {
@@ -242,12 +259,18 @@ fn finish(commit: bool) {
                 "ROLLBACK".to_string()
             }
         };
-        if let Err(e) = c.exec_uninterruptible(&sql) {
-            // Commit: recovery finishes it from the decision record. Abort: recovery rolls back
-            // a prepared orphan (no record), and a plain remote transaction dies with the
-            // connection, which we drop.
-            pgrx::warning!("pg_remus: {sql} on node {} failed: {e}", c.addr.name);
-            c.broken = true;
+        match c.exec_uninterruptible(&sql) {
+            Ok(_) => {}
+            // The interrupted PREPARE failed there after all: nothing to roll back.
+            Err(RemusError::Remote { sqlstate, .. })
+                if !commit && sqlstate == "42704" && sql.starts_with("ROLLBACK PREPARED") => {}
+            Err(e) => {
+                // Commit: recovery finishes it from the decision record. Abort: recovery rolls
+                // back a prepared orphan (no record), and a plain remote transaction dies with
+                // the connection, which we drop.
+                pgrx::warning!("pg_remus: {sql} on node {} failed: {e}", c.addr.name);
+                c.broken = true;
+            }
         }
     });
 }

@@ -231,3 +231,53 @@ fn decisions_survive_an_unreachable_participant() {
     }
     assert_eq!(count(&mut n2, "SELECT count(*) FROM r WHERE id = 7"), 1, "the decided commit was rolled back");
 }
+
+/// A COMMIT interrupted while a participant is still running its PREPARE (a cancel, a
+/// statement_timeout, a lock_abort migration aborting the coordinator) must roll back the
+/// participant even when that PREPARE completes anyway: an orphan prepared transaction would
+/// hold its row locks until recovery's grace period (5 s) and stall every writer of those rows.
+#[test]
+fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
+    let c = TestCluster::start(2, 18401).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();
+    // On n2 the PREPARE runs a deferred trigger that sleeps and survives one cancel, so the
+    // PREPARE completes even after the coordinator's abort path has cancelled it.
+    n2.batch_execute(
+        "CREATE TABLE t (id int PRIMARY KEY);
+         CREATE FUNCTION slow_prepare() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM pg_sleep(30);
+             RETURN NULL;
+         EXCEPTION WHEN query_canceled THEN
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON t DEFERRABLE INITIALLY DEFERRED
+             FOR EACH ROW EXECUTE FUNCTION slow_prepare();",
+    )
+    .unwrap();
+    let mut coordinator = c.connect("n1").unwrap();
+    let pid: i32 = coordinator.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let committing = std::thread::spawn(move || {
+        coordinator.batch_execute(
+            "BEGIN; INSERT INTO t VALUES (1);
+             SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES (1)');
+             COMMIT;",
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(&mut n2, "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE 'PREPARE TRANSACTION%'") == 0 {
+        assert!(Instant::now() < deadline, "the participant never started its PREPARE");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
+    assert!(cancelled);
+    let err = committing.join().unwrap().unwrap_err();
+    assert_eq!(sqlstate(&err), "57014", "{err:?}");
+    // The coordinator's session has finished its abort processing when the error reaches the
+    // client (ReadyForQuery follows it), well inside recovery's grace period.
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0, "an orphan prepared transaction was left on n2");
+    assert_eq!(count(&mut n1, "SELECT count(*) FROM t"), 0);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM t"), 0);
+}
