@@ -39,10 +39,25 @@ pub struct RemoteConnection {
     pub in_transaction: bool,
     /// The remote transaction wrote something, so it takes part in two-phase commit.
     pub modified: bool,
-    /// Set once PREPARE TRANSACTION succeeded on this connection.
+    /// The gid of a PREPARE TRANSACTION sent on this connection (set before it is sent, kept
+    /// unless the participant refused it): what COMMIT/ROLLBACK PREPARED act on.
     pub prepared_gid: Option<String>,
     /// A protocol or network error left the connection unusable; it is dropped at transaction end.
     pub broken: bool,
+    /// The command under way has been sent a cancel by [`Interrupts::Forward`].
+    cancel_forwarded: bool,
+}
+
+/// What a wait for a participant does with this backend's own pending interrupts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Interrupts {
+    /// Service them: a cancel raises an ERROR out of the wait, and the transaction's abort
+    /// callback then cancels the remote command.
+    Service,
+    /// Leave them pending: commit and abort processing, where an ERROR is not allowed.
+    Hold,
+    /// Forward a cancel to the participant and keep waiting for its answer.
+    Forward,
 }
 
 thread_local! {
@@ -162,6 +177,7 @@ impl RemoteConnection {
             modified: false,
             prepared_gid: None,
             broken: false,
+            cancel_forwarded: false,
         };
         // SAFETY: conn is a live PGconn owned by `me`.
         if unsafe { pq::PQstatus(me.conn.as_ptr()) } == pq::ConnStatusType::CONNECTION_BAD {
@@ -176,7 +192,7 @@ impl RemoteConnection {
                 pq::PostgresPollingStatusType::PGRES_POLLING_WRITING => pg_sys::WL_SOCKET_WRITEABLE,
                 _ => return Err(me.connection_error()),
             };
-            me.wait(event as i32, true);
+            me.wait(event as i32, Interrupts::Service);
         }
         // SAFETY: as above; non-blocking mode so sends never block outside our latch wait.
         unsafe { pq::PQsetnonblocking(me.conn.as_ptr(), 1) };
@@ -207,10 +223,12 @@ impl RemoteConnection {
         }
     }
 
-    /// Waits for `event` on the socket or the latch. With `interruptible`, pending interrupts
-    /// (cancel, statement_timeout, terminate) are serviced, which raises an ERROR out of here;
-    /// the transaction's abort callback then cancels the remote command.
-    fn wait(&self, event: i32, interruptible: bool) {
+    /// Waits for `event` on the socket or the latch, treating this backend's pending interrupts
+    /// as `interrupts` says.
+    fn wait(&mut self, event: i32, interrupts: Interrupts) {
+        if interrupts == Interrupts::Forward {
+            self.forward_pending_cancel();
+        }
         // SAFETY: the socket belongs to our live PGconn; MyLatch is the backend's own latch.
         unsafe {
             let sock = pq::PQsocket(self.conn.as_ptr());
@@ -223,32 +241,70 @@ impl RemoteConnection {
             );
             if rc & pg_sys::WL_LATCH_SET as i32 != 0 {
                 pg_sys::ResetLatch(pg_sys::MyLatch);
-                if interruptible {
+                if interrupts == Interrupts::Service {
                     pgrx::check_for_interrupts!();
                 }
+            }
+        }
+        if interrupts == Interrupts::Forward {
+            self.forward_pending_cancel();
+        }
+    }
+
+    /// Sends the participant one cancel per command when a cancel, a statement_timeout or a
+    /// terminate is pending here. The flags stay set: PostgreSQL services them later, or
+    /// ignores a cancel that arrives once the statement is over.
+    fn forward_pending_cancel(&mut self) {
+        // SAFETY: reads this backend's own signal flags (set by its signal handlers).
+        let pending = unsafe { pg_sys::QueryCancelPending != 0 || pg_sys::ProcDiePending != 0 };
+        if pending && !self.cancel_forwarded {
+            self.cancel_forwarded = true;
+            self.send_cancel();
+        }
+    }
+
+    /// Asks the participant's backend to cancel what it runs (a no-op when it runs nothing).
+    fn send_cancel(&self) {
+        // SAFETY: live PGconn; the PGcancel object is freed right after use.
+        unsafe {
+            let cancel = pq::PQgetCancel(self.conn.as_ptr());
+            if !cancel.is_null() {
+                let mut buf = [0i8; 256];
+                pq::PQcancel(cancel, buf.as_mut_ptr(), buf.len() as i32);
+                pq::PQfreeCancel(cancel);
             }
         }
     }
 
     /// Sends one command (may hold several statements) and collects its results.
     pub fn exec(&mut self, sql: &str) -> Result<RemoteResult, RemusError> {
-        self.exec_inner(sql, true)
+        self.exec_inner(sql, Interrupts::Service)
     }
 
     /// Like [`exec`](Self::exec), but does not service interrupts: for commit and abort
     /// processing, where PostgreSQL holds interrupts anyway and an ERROR is not allowed.
     pub fn exec_uninterruptible(&mut self, sql: &str) -> Result<RemoteResult, RemusError> {
-        self.exec_inner(sql, false)
+        self.exec_inner(sql, Interrupts::Hold)
     }
 
-    fn exec_inner(&mut self, sql: &str, interruptible: bool) -> Result<RemoteResult, RemusError> {
+    /// For a command whose outcome decides the local transaction's, like the COMMIT of a lone
+    /// remote writer: a cancel, statement_timeout or terminate arriving meanwhile is forwarded
+    /// to the participant instead of raising here, and the participant's answer is returned.
+    /// Raising here would tell the client "canceled" for a transaction the participant may
+    /// commit anyway, its COMMIT being already under way there.
+    pub fn exec_forwarding_cancel(&mut self, sql: &str) -> Result<RemoteResult, RemusError> {
+        self.exec_inner(sql, Interrupts::Forward)
+    }
+
+    fn exec_inner(&mut self, sql: &str, interrupts: Interrupts) -> Result<RemoteResult, RemusError> {
         let c = cstring(sql)?;
+        self.cancel_forwarded = false;
         // SAFETY: live PGconn, NUL-terminated query.
         if unsafe { pq::PQsendQuery(self.conn.as_ptr(), c.as_ptr()) } == 0 {
             return Err(self.connection_error());
         }
-        self.flush(interruptible)?;
-        self.collect(interruptible)
+        self.flush(interrupts)?;
+        self.collect(interrupts)
     }
 
     /// One statement with `$n` parameters in text form. `types[i]` is a built-in type OID, or
@@ -284,18 +340,18 @@ impl RemoteConnection {
         if sent == 0 {
             return Err(self.connection_error());
         }
-        self.flush(true)?;
-        self.collect(true)
+        self.flush(Interrupts::Service)?;
+        self.collect(Interrupts::Service)
     }
 
-    fn flush(&mut self, interruptible: bool) -> Result<(), RemusError> {
+    fn flush(&mut self, interrupts: Interrupts) -> Result<(), RemusError> {
         loop {
             // SAFETY: live PGconn.
             match unsafe { pq::PQflush(self.conn.as_ptr()) } {
                 0 => return Ok(()),
                 1 => self.wait(
                     (pg_sys::WL_SOCKET_WRITEABLE | pg_sys::WL_SOCKET_READABLE) as i32,
-                    interruptible,
+                    interrupts,
                 ),
                 _ => return Err(self.connection_error()),
             }
@@ -306,13 +362,13 @@ impl RemoteConnection {
         }
     }
 
-    fn collect(&mut self, interruptible: bool) -> Result<RemoteResult, RemusError> {
+    fn collect(&mut self, interrupts: Interrupts) -> Result<RemoteResult, RemusError> {
         let mut out = RemoteResult::default();
         let mut first_error: Option<RemusError> = None;
         loop {
             // SAFETY: live PGconn.
             while unsafe { pq::PQisBusy(self.conn.as_ptr()) } != 0 {
-                self.wait(pg_sys::WL_SOCKET_READABLE as i32, interruptible);
+                self.wait(pg_sys::WL_SOCKET_READABLE as i32, interrupts);
                 // SAFETY: as above.
                 if unsafe { pq::PQconsumeInput(self.conn.as_ptr()) } == 0 {
                     return Err(self.connection_error());
@@ -352,11 +408,11 @@ impl RemoteConnection {
         if unsafe { pq::PQsendQuery(self.conn.as_ptr(), c.as_ptr()) } == 0 {
             return Err(self.connection_error());
         }
-        self.flush(true)?;
+        self.flush(Interrupts::Service)?;
         loop {
             // SAFETY: live PGconn.
             while unsafe { pq::PQisBusy(self.conn.as_ptr()) } != 0 {
-                self.wait(pg_sys::WL_SOCKET_READABLE as i32, true);
+                self.wait(pg_sys::WL_SOCKET_READABLE as i32, Interrupts::Service);
                 // SAFETY: as above.
                 if unsafe { pq::PQconsumeInput(self.conn.as_ptr()) } == 0 {
                     return Err(self.connection_error());
@@ -374,7 +430,7 @@ impl RemoteConnection {
                 _ => {
                     let e = res.error(&self.addr.name);
                     drop(res);
-                    let _ = self.collect(true);
+                    let _ = self.collect(Interrupts::Service);
                     return Err(e);
                 }
             }
@@ -386,39 +442,32 @@ impl RemoteConnection {
                     pq::PQputCopyData(self.conn.as_ptr(), chunk.as_ptr() as *const i8, chunk.len() as i32)
                 } {
                     1 => break,
-                    0 => self.wait(pg_sys::WL_SOCKET_WRITEABLE as i32, true),
+                    0 => self.wait(pg_sys::WL_SOCKET_WRITEABLE as i32, Interrupts::Service),
                     _ => return Err(self.connection_error()),
                 }
             }
-            self.flush(true)?;
+            self.flush(Interrupts::Service)?;
         }
         loop {
             // SAFETY: live PGconn in COPY IN state.
             match unsafe { pq::PQputCopyEnd(self.conn.as_ptr(), std::ptr::null()) } {
                 1 => break,
-                0 => self.wait(pg_sys::WL_SOCKET_WRITEABLE as i32, true),
+                0 => self.wait(pg_sys::WL_SOCKET_WRITEABLE as i32, Interrupts::Service),
                 _ => return Err(self.connection_error()),
             }
         }
-        self.flush(true)?;
-        self.collect(true)
+        self.flush(Interrupts::Service)?;
+        self.collect(Interrupts::Service)
     }
 
     /// Asks the remote backend to cancel what it is running, then drains its results.
     pub fn cancel_running(&mut self) {
-        // SAFETY: live PGconn; the PGcancel object is freed right after use.
-        unsafe {
-            if pq::PQtransactionStatus(self.conn.as_ptr()) != pq::PGTransactionStatusType::PQTRANS_ACTIVE {
-                return;
-            }
-            let cancel = pq::PQgetCancel(self.conn.as_ptr());
-            if !cancel.is_null() {
-                let mut buf = [0i8; 256];
-                pq::PQcancel(cancel, buf.as_mut_ptr(), buf.len() as i32);
-                pq::PQfreeCancel(cancel);
-            }
+        // SAFETY: live PGconn.
+        if unsafe { pq::PQtransactionStatus(self.conn.as_ptr()) } != pq::PGTransactionStatusType::PQTRANS_ACTIVE {
+            return;
         }
-        if self.collect(false).is_err() {
+        self.send_cancel();
+        if self.collect(Interrupts::Hold).is_err() {
             self.broken = true;
         }
     }

@@ -6,7 +6,9 @@
 //!   remote writers), record the decision for every remote writer in `remus.commit_decisions`
 //!   inside the local transaction, then PREPARE TRANSACTION on each writer. Any failure is an
 //!   ERROR, and the abort path rolls everything back: nothing is half-committed. Read-only
-//!   participants and a lone remote writer just COMMIT here.
+//!   participants and a lone remote writer just COMMIT here; a cancel arriving during that
+//!   COMMIT is forwarded to the participant, and its answer is the transaction's outcome (an
+//!   error raised here after the participant committed would misreport a committed transaction).
 //! - COMMIT (after the local commit is durable): COMMIT PREPARED everywhere. This may not raise:
 //!   a failure is a WARNING, and recovery commits it later from the recorded decision.
 //! - ABORT: cancel what is running remotely, then ROLLBACK / ROLLBACK PREPARED.
@@ -178,7 +180,9 @@ fn pre_commit() -> Result<(), RemusError> {
         let mut failure = None;
         remote::for_each_in_transaction(|c| {
             if failure.is_none() {
-                if let Err(e) = c.exec("COMMIT") {
+                // This COMMIT decides the transaction: a cancel meanwhile goes to the
+                // participant, and the client hears what the participant did.
+                if let Err(e) = c.exec_forwarding_cancel("COMMIT") {
                     failure = Some(e);
                 }
                 // A COMMIT refused before it ran (e.g. a transaction a migration aborted) leaves

@@ -13,6 +13,15 @@ fn count(db: &mut postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).unwrap().get(0)
 }
 
+/// Polls `count_sql` until it counts a row (for a remote command to get under way).
+fn wait_for_row(db: &mut postgres::Client, count_sql: &str, never: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(db, count_sql) == 0 {
+        assert!(Instant::now() < deadline, "{never}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn cross_node_transactions_are_atomic() {
     let c = TestCluster::start(3, 19001).expect("cluster up");
@@ -266,11 +275,11 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
              COMMIT;",
         )
     });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(&mut n2, "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE 'PREPARE TRANSACTION%'") == 0 {
-        assert!(Instant::now() < deadline, "the participant never started its PREPARE");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_row(
+        &mut n2,
+        "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE 'PREPARE TRANSACTION%'",
+        "the participant never started its PREPARE",
+    );
     let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
     assert!(cancelled);
     let err = committing.join().unwrap().unwrap_err();
@@ -280,4 +289,68 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
     assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0, "an orphan prepared transaction was left on n2");
     assert_eq!(count(&mut n1, "SELECT count(*) FROM t"), 0);
     assert_eq!(count(&mut n2, "SELECT count(*) FROM t"), 0);
+}
+
+/// A lone remote writer commits with a plain COMMIT, and that COMMIT decides the transaction.
+/// A cancel arriving during it goes to the participant, and the client hears what the
+/// participant did: "canceled" only when nothing committed, success when its COMMIT went
+/// through anyway. Raising the cancel locally instead told the client "canceled" for a
+/// transaction whose write was committed on the participant.
+#[test]
+fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
+    let c = TestCluster::start(2, 18451).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();
+    // n2's COMMIT runs a deferred trigger that sleeps; `swallow` decides whether it survives
+    // the cancel (then the COMMIT completes) or lets it abort the COMMIT.
+    n2.batch_execute(
+        "CREATE TABLE t (id int PRIMARY KEY);
+         CREATE TABLE swallow (on_cancel bool);
+         INSERT INTO swallow VALUES (false);
+         CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             BEGIN
+                 PERFORM pg_sleep(30);
+             EXCEPTION WHEN query_canceled THEN
+                 IF NOT (SELECT on_cancel FROM swallow) THEN RAISE; END IF;
+             END;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON t DEFERRABLE INITIALLY DEFERRED
+             FOR EACH ROW EXECUTE FUNCTION slow_commit();",
+    )
+    .unwrap();
+
+    let commit_cancelled = |id: i32| {
+        let mut coordinator = c.connect("n1").unwrap();
+        let pid: i32 = coordinator.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+        let committing = std::thread::spawn(move || {
+            coordinator.batch_execute(&format!(
+                "BEGIN; SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES ({id})'); COMMIT;"
+            ))
+        });
+        let mut n1 = c.connect("n1").unwrap();
+        let mut n2 = c.connect("n2").unwrap();
+        wait_for_row(
+            &mut n2,
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'COMMIT' AND wait_event = 'PgSleep'",
+            "the participant never started its COMMIT",
+        );
+        let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
+        assert!(cancelled);
+        committing.join().unwrap()
+    };
+
+    // The participant's COMMIT fails on the cancel: the client gets the cancel, nothing is kept.
+    let err = commit_cancelled(1).expect_err("the COMMIT was cancelled on the participant");
+    assert_eq!(sqlstate(&err), "57014", "{err:?}");
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM t"), 0);
+
+    // The participant's COMMIT survives the cancel: the client is told it committed.
+    n2.batch_execute("UPDATE swallow SET on_cancel = true").unwrap();
+    commit_cancelled(2).expect("the participant committed, so the client must hear COMMIT succeed");
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM t WHERE id = 2"), 1);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);
+    assert_eq!(count(&mut n1, "SELECT count(*) FROM t"), 0);
 }
