@@ -63,11 +63,11 @@ for mode in $modes; do
     migrations=$(wc -l < "$out/$mode.windows")
     # pgbench -l lines: client txn latency_us|failed script epoch_s epoch_us [lag] [retries].
     # A line cut short by the TERM above can run into the next one: a time field out of range drops it.
-    gap=$(cat "$out/$mode"-n?.* | awk 'NF >= 6 && NF <= 8 && $5 > 1e9 && $6 < 1e6 && $3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' | sort -n \
+    cat "$out/$mode"-n?.* | awk 'NF >= 6 && NF <= 8 && $5 > 1e9 && $6 < 1e6' > "$out/$mode.txns"
+    gap=$(awk '$3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' "$out/$mode.txns" | sort -n \
         | awk 'NR > 1 && $1 - p > g { g = $1 - p } { p = $1 } END { printf "%.1f", g * 1000 }')
-    cat "$out/$mode"-n?.* 2>/dev/null | awk -v mode="$mode" -v migrations="$migrations" -v gap="$gap" -v windows="$out/$mode.windows" '
+    awk -v mode="$mode" -v migrations="$migrations" -v gap="$gap" -v windows="$out/$mode.windows" '
         BEGIN { n = 0; while ((getline line < windows) > 0) { split(line, w, " "); ws[n] = w[1]; we[n] = w[2]; n++ } }
-        NF < 6 || NF > 8 || $5 < 1e9 || $6 >= 1e6 { next }
         {
             t = $5 + $6 / 1e6
             if ($3 == "failed" || $3 ~ /^[a-z]/) { failed++; next }
@@ -78,7 +78,7 @@ for mode in $modes; do
         END {
             printf "%-14s %10d %7d %13.1f %14.2f %14.2f %11d\n", mode, ok, failed, gap,
                 (hn ? hs / hn / 1000 : 0), (sn ? ss / sn / 1000 : 0), migrations
-        }' >> "$table"
+        }' "$out/$mode.txns" >> "$table"
     tail -1 "$table"
 done
 echo

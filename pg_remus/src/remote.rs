@@ -226,6 +226,8 @@ impl RemoteConnection {
     /// Waits for `event` on the socket or the latch, treating this backend's pending interrupts
     /// as `interrupts` says.
     fn wait(&mut self, event: i32, interrupts: Interrupts) {
+        // Checked on entry, not after the latch: callers wait in a loop until the participant
+        // answers, so a cancel that woke this wait is forwarded by the next one.
         if interrupts == Interrupts::Forward {
             self.forward_pending_cancel();
         }
@@ -245,9 +247,6 @@ impl RemoteConnection {
                     pgrx::check_for_interrupts!();
                 }
             }
-        }
-        if interrupts == Interrupts::Forward {
-            self.forward_pending_cancel();
         }
     }
 

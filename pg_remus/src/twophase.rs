@@ -242,32 +242,26 @@ fn pre_commit() -> Result<(), RemusError> {
 /// Second phase (commit) or rollback. Never raises: the local outcome is already decided.
 fn finish(commit: bool) {
     remote::for_each_in_transaction(|c| {
-        let sql = match (&c.prepared_gid, commit) {
-            (Some(gid), true) => format!("COMMIT PREPARED {}", quote_literal(gid)),
-            (Some(gid), false) => {
-                // A PREPARE interrupted on our side may still be running there: take its
-                // outcome first. A block still open there means the PREPARE never ran.
-                let gid = gid.clone();
-                c.cancel_running();
-                if c.transaction_idle() {
-                    format!("ROLLBACK PREPARED {}", quote_literal(&gid))
-                } else {
-                    "ROLLBACK".to_string()
-                }
-            }
-            (None, _) => {
-                c.cancel_running();
-                if c.transaction_idle() {
-                    return;
-                }
-                "ROLLBACK".to_string()
-            }
+        // Unless committing what is prepared there, first take the outcome of whatever still
+        // runs there (an interrupted PREPARE included): an idle connection afterwards means the
+        // PREPARE ran, or the participant's block is already over; a block still open means
+        // neither did.
+        if !commit || c.prepared_gid.is_none() {
+            c.cancel_running();
+        }
+        let sql = match &c.prepared_gid {
+            Some(gid) if commit => format!("COMMIT PREPARED {}", quote_literal(gid)),
+            Some(gid) if c.transaction_idle() => format!("ROLLBACK PREPARED {}", quote_literal(gid)),
+            // Nothing prepared and nothing open: a read-only or lone writer's COMMIT ran in
+            // PRE_COMMIT, or the participant's block already ended.
+            None if c.transaction_idle() => return,
+            _ => "ROLLBACK".to_string(),
         };
         match c.exec_uninterruptible(&sql) {
             Ok(_) => {}
             // The interrupted PREPARE failed there after all: nothing to roll back.
             Err(RemusError::Remote { sqlstate, .. })
-                if !commit && sqlstate == "42704" && sql.starts_with("ROLLBACK PREPARED") => {}
+                if sqlstate == "42704" && sql.starts_with("ROLLBACK PREPARED") => {}
             Err(e) => {
                 // Commit: recovery finishes it from the decision record. Abort: recovery rolls
                 // back a prepared orphan (no record), and a plain remote transaction dies with

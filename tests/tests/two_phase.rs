@@ -13,13 +13,23 @@ fn count(db: &mut postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).unwrap().get(0)
 }
 
-/// Polls `count_sql` until it counts a row (for a remote command to get under way).
-fn wait_for_row(db: &mut postgres::Client, count_sql: &str, never: &str) {
+/// Runs `sql` in a new session on n1, cancels that session once `under_way` (a count on n2)
+/// finds a row, and returns how `sql` ended.
+fn cancel_once_under_way(c: &TestCluster, sql: &str, under_way: &str, never: &str) -> Result<(), postgres::Error> {
+    let mut session = c.connect("n1").unwrap();
+    let pid: i32 = session.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let sql = sql.to_string();
+    let running = std::thread::spawn(move || session.batch_execute(&sql));
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while count(db, count_sql) == 0 {
+    while count(&mut n2, under_way) == 0 {
         assert!(Instant::now() < deadline, "{never}");
         std::thread::sleep(Duration::from_millis(20));
     }
+    let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
+    assert!(cancelled);
+    running.join().unwrap()
 }
 
 #[test]
@@ -266,23 +276,15 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
              FOR EACH ROW EXECUTE FUNCTION slow_prepare();",
     )
     .unwrap();
-    let mut coordinator = c.connect("n1").unwrap();
-    let pid: i32 = coordinator.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
-    let committing = std::thread::spawn(move || {
-        coordinator.batch_execute(
-            "BEGIN; INSERT INTO t VALUES (1);
-             SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES (1)');
-             COMMIT;",
-        )
-    });
-    wait_for_row(
-        &mut n2,
+    let err = cancel_once_under_way(
+        &c,
+        "BEGIN; INSERT INTO t VALUES (1);
+         SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES (1)');
+         COMMIT;",
         "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE 'PREPARE TRANSACTION%'",
         "the participant never started its PREPARE",
-    );
-    let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
-    assert!(cancelled);
-    let err = committing.join().unwrap().unwrap_err();
+    )
+    .unwrap_err();
     assert_eq!(sqlstate(&err), "57014", "{err:?}");
     // The coordinator's session has finished its abort processing when the error reaches the
     // client (ReadyForQuery follows it), well inside recovery's grace period.
@@ -323,23 +325,12 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
     .unwrap();
 
     let commit_cancelled = |id: i32| {
-        let mut coordinator = c.connect("n1").unwrap();
-        let pid: i32 = coordinator.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
-        let committing = std::thread::spawn(move || {
-            coordinator.batch_execute(&format!(
-                "BEGIN; SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES ({id})'); COMMIT;"
-            ))
-        });
-        let mut n1 = c.connect("n1").unwrap();
-        let mut n2 = c.connect("n2").unwrap();
-        wait_for_row(
-            &mut n2,
+        cancel_once_under_way(
+            &c,
+            &format!("BEGIN; SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES ({id})'); COMMIT;"),
             "SELECT count(*) FROM pg_stat_activity WHERE query = 'COMMIT' AND wait_event = 'PgSleep'",
             "the participant never started its COMMIT",
-        );
-        let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
-        assert!(cancelled);
-        committing.join().unwrap()
+        )
     };
 
     // The participant's COMMIT fails on the cancel: the client gets the cancel, nothing is kept.
