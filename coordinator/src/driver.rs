@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, info_span, warn, Instrument};
 use wal_propagator::{CopyOptions, Lsn, ReplicationConnection, ReplicationOptions};
 
+use crate::failpoint::{self, Failpoints};
 use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode, Phase, Status};
 use crate::node_conn::{NodeConnError, NodeConnector};
 use crate::node_registry::NodeRecord;
@@ -47,6 +48,8 @@ pub struct DriverConfig {
     /// (row count and a digest over all columns) and fail the migration on any difference.
     /// Costs a full read of both copies inside the handover window, so it is off by default.
     pub verify_handover: bool,
+    /// Named places where a test can stop a migration (`failpoint`).
+    pub failpoints: Failpoints,
 }
 
 #[derive(Debug, Error)]
@@ -355,9 +358,11 @@ impl Run {
             ..CopyOptions::default()
         };
         self.state.slot = Some(slot.clone());
+        let failpoints = self.config.failpoints.clone();
         let (conn, created, stats) = tokio::task::spawn_blocking(move || {
             let mut conn = ReplicationConnection::connect_with(&repl_conninfo, ReplicationOptions::default())?;
             let exported = conn.create_slot_exporting_snapshot(&slot)?;
+            failpoints.pause_blocking(failpoint::COPY_SNAPSHOT_EXPORTED, id);
             let stats = wal_propagator::copy_tables_with(
                 &source_conninfo,
                 exported.snapshot_name(),

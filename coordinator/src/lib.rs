@@ -11,10 +11,12 @@
 //! - [`driver`]: running one migration through its phases and handover, or rolling it back.
 //! - [`propagator`]: the slot's pgoutput stream shipped to the replay worker over gRPC.
 //! - [`node_conn`]: conninfo and sessions of the migration machinery on the nodes.
+//! - [`failpoint`]: named places where a test can stop a running migration.
 //! - [`client`]: small helpers for talking to the coordinator over gRPC.
 
 pub mod client;
 pub mod driver;
+pub mod failpoint;
 pub mod local_cluster;
 pub mod migration;
 pub mod node_conn;

@@ -6,7 +6,8 @@
 //! - `pgpass`: the generated superuser password (mode 0600, owned by `postgres` so that the
 //!   servers' own libpq connections to their peers can read it too; root reads it regardless).
 //! - `nK/data`, `nK/run` (unix socket): node K, owned by `postgres`.
-//! - `etcd/`: etcd's data; `logs/`: one log per component.
+//! - `etcd/`: etcd's data; `logs/`: one log per component; `failpoints/`: files that arm the
+//!   coordinator's failpoints (empty unless a test arms one).
 //!
 //! Ports: nodes P..P+N-1, etcd client P+100 and peer P+101, coordinator gRPC P+102, replay
 //! worker gRPC P+103.
@@ -119,6 +120,11 @@ impl ClusterState {
                 self.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
             )
         })
+    }
+
+    /// Where files arm the coordinator's failpoints (`coordinator::failpoint`).
+    pub fn failpoint_dir(&self) -> PathBuf {
+        self.dir.join("failpoints")
     }
 
     pub fn coordinator_endpoint(&self) -> String {
@@ -315,6 +321,8 @@ pub async fn up(opts: &UpOptions) -> Result<ClusterState> {
     fs::create_dir_all(state.dir.join("logs"))
         .with_context(|| format!("creating {}", state.dir.display()))?;
     process::chown_postgres(&state.dir.join("logs"))?;
+    fs::create_dir_all(state.failpoint_dir())
+        .with_context(|| format!("creating {}", state.failpoint_dir().display()))?;
     ensure_postgres_can_reach(&state.dir)?;
     let password = match read_pgpass_password(&state.pgpass) {
         Ok(p) => p,
@@ -586,7 +594,9 @@ async fn start_coordinator(state: &mut ClusterState, bin: &Path) -> Result<()> {
         .arg("--replay-worker")
         .arg(state.replay_worker_endpoint())
         .arg("--pgpass")
-        .arg(&state.pgpass);
+        .arg(&state.pgpass)
+        .arg("--failpoint-dir")
+        .arg(state.failpoint_dir());
     let pid = process::spawn_daemon(&mut cmd, &state.coordinator.log)?;
     state.coordinator.pid = Some(pid);
     let deadline = Instant::now() + START_TIMEOUT;

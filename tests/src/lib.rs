@@ -119,6 +119,41 @@ impl TestCluster {
         Ok(())
     }
 
+    /// Arms the coordinator's failpoint `name` (`coordinator::failpoint`) with `pause`: the
+    /// next migration to get there stops until [`release_failpoint`](Self::release_failpoint).
+    pub fn arm_pause(&self, name: &str) -> Result<()> {
+        let dir = self.state()?.failpoint_dir();
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join(name), "pause")?;
+        Ok(())
+    }
+
+    /// Waits until a migration is paused at failpoint `name`; returns its migration id.
+    pub fn wait_paused_at(&self, name: &str, limit: std::time::Duration) -> Result<i64> {
+        let marker = self.state()?.failpoint_dir().join(format!("{name}.reached"));
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(id) = std::fs::read_to_string(&marker) {
+                if let Ok(id) = id.trim().parse() {
+                    return Ok(id);
+                }
+            }
+            if started.elapsed() > limit {
+                bail!("no migration reached failpoint {name} within {limit:?}\n{}", self.daemon_logs(30));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Lets a migration paused at failpoint `name` go on.
+    pub fn release_failpoint(&self, name: &str) -> Result<()> {
+        let path = self.state()?.failpoint_dir().join(name);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+
     /// The last `lines` lines of the coordinator's and the replay worker's logs (for failure
     /// messages: the cluster directory is removed when the test ends).
     pub fn daemon_logs(&self, lines: usize) -> String {

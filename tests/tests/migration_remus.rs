@@ -5,8 +5,8 @@
 //!   conflicts on a hot row across Tm (see the test), every balance equals the sum
 //!   of its history deltas (row by row, so a lost or doubled write anywhere shows), and nothing
 //!   of the migrations is left behind.
-//! - Transactions spanning the handover: a writer that began during the copy and stays open
-//!   across Tm commits afterwards on the source and its write is on the destination; a long
+//! - Transactions spanning the handover: a writer that began during the copy (the migration is
+//!   paused there by a failpoint) and stays open 20 s, across Tm, commits afterwards on the source and its write is on the destination; a long
 //!   read-only transaction is never blocked; a writer that was already writing when the
 //!   migration started is waited for (the migration says so), never aborted; a transaction
 //!   that begins after Tm runs on the destination.
@@ -23,6 +23,7 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
+use coordinator::failpoint::COPY_SNAPSHOT_EXPORTED;
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
 use integration::TestCluster;
 
@@ -252,6 +253,9 @@ fn held_at_barrier(base_port: u16) -> (TestCluster, i64, String, MigrationCall, 
     (c, shard, source, mover, holder)
 }
 
+/// How long the spanning writer stays open in all (from inside the copy to past Tm).
+const SPANNING_OPEN: Duration = Duration::from_secs(20);
+
 #[test]
 fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     let c = TestCluster::start(3, 27301).expect("cluster up");
@@ -263,12 +267,14 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     let new_aid = an_account_of(&c, shard, 2);
 
     // Already writing the shard when the migration starts (it holds an xid: the slot's
-    // creation waits for it).
+    // creation waits for it, and the sync barrier would too).
     let mut early = c.connect(&source).unwrap();
     early.batch_execute("BEGIN").unwrap();
     early.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&early_aid]).unwrap();
-    let mut holder = hold_barrier(&c, &source, shard);
 
+    // The migration stops inside its copy (snapshot exported, no row copied yet) so that the
+    // spanning writer below provably begins while the copy is under way.
+    c.arm_pause(COPY_SNAPSHOT_EXPORTED).unwrap();
     let mover = start_migration(&c, shard);
 
     // The migration waits for the early writer, and says so in remus_migrations.
@@ -284,14 +290,15 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     assert!(said.contains("waits for transactions"), "{said}");
     // The early writer is not blocked: it keeps working and commits.
     early.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&early_aid]).unwrap();
-    early.batch_execute("COMMIT").unwrap();
+    early.batch_execute("COMMIT").expect("a writer from before the migration commits");
 
-    // The copy runs, and the migration reaches its barrier (held there by `holder`); a writer
-    // that begins now stays open across Tm.
-    let (_, phase, _) = wait_for_phase(&c, &["barrier"], Duration::from_secs(120));
-    assert_eq!(phase, "barrier");
+    // The copy is under way: a writer begins now and stays open across Tm.
+    let migration = c.wait_paused_at(COPY_SNAPSHOT_EXPORTED, Duration::from_secs(120)).unwrap();
+    let (id, phase, _) = phase_of(&mut n1, Some(migration)).expect("the paused migration runs");
+    assert_eq!((id, phase.as_str()), (migration, "copy"));
     let mut spanning = c.connect(&source).unwrap();
     spanning.batch_execute("BEGIN").unwrap();
+    let spanning_began = Instant::now();
     spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 11 WHERE aid = $1", &[&span_aid]).unwrap();
     // A long read-only transaction with a snapshot from before Tm (begun after the slot was
     // created: a transaction that touched the source through another node holds an xid there,
@@ -302,9 +309,10 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
         .query_one("SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1", &[&span_aid])
         .unwrap()
         .get(0);
-    holder.batch_execute("COMMIT").unwrap();
+    c.release_failpoint(COPY_SNAPSHOT_EXPORTED).unwrap();
 
-    // Tm happens while `spanning` is open: the migration reaches cleanup (draining it).
+    // Catch-up, the sync barrier, dual execution and Tm all happen while `spanning` is open:
+    // the migration reaches cleanup (draining it).
     let (_, phase, _) = wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
     assert_eq!(phase, "cleanup");
     wait_owner(&c, "n3", shard, target);
@@ -329,11 +337,14 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     assert_eq!(again, sum_before);
     reader.batch_execute("COMMIT").unwrap();
 
-    // The spanning writer writes once more on the source and commits; then its write is on
-    // the destination.
-    thread::sleep(Duration::from_secs(2));
+    // The spanning writer stays open well past Tm, writes once more on the source and commits;
+    // then its write is on the destination. The migration is still draining it meanwhile.
+    thread::sleep(SPANNING_OPEN.saturating_sub(spanning_began.elapsed()).max(Duration::from_secs(2)));
+    let (_, phase, _) = phase_of(&mut n1, Some(migration)).expect("the migration waits for the spanning writer");
+    assert_eq!(phase, "cleanup");
     spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 100 WHERE aid = $1", &[&span_aid]).unwrap();
     spanning.batch_execute("COMMIT").expect("a transaction spanning Tm commits");
+    println!("the spanning writer was open {:?}, from the copy to after Tm", spanning_began.elapsed());
 
     let (status, aborted) = mover.join().unwrap().expect("migration call");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));

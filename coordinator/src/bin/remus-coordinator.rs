@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use coordinator::driver::DriverConfig;
+use coordinator::failpoint::Failpoints;
 use coordinator::node_conn::NodeConnector;
 use coordinator::service::{CoordinatorService, MigrationRuntime};
 use remus_proto::v1::coordinator_server::CoordinatorServer;
@@ -47,6 +48,10 @@ struct Args {
     /// Compare source and target copies before every ownership flip (full read of both).
     #[arg(long, env = "REMUS_VERIFY_HANDOVER")]
     verify_handover: bool,
+    /// Directory whose files arm the driver's failpoints (see `coordinator::failpoint`); none
+    /// can be armed without it.
+    #[arg(long)]
+    failpoint_dir: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -92,6 +97,7 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
             lock_grace: Duration::from_millis(args.lock_grace_ms),
             gate_timeout: Duration::from_millis(args.gate_timeout_ms),
             verify_handover: args.verify_handover,
+            failpoints: args.failpoint_dir.clone().map(Failpoints::in_dir).unwrap_or_else(Failpoints::disabled),
         }),
         runtime: MigrationRuntime(migrations),
     };

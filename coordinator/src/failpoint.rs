@@ -1,0 +1,160 @@
+//! Fault injection built into the migration driver: named places in a migration's run that a
+//! test (or an operator reproducing a problem) can make the driver stop at.
+//!
+//! A failpoint is armed by a file named after it in the coordinator's failpoint directory
+//! (`--failpoint-dir`; `remusctl cluster up` passes `DIR/failpoints`). Its content is the action;
+//! the one action so far is `pause`: the driver writes `<name>.reached` (holding the migration
+//! id) next to it and stops there until the file is removed. Files, not an environment
+//! variable: several clusters run side by side in one test process, each with its own
+//! directory, and a failpoint must be armed and released while the coordinator runs.
+//!
+//! Unarmed, a failpoint costs one `stat` of a path; without a directory, nothing.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+/// How often a paused driver looks whether its failpoint was released.
+const POLL: Duration = Duration::from_millis(20);
+
+/// The copy's snapshot is exported (the slot exists) and no row has been copied yet.
+pub const COPY_SNAPSHOT_EXPORTED: &str = "copy.snapshot_exported";
+
+/// The failpoints of one coordinator.
+#[derive(Clone, Debug, Default)]
+pub struct Failpoints {
+    dir: Option<PathBuf>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    Pause,
+}
+
+impl Failpoints {
+    /// No failpoint can be armed.
+    pub fn disabled() -> Self {
+        Failpoints { dir: None }
+    }
+
+    /// Failpoints armed by files in `dir` (which need not exist yet).
+    pub fn in_dir(dir: impl Into<PathBuf>) -> Self {
+        Failpoints { dir: Some(dir.into()) }
+    }
+
+    fn armed(&self, name: &str) -> Option<(PathBuf, Action)> {
+        let path = self.dir.as_deref()?.join(name);
+        let text = fs::read_to_string(&path).ok()?;
+        match text.trim() {
+            "pause" => Some((path, Action::Pause)),
+            other => {
+                // A typo must not pass silently as "not armed" in a test that relies on it.
+                warn!(failpoint = name, action = other, "unknown failpoint action ignored (known: pause)");
+                None
+            }
+        }
+    }
+
+    /// Stops the calling thread while `name` is armed with `pause`. For the driver's blocking
+    /// sections (the copy runs on a blocking thread).
+    pub fn pause_blocking(&self, name: &str, migration_id: u64) {
+        if let Some((path, Action::Pause)) = self.armed(name) {
+            announce(&path, name, migration_id);
+            while path.exists() {
+                std::thread::sleep(POLL);
+            }
+            released(&path, name, migration_id);
+        }
+    }
+
+    /// Waits while `name` is armed with `pause`, without holding a runtime thread.
+    pub async fn pause(&self, name: &str, migration_id: u64) {
+        if let Some((path, Action::Pause)) = self.armed(name) {
+            announce(&path, name, migration_id);
+            while path.exists() {
+                tokio::time::sleep(POLL).await;
+            }
+            released(&path, name, migration_id);
+        }
+    }
+}
+
+fn reached_marker(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".reached");
+    path.with_file_name(name)
+}
+
+fn announce(path: &Path, name: &str, migration_id: u64) {
+    info!(migration_id, failpoint = name, "paused at failpoint; remove {} to go on", path.display());
+    if let Err(e) = fs::write(reached_marker(path), migration_id.to_string()) {
+        warn!(migration_id, failpoint = name, error = %e, "could not write the failpoint's reached marker");
+    }
+}
+
+fn released(path: &Path, name: &str, migration_id: u64) {
+    let _ = fs::remove_file(reached_marker(path));
+    info!(migration_id, failpoint = name, "failpoint released");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn unarmed_and_disabled_failpoints_do_not_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        Failpoints::disabled().pause_blocking("x", 1);
+        Failpoints::in_dir(dir.path()).pause_blocking("x", 1);
+        Failpoints::in_dir(dir.path().join("missing")).pause_blocking("x", 1);
+        assert!(!dir.path().join("x.reached").exists());
+    }
+
+    #[test]
+    fn an_unknown_action_is_not_a_pause() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("x"), "sleep").unwrap();
+        Failpoints::in_dir(dir.path()).pause_blocking("x", 1);
+        assert!(!dir.path().join("x.reached").exists());
+    }
+
+    #[test]
+    fn a_pause_holds_until_released_and_says_where_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let armed = dir.path().join("copy.snapshot_exported");
+        fs::write(&armed, "pause\n").unwrap();
+        let fp = Failpoints::in_dir(dir.path());
+        let paused = std::thread::spawn(move || fp.pause_blocking("copy.snapshot_exported", 42));
+        let marker = dir.path().join("copy.snapshot_exported.reached");
+        let started = Instant::now();
+        while !marker.exists() {
+            assert!(started.elapsed() < Duration::from_secs(10), "never reached");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(fs::read_to_string(&marker).unwrap(), "42");
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!paused.is_finished(), "went on while armed");
+        fs::remove_file(&armed).unwrap();
+        paused.join().unwrap();
+        assert!(!marker.exists(), "the marker outlived the pause");
+    }
+
+    #[tokio::test]
+    async fn the_async_pause_holds_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let armed = dir.path().join("p");
+        fs::write(&armed, "pause").unwrap();
+        let fp = Failpoints::in_dir(dir.path());
+        let paused = tokio::spawn(async move { fp.pause("p", 7).await });
+        let marker = dir.path().join("p.reached");
+        while !marker.exists() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(!paused.is_finished());
+        fs::remove_file(&armed).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), paused).await.unwrap().unwrap();
+    }
+}
