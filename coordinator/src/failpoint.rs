@@ -20,6 +20,7 @@ use tracing::{info, warn};
 const POLL: Duration = Duration::from_millis(20);
 
 /// The copy's snapshot is exported (the slot exists) and no row has been copied yet.
+/// Names start with the phase they are in (the log lines say it as `phase`).
 pub const COPY_SNAPSHOT_EXPORTED: &str = "copy.snapshot_exported";
 
 /// The failpoints of one coordinator.
@@ -87,16 +88,21 @@ fn reached_marker(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
+/// The phase a failpoint is in: its name up to the first dot.
+fn phase_of(name: &str) -> &str {
+    name.split('.').next().unwrap_or(name)
+}
+
 fn announce(path: &Path, name: &str, migration_id: u64) {
-    info!(migration_id, failpoint = name, "paused at failpoint; remove {} to go on", path.display());
+    info!(migration_id, phase = phase_of(name), failpoint = name, "paused at failpoint; remove {} to go on", path.display());
     if let Err(e) = fs::write(reached_marker(path), migration_id.to_string()) {
-        warn!(migration_id, failpoint = name, error = %e, "could not write the failpoint's reached marker");
+        warn!(migration_id, phase = phase_of(name), failpoint = name, error = %e, "could not write the failpoint's reached marker");
     }
 }
 
 fn released(path: &Path, name: &str, migration_id: u64) {
     let _ = fs::remove_file(reached_marker(path));
-    info!(migration_id, failpoint = name, "failpoint released");
+    info!(migration_id, phase = phase_of(name), failpoint = name, "failpoint released");
 }
 
 #[cfg(test)]
