@@ -156,6 +156,22 @@ pub fn spawn(
     rx
 }
 
+/// Resumes `record`, a migration that a coordinator was running when it stopped, and returns
+/// once it has ended: past the Tm decision (phase `cleanup`) it completes, before it rolls
+/// back. See [`crate::recovery`].
+pub async fn resume(config: Arc<DriverConfig>, store: MigrationStore, plan: MigrationPlan, record: MigrationRecord) {
+    let span = info_span!("migration", migration_id = record.id.0, mode = %plan.mode);
+    let phase = record.phase;
+    let (tx, _rx) = watch::channel(record);
+    async move {
+        let reporter = Reporter { store, tx };
+        let mut run = Run { config, plan, reporter, state: State::default() };
+        run.resume(phase).await;
+    }
+    .instrument(span)
+    .await
+}
+
 /// What exists on the nodes, so that a rollback removes exactly that.
 #[derive(Default)]
 struct State {
@@ -263,6 +279,7 @@ impl Run {
                 self.sync_barrier().await?;
                 // Dual execution is on: source commits of the shards validate on the target.
                 self.reporter.advance(Phase::Dual).await?;
+                self.config.failpoints.pause(failpoint::DUAL_STARTED, self.id()).await;
                 self.reporter.advance(Phase::Handover).await?;
                 self.tm().await?;
             }
@@ -835,6 +852,7 @@ impl Run {
         // The decision.
         self.reporter.advance(Phase::Cleanup).await?;
         self.state.tm_decided = true;
+        self.config.failpoints.pause(failpoint::HANDOVER_DECIDED, id).await;
         let started = Instant::now();
         for (node, c) in &sessions {
             // Decided: a node that does not answer is retried (a fresh session each time)
@@ -1174,21 +1192,7 @@ impl Run {
             }
         };
         self.drop_slot(conn).await?;
-        if self.plan.mode == Mode::Remus {
-            self.resolve_shadows().await?;
-        }
-        let source = self.config.connector.connect(&self.plan.source).await?;
-        source
-            .batch_execute(&format!(
-                "DROP TABLE {}; DROP PUBLICATION IF EXISTS {};",
-                self.table_list(),
-                self.publication()
-            ))
-            .await
-            .map_err(sql(&self.plan.source))?;
-        self.state.publication = false;
-        self.drop_origins().await?;
-        let aborted = self.end_registration().await? + self.state.terminated;
+        let aborted = self.finish_after_drain().await? + self.state.terminated;
         let replayed = self.txns_replayed();
         self.reporter
             .update(move |r| {
@@ -1198,6 +1202,28 @@ impl Run {
             .await?;
         info!(migration_id = id, phase = "cleanup", aborted, replayed, "source shard removed");
         Ok(())
+    }
+
+    /// Cleanup's last steps, once the drain is over and the slot is gone: leftover shadows
+    /// resolved (Remus), the source's copy, the publication and the origins dropped (each if it
+    /// is still there: a resumed run may find them gone), the registration ended. Returns the
+    /// transactions the nodes counted as aborted by the migration.
+    async fn finish_after_drain(&mut self) -> Result<u64, DriverError> {
+        if self.plan.mode == Mode::Remus {
+            self.resolve_shadows().await?;
+        }
+        let source = self.connect_when_up(&self.plan.source).await?;
+        source
+            .batch_execute(&format!(
+                "DROP TABLE IF EXISTS {}; DROP PUBLICATION IF EXISTS {};",
+                self.table_list(),
+                self.publication()
+            ))
+            .await
+            .map_err(sql(&self.plan.source))?;
+        self.state.publication = false;
+        self.drop_origins().await?;
+        self.end_registration().await
     }
 
     async fn drop_slot(&mut self, conn: Option<ReplicationConnection>) -> Result<(), DriverError> {
@@ -1246,6 +1272,101 @@ impl Run {
         let rows = self.on_every_node(&format!("SELECT remus.migration_end({})", self.id())).await?;
         self.state.registered = false;
         Ok(rows.iter().map(|r| r.get::<_, i64>(0).max(0) as u64).sum())
+    }
+
+    // ---- resuming after a coordinator restart -------------------------------------------
+
+    /// Nothing of the previous run is known but the phase its record reached, so everything it
+    /// may have built is assumed to exist; every step below finds out on the node and is
+    /// idempotent (a step that already ran, or never did, changes nothing).
+    async fn resume(&mut self, phase: Phase) {
+        let id = self.id();
+        self.state.registered = true;
+        self.state.publication = true;
+        self.state.slot = Some(self.slot());
+        self.state.target_tables = true;
+        self.state.tm_prepared = true;
+        self.state.gate_closed = self.plan.mode == Mode::WaitRemaster;
+        self.state.capturing = self.plan.mode == Mode::Remus;
+        // Read-through is one counter per node for all migrations, and whether the previous
+        // run ended its share is not known: `recovery` ends it on every node once every
+        // resumed migration has settled its Tm.
+        self.state.read_through = false;
+        if phase == Phase::Cleanup {
+            info!(migration_id = id, phase = "cleanup", "resuming after a coordinator restart: past the Tm decision, completing");
+            self.reporter
+                .waiting_on(Some("the coordinator restarted after the Tm decision; completing the migration".into()))
+                .await;
+            self.state.tm_decided = true;
+            match self.complete_after_restart().await {
+                Ok(()) => {
+                    self.reporter.finish(Status::Succeeded, None).await;
+                    info!(migration_id = id, phase = "cleanup", "migration completed after a coordinator restart");
+                }
+                Err(e) => {
+                    let msg = format!("the coordinator restarted after the Tm decision; completing failed: {}", describe(&e));
+                    warn!(migration_id = id, phase = "cleanup", error = %msg, "resumed migration failed");
+                    self.reporter.finish(Status::Failed, Some(msg)).await;
+                }
+            }
+        } else {
+            info!(migration_id = id, phase = %phase, "resuming after a coordinator restart: before the Tm decision, rolling back");
+            self.reporter
+                .waiting_on(Some(format!("the coordinator restarted during phase {phase}; rolling back")))
+                .await;
+            let msg = format!("the coordinator stopped during phase {phase}; rolled back when it restarted");
+            match self.rollback().await {
+                Ok(()) => self.reporter.finish(Status::RolledBack, Some(msg)).await,
+                Err(e) => {
+                    let msg = format!("{msg}, but the rollback failed: {}", describe(&e));
+                    warn!(migration_id = id, phase = "rollback", error = %msg, "resumed migration failed");
+                    self.reporter.finish(Status::Failed, Some(msg)).await
+                }
+            }
+        }
+    }
+
+    /// The rest of a migration decided by its Tm, with the stream gone with the previous
+    /// coordinator: Tm committed where it is still prepared, the drain, then what `cleanup`
+    /// does after a failed stream (every source commit since the sync barrier was validated,
+    /// so the prepared shadows are the rest of the shard; source transactions that commit
+    /// from now on find no stream to validate against and fail with 40001, keeping nothing).
+    async fn complete_after_restart(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        for node in self.tm_order() {
+            let c = self.connect_when_up(&node).await?;
+            finish_tm_if_prepared(&c, &node, &tm_gid(id, &node.name), "COMMIT PREPARED").await?;
+            if self.state.gate_closed {
+                c.batch_execute(&format!("SELECT remus.open_gate({id})")).await.map_err(sql(&node))?;
+            }
+            // The drain waits for what is older than now: a superset of what predates Tm.
+            let at: Option<String> = c
+                .query_one("SELECT remus.bump_map_generation(), clock_timestamp()::text", &[])
+                .await
+                .map_err(sql(&node))?
+                .get(1);
+            self.state.tm_committed_at.push((node, at.unwrap_or_default()));
+        }
+        self.state.gate_closed = false;
+        for (node, at) in self.state.tm_committed_at.clone() {
+            self.wait_for_older_transactions(&node, &at, "transactions older than the coordinator's restart").await?;
+        }
+        let source = self.connect_when_up(&self.plan.source).await?;
+        let tables: Vec<String> = self.plan.tables.iter().map(|t| t.qualified()).collect();
+        let left: i64 = source
+            .query_one("SELECT count(*) FROM unnest($1::text[]) t WHERE to_regclass(t) IS NOT NULL", &[&tables])
+            .await
+            .map_err(sql(&self.plan.source))?
+            .get(0);
+        if self.plan.mode == Mode::Remus && left > 0 {
+            let prepared = self.prepared_shard_lockers().await?;
+            self.wait_for_lockers(&prepared, "prepared transactions older than the handover").await?;
+        }
+        self.drop_slot(None).await?;
+        let aborted = self.finish_after_drain().await?;
+        self.reporter.update(move |r| r.aborted_by_migration = aborted).await?;
+        info!(migration_id = id, phase = "cleanup", aborted, "source shard removed after a coordinator restart");
+        Ok(())
     }
 
     // ---- rollback -----------------------------------------------------------------------

@@ -19,6 +19,13 @@ use tracing::{info, warn};
 /// How often a paused driver looks whether its failpoint was released.
 const POLL: Duration = Duration::from_millis(20);
 
+/// Remus: the sync barrier is set and dual execution has begun; Tm is not prepared yet.
+pub const DUAL_STARTED: &str = "dual.started";
+
+/// Tm is prepared on every node and decided (the record is in `cleanup`); no node has
+/// committed it yet.
+pub const HANDOVER_DECIDED: &str = "handover.decided";
+
 /// The copy's snapshot is exported (the slot exists) and no row has been copied yet.
 /// Names start with the phase they are in (the log lines say it as `phase`).
 pub const COPY_SNAPSHOT_EXPORTED: &str = "copy.snapshot_exported";

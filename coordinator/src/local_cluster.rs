@@ -583,6 +583,23 @@ fn start_replay_worker(state: &mut ClusterState, bin: &Path) -> Result<()> {
     .map_err(|e| anyhow!("replay worker on port {port} did not start ({e}); see {}", state.replay_worker.log.display()))
 }
 
+/// Starts the coordinator of the cluster in `dir` again (after it stopped or crashed), with the
+/// rest of the cluster left as it is; the new coordinator resumes the migrations its
+/// predecessor was running (`coordinator::recovery`).
+pub async fn start_coordinator_again(dir: &Path) -> Result<ClusterState> {
+    let mut state = ClusterState::load(dir)?;
+    if let Some(pid) = state.coordinator.live_pid() {
+        bail!("the coordinator of {} is running (pid {pid})", state.dir.display());
+    }
+    if process::port_in_use(state.coordinator.port) {
+        bail!("port {} of the coordinator is in use on 127.0.0.1", state.coordinator.port);
+    }
+    let bin = sibling_binary("coordinator", "remus-coordinator")?;
+    start_coordinator(&mut state, &bin).await?;
+    state.save()?;
+    Ok(state)
+}
+
 async fn start_coordinator(state: &mut ClusterState, bin: &Path) -> Result<()> {
     let mut cmd = Command::new(bin);
     cmd.arg("--listen")

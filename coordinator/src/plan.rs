@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 
 use tonic::Code;
 
-use crate::migration::Mode;
+use crate::migration::{MigrationRecord, Mode};
 use crate::node_conn::NodeConnector;
 use crate::node_registry::{NodeRecord, NodeRegistry};
 
@@ -227,4 +227,75 @@ pub async fn plan(
     })?;
     let shard_ids = tables.iter().map(|t| t.shard_id).collect();
     Ok(MigrationPlan { mode, shard_ids, tables, source: source_node, target: target_node, nodes, requested_by: None })
+}
+
+/// The plan of a migration that a coordinator was running when it stopped, rebuilt from its
+/// record (which lists every shard, co-located ones included) and the catalog, which every
+/// node holds alike: the target's is asked first, then the source's, then any other's.
+pub async fn plan_for_recovery(
+    registry: &NodeRegistry,
+    connector: &NodeConnector,
+    record: &MigrationRecord,
+) -> Result<MigrationPlan, String> {
+    let nodes = registry.list().await.map_err(|e| format!("node registry: {e}"))?;
+    let find = |name: &str| {
+        nodes.iter().find(|n| n.name == name).cloned().ok_or_else(|| format!("node {name} is not registered"))
+    };
+    let (source, target) = (find(&record.source)?, find(&record.target)?);
+    let mut last_error = String::from("no node is registered");
+    let candidates: Vec<NodeRecord> = [target.clone(), source.clone()].into_iter().chain(nodes.iter().cloned()).collect();
+    for node in &candidates {
+        let client = match connector.connect(node).await {
+            Ok(c) => c,
+            Err(e) => {
+                last_error = format!("{}: {e}", node.name);
+                continue;
+            }
+        };
+        let rows = client
+            .query(
+                "SELECT s.shard_id, c.relname::text, quote_ident(n.nspname) || '.' || quote_ident(c.relname)
+                   FROM remus.shards s
+                   JOIN remus.distributed_tables d USING (logicalrelid)
+                   JOIN pg_class c ON c.oid = d.logicalrelid
+                   JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE s.shard_id = ANY($1)
+                  ORDER BY s.shard_id",
+                &[&record.shard_ids],
+            )
+            .await;
+        let rows = match rows {
+            Ok(rows) => rows,
+            Err(e) => {
+                last_error = format!("{}: {e}", node.name);
+                continue;
+            }
+        };
+        if rows.len() != record.shard_ids.len() {
+            return Err(format!(
+                "the catalog on {} lists {} of the migration's {} shards",
+                node.name,
+                rows.len(),
+                record.shard_ids.len()
+            ));
+        }
+        let tables = rows
+            .iter()
+            .map(|r| {
+                let shard_id: i64 = r.get(0);
+                let relname: String = r.get(1);
+                ShardTable { shard_id, shell: r.get(2), schema: SHARD_SCHEMA.to_string(), name: format!("{relname}_{shard_id}") }
+            })
+            .collect();
+        return Ok(MigrationPlan {
+            mode: record.mode,
+            shard_ids: record.shard_ids.clone(),
+            tables,
+            source,
+            target,
+            nodes,
+            requested_by: None,
+        });
+    }
+    Err(format!("no node's catalog could be read ({last_error})"))
 }

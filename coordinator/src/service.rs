@@ -15,6 +15,7 @@ use tonic::Code;
 use crate::driver::{self, DriverConfig};
 use crate::migration::{MigrationError, MigrationRecord, MigrationStore};
 use crate::plan::{self, Refusal};
+use crate::recovery::Recovering;
 use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
 
 pub struct CoordinatorService {
@@ -26,6 +27,8 @@ pub struct CoordinatorService {
     pub driver: Arc<DriverConfig>,
     /// Migrations run on their own runtime ("migration-driver"), apart from the gRPC server's.
     pub runtime: MigrationRuntime,
+    /// On while the migrations of a previous coordinator are resumed: new ones are refused.
+    pub recovering: Recovering,
 }
 
 /// The named runtime the migration drivers run on.
@@ -181,6 +184,14 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<Self::MigrateShardsStream>, Status> {
         let req = req.into_inner();
         let mode = plan::parse_mode(&req.mode).map_err(Refusal::into_status)?;
+        if self.recovering.is_on() {
+            return Err(Refusal::new(
+                Code::Unavailable,
+                "57P03",
+                "the coordinator restarted and is resuming the migrations it was running; try again once they have ended (see remus_migrations)",
+            )
+            .into_status());
+        }
         let mut plan = plan::plan(&self.nodes, &self.driver.connector, &req.shard_ids, &req.target, mode)
             .await
             .map_err(Refusal::into_status)?;

@@ -119,11 +119,39 @@ impl TestCluster {
         Ok(())
     }
 
+    /// Kills the coordinator with SIGKILL (a crash: nothing of it is cleaned up) and waits
+    /// until it is gone.
+    pub fn kill_coordinator(&self) -> Result<()> {
+        let state = self.state()?;
+        let Some(pid) = state.coordinator.live_pid() else { bail!("the coordinator is not running") };
+        // SAFETY: plain syscall on the PID the cluster recorded for its coordinator.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let started = std::time::Instant::now();
+        while state.coordinator.live_pid().is_some() {
+            if started.elapsed() > std::time::Duration::from_secs(30) {
+                bail!("the coordinator (pid {pid}) survived SIGKILL");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// `remusctl cluster start-coordinator`: the coordinator again, the rest as it is.
+    pub fn start_coordinator_again(&self) -> Result<()> {
+        let out = self.ctl(&["cluster", "start-coordinator"]);
+        if !out.status.success() {
+            bail!("start-coordinator failed: {}{}", stdout(&out), stderr(&out));
+        }
+        Ok(())
+    }
+
     /// Arms the coordinator's failpoint `name` (`coordinator::failpoint`) with `pause`: the
     /// next migration to get there stops until [`release_failpoint`](Self::release_failpoint).
     pub fn arm_pause(&self, name: &str) -> Result<()> {
         let dir = self.state()?.failpoint_dir();
         std::fs::create_dir_all(&dir)?;
+        // A marker left by a coordinator killed while paused would read as reached.
+        let _ = std::fs::remove_file(dir.join(format!("{name}.reached")));
         std::fs::write(dir.join(name), "pause")?;
         Ok(())
     }

@@ -19,11 +19,13 @@
 //! - A stream or destination failure during dual execution: source commits get an error, not a
 //!   hang; the migration rolls back before Tm and completes from the prepared shadows after it,
 //!   waiting for a destination that is down.
+//! - The coordinator killed (SIGKILL) in dual execution or right after the Tm decision: its
+//!   successor (`remusctl cluster start-coordinator`) rolls the migration back or completes it.
 
 use std::thread;
 use std::time::{Duration, Instant};
 
-use coordinator::failpoint::COPY_SNAPSHOT_EXPORTED;
+use coordinator::failpoint::{COPY_SNAPSHOT_EXPORTED, DUAL_STARTED, HANDOVER_DECIDED};
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
 use integration::TestCluster;
 
@@ -980,4 +982,165 @@ fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
         .get(0);
     assert_eq!(origin, None, "the write ran on the destination, not as a shadow of a source transaction");
     assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+/// Waits until migration `id` has ended; its status and error.
+fn wait_ended(c: &TestCluster, id: i64, limit: Duration) -> (String, Option<String>) {
+    let mut db = c.connect("n1").unwrap();
+    let started = Instant::now();
+    loop {
+        let row = db
+            .query_one("SELECT status, error FROM remus_migrations WHERE migration_id = $1", &[&id])
+            .unwrap_or_else(|e| panic!("reading migration {id}: {e:?}"));
+        let status: String = row.get(0);
+        if status != "running" {
+            return (status, row.get(1));
+        }
+        assert!(started.elapsed() < limit, "migration {id} did not end within {limit:?}\n{}", c.daemon_logs(40));
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The owner of `shard` as each node's catalog has it.
+fn owners_everywhere(c: &TestCluster, shard: i64) -> Vec<String> {
+    c.node_names()
+        .iter()
+        .map(|n| {
+            c.connect(n)
+                .unwrap()
+                .query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard])
+                .unwrap()
+                .get(0)
+        })
+        .collect()
+}
+
+/// A source writer open in dual execution when the coordinator dies: its COMMIT either fails
+/// with 40001 (its validation found no stream) or, validated in the instant before the replay
+/// worker noticed, commits. Never a hang, never another error. True when it committed.
+fn commit_across_coordinator_death(writer: &mut postgres::Client) -> bool {
+    let committed = match writer.batch_execute("COMMIT") {
+        Ok(()) => true,
+        Err(e) => {
+            assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
+            false
+        }
+    };
+    println!("the writer open when the coordinator died: {}", if committed { "committed" } else { "40001" });
+    committed
+}
+
+/// The coordinator is killed (SIGKILL) in dual execution, before Tm: its successor rolls the
+/// migration back, the source keeps the shard and takes writes again without validation,
+/// nothing is left on the target, and the shard can be moved again.
+#[test]
+fn a_coordinator_killed_before_tm_is_rolled_back_by_its_successor() {
+    let c = TestCluster::start(3, 24001).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (aid, validated_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
+    c.arm_pause(DUAL_STARTED).unwrap();
+    let mover = start_migration(&c, shard);
+    let migration = c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120)).unwrap();
+
+    let mut writer = c.connect(&source).unwrap();
+    writer.batch_execute("BEGIN").unwrap();
+    writer.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&aid]).unwrap();
+    // Validated on the target and committed on the source while the coordinator lives.
+    let mut n3 = c.connect("n3").unwrap();
+    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&validated_aid]).unwrap();
+
+    c.kill_coordinator().unwrap();
+    // Disarmed, or the next migration of the shard would stop there too.
+    c.release_failpoint(DUAL_STARTED).unwrap();
+    assert!(mover.join().unwrap().is_err(), "the migration call must fail with its coordinator");
+    let committed = commit_across_coordinator_death(&mut writer);
+
+    c.start_coordinator_again().unwrap();
+    let (status, error) = wait_ended(&c, migration, Duration::from_secs(180));
+    assert_eq!(status, "rolled_back", "{error:?}\n{}", c.daemon_logs(40));
+    let error = error.unwrap_or_default();
+    assert!(error.contains("coordinator stopped during phase dual"), "{error}");
+
+    assert_eq!(owners_everywhere(&c, shard), vec![source.clone(); 3]);
+    // The source takes writes on the shard again, with no validation to fail.
+    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&validated_aid])
+        .expect("a write after the rollback");
+    assert_eq!(balance_on(&mut c.connect(&source).unwrap(), shard, validated_aid), 6);
+    assert_eq!(balance_on(&mut c.connect(&source).unwrap(), shard, aid), if committed { 3 } else { 0 });
+    let gone: bool = c
+        .connect("n2")
+        .unwrap()
+        .query_one(&format!("SELECT to_regclass('remus_shards.pgbench_accounts_{shard}') IS NULL"), &[])
+        .unwrap()
+        .get(0);
+    assert!(gone, "the target's copy must be dropped");
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+
+    // Nothing of it is in the way of the next migration of the same shard (refused with 57P03
+    // only while the new coordinator is still finishing its recovery).
+    let mut db = c.connect("n3").unwrap();
+    let started = Instant::now();
+    let status: String = loop {
+        match db.query_one("SELECT status FROM remus_migrate_shard($1, 'n2')", &[&shard]) {
+            Ok(row) => break row.get(0),
+            Err(e) if e.code().map(|c| c.code()) == Some("57P03") && started.elapsed() < Duration::from_secs(60) => {
+                thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!("moving shard {shard} again: {e:?}"),
+        }
+    };
+    assert_eq!(status, "succeeded");
+    assert_eq!(owners_everywhere(&c, shard), vec!["n2".to_string(); 3]);
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+}
+
+/// The coordinator is killed right after the Tm decision, before any node committed Tm: its
+/// successor commits Tm everywhere, drains, resolves the shadows by their source transactions'
+/// fate and drops the source copy; every committed write is on the target.
+#[test]
+fn a_coordinator_killed_after_the_tm_decision_is_completed_by_its_successor() {
+    let c = TestCluster::start(3, 24301).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (aid, validated_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
+    c.arm_pause(DUAL_STARTED).unwrap();
+    c.arm_pause(HANDOVER_DECIDED).unwrap();
+    let mover = start_migration(&c, shard);
+    c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120)).unwrap();
+    // A writer whose view predates Tm, open when the coordinator dies.
+    let mut writer = c.connect(&source).unwrap();
+    writer.batch_execute("BEGIN").unwrap();
+    writer.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&aid]).unwrap();
+    let mut n3 = c.connect("n3").unwrap();
+    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&validated_aid]).unwrap();
+    c.release_failpoint(DUAL_STARTED).unwrap();
+    let migration = c.wait_paused_at(HANDOVER_DECIDED, Duration::from_secs(120)).unwrap();
+
+    c.kill_coordinator().unwrap();
+    c.release_failpoint(HANDOVER_DECIDED).unwrap();
+    assert!(mover.join().unwrap().is_err(), "the migration call must fail with its coordinator");
+    let committed = commit_across_coordinator_death(&mut writer);
+
+    c.start_coordinator_again().unwrap();
+    let (status, error) = wait_ended(&c, migration, Duration::from_secs(180));
+    assert_eq!(status, "succeeded", "{error:?}\n{}", c.daemon_logs(40));
+
+    assert_eq!(owners_everywhere(&c, shard), vec!["n2".to_string(); 3]);
+    let mut dest = c.connect("n2").unwrap();
+    assert_eq!(balance_on(&mut dest, shard, validated_aid), 1, "a write validated before the crash is on the target");
+    assert_eq!(balance_on(&mut dest, shard, aid), if committed { 3 } else { 0 }, "the writer's fate decides its shadow");
+    // New writes, through any node, go to the target.
+    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&validated_aid]).unwrap();
+    assert_eq!(balance_on(&mut dest, shard, validated_aid), 6);
+    let gone: bool = c
+        .connect(&source)
+        .unwrap()
+        .query_one(&format!("SELECT to_regclass('remus_shards.pgbench_accounts_{shard}') IS NULL"), &[])
+        .unwrap()
+        .get(0);
+    assert!(gone, "the source's copy must be dropped");
+    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    let twice = c.start_coordinator_again().expect_err("a running coordinator is not started twice");
+    assert!(twice.to_string().contains("is running"), "{twice}");
 }

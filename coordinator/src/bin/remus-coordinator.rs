@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use coordinator::driver::DriverConfig;
 use coordinator::failpoint::Failpoints;
+use coordinator::recovery::{self, Recovering};
 use coordinator::node_conn::NodeConnector;
 use coordinator::service::{CoordinatorService, MigrationRuntime};
 use remus_proto::v1::coordinator_server::CoordinatorServer;
@@ -84,6 +85,7 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
     let etcd = etcd_client::Client::connect([args.etcd.as_str()], None)
         .await
         .with_context(|| format!("connecting to etcd at {}", args.etcd))?;
+    let recovering = Recovering::default();
     let service = CoordinatorService {
         nodes: NodeRegistry::new(etcd.clone(), &args.cluster),
         migrations: MigrationStore::new(etcd.clone(), &args.cluster),
@@ -99,8 +101,16 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
             verify_handover: args.verify_handover,
             failpoints: args.failpoint_dir.clone().map(Failpoints::in_dir).unwrap_or_else(Failpoints::disabled),
         }),
-        runtime: MigrationRuntime(migrations),
+        runtime: MigrationRuntime(migrations.clone()),
+        recovering: recovering.clone(),
     };
+    // Migrations the previous coordinator was running are resumed before new ones are taken.
+    migrations.spawn(recovery::resume_all(
+        service.driver.clone(),
+        service.migrations.clone(),
+        service.nodes.clone(),
+        recovering,
+    ));
     tracing::info!(listen = %args.listen, etcd = %args.etcd, cluster = %args.cluster, "coordinator serving");
     tonic::transport::Server::builder()
         .add_service(CoordinatorServer::new(service))

@@ -59,6 +59,13 @@ enum ClusterCmd {
         #[arg(long, default_value_t = local_cluster::DEFAULT_BASE_PORT)]
         base_port: u16,
     },
+    /// Start the coordinator again after it stopped or crashed (the rest of the cluster keeps
+    /// running); it resumes the migrations it was running: those past the Tm decision
+    /// complete, the others roll back.
+    StartCoordinator {
+        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        dir: PathBuf,
+    },
     /// Stop everything `up` started, by PID.
     Down {
         #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
@@ -266,6 +273,16 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
             println!("  eval \"$(remusctl cluster env --dir {})\" && psql", state.dir.display());
             println!("stop with:");
             println!("  remusctl cluster down --dir {}", state.dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCmd::StartCoordinator { dir } => {
+            let state = local_cluster::start_coordinator_again(&dir).await?;
+            println!(
+                "coordinator started again: 127.0.0.1:{} (pid {}), log {}",
+                state.coordinator.port,
+                state.coordinator.pid.unwrap_or_default(),
+                state.coordinator.log.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         ClusterCmd::Down { dir } => {
