@@ -144,9 +144,20 @@ pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError>
     .map_err(RemusError::from)
 }
 
+/// The one value of a read-only query (an aggregate, so there is always one row), read with the
+/// active snapshot. pgrx's `Spi::get_one*` run their query as a mutating one, which assigns the
+/// transaction an xid: on the routing path that gave every read-only transaction an xid (a
+/// commit record to flush, and a migration's slot creation waiting for it to end).
+pub fn read_one<'mcx, A: FromDatum + IntoDatum>(
+    query: &str,
+    args: &[pgrx::datum::DatumWithOid<'mcx>],
+) -> Result<Option<A>, pgrx::spi::Error> {
+    Spi::connect(|c| c.select(query, Some(1), args)?.first().get_one())
+}
+
 /// The single shard of a reference table (present on every node).
 pub fn reference_shard(relid: pg_sys::Oid) -> Result<i64, RemusError> {
-    Spi::get_one_with_args::<i64>("SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1", &[relid.into()])?
+    read_one::<i64>("SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1", &[relid.into()])?
         .ok_or_else(|| RemusError::InvalidArgument("reference table has no shard".into()))
 }
 

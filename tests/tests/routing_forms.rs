@@ -167,4 +167,38 @@ fn every_form_through_every_node() {
         assert_eq!(sqlstate(&e), "23502");
     }
     check_everywhere(&c, &model);
+    read_only_transactions_take_no_xid(&c, &model);
+}
+
+/// A read-only transaction, single-shard and fan-out, local and forwarded, takes no xid on the
+/// coordinating node nor on any participant (an xid costs a commit record, and a migration's
+/// slot creation waits for every transaction holding one).
+fn read_only_transactions_take_no_xid(c: &TestCluster, model: &Model) {
+    let keys: Vec<i64> = model.keys().copied().collect();
+    for name in c.node_names() {
+        let mut db = c.connect(&name).unwrap();
+        db.batch_execute("BEGIN").unwrap();
+        for k in &keys {
+            db.query_one("SELECT v FROM kv WHERE k = $1", &[k]).unwrap();
+        }
+        db.query_one("SELECT count(*) FROM kv JOIN kv_log USING (k)", &[]).unwrap();
+        let xid: Option<String> = db.query_one("SELECT pg_current_xact_id_if_assigned()::text", &[]).unwrap().get(0);
+        assert_eq!(xid, None, "a read-only transaction through {name} took an xid there");
+        for other in c.node_names() {
+            let holders: Vec<String> = c
+                .connect(&other)
+                .unwrap()
+                .query(
+                    "SELECT pid::text || ' ' || query FROM pg_stat_activity
+                      WHERE backend_xid IS NOT NULL AND backend_type = 'client backend'",
+                    &[],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            assert!(holders.is_empty(), "reading through {name}: participants on {other} hold an xid: {holders:?}");
+        }
+        db.batch_execute("COMMIT").unwrap();
+    }
 }

@@ -290,7 +290,7 @@ unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64) -> Result
     // the same index in the same co-location group (the same table twice for ON CONFLICT's
     // `excluded`).
     IN_LOOKUP.with(|f| f.set(true));
-    let index = Spi::get_one_with_args::<i32>("SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1", &[shard_id.into()]);
+    let index = crate::catalog::read_one::<i32>("SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1", &[shard_id.into()]);
     IN_LOOKUP.with(|f| f.set(false));
     let index = index?.ok_or_else(|| RemusError::NotShardOwner {
         shard_id,
@@ -310,7 +310,7 @@ unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64) -> Result
             shard_id
         } else {
             IN_LOOKUP.with(|f| f.set(true));
-            let sid = Spi::get_one_with_args::<i64>(
+            let sid = crate::catalog::read_one::<i64>(
                 "SELECT max(shard_id) FROM remus.shards WHERE logicalrelid = $1 AND shard_index = $2",
                 &[table.relid.into(), index.into()],
             );

@@ -101,7 +101,7 @@ unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), RemusError> {
     let me = crate::guc::node_name().unwrap_or_default();
     for shard_id in shards {
         // Read with the statement's snapshot (the active one): what this statement may see.
-        let owner = Spi::get_one_with_args::<String>(
+        let owner = crate::catalog::read_one::<String>(
             "SELECT max(node_name) FROM remus.shard_map WHERE shard_id = $1",
             &[shard_id.into()],
         )?;
