@@ -302,9 +302,7 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     spanning.batch_execute("BEGIN").unwrap();
     let spanning_began = Instant::now();
     spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 11 WHERE aid = $1", &[&span_aid]).unwrap();
-    // A long read-only transaction with a snapshot from before Tm (begun after the slot was
-    // created: a transaction that touched the source through another node holds an xid there,
-    // and slot creation waits for those).
+    // A long read-only transaction with a snapshot from before Tm, through another node.
     let mut reader = c.connect("n3").unwrap();
     reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ").unwrap();
     let sum_before: i64 = reader
