@@ -32,6 +32,11 @@ const PLAN_WAIT: Duration = Duration::from_secs(300);
 pub struct Recovering(Arc<AtomicBool>);
 
 impl Recovering {
+    /// On from the start, so that no migration slips in before [`resume_all`] has begun.
+    pub fn starting() -> Self {
+        Recovering(Arc::new(AtomicBool::new(true)))
+    }
+
     pub fn is_on(&self) -> bool {
         self.0.load(Ordering::Acquire)
     }
@@ -41,7 +46,7 @@ impl Recovering {
     }
 }
 
-/// Resumes every running migration in the store; `recovering` is on until they all ended.
+/// Resumes every running migration in the store, then turns `recovering` off.
 /// Returns how many were resumed.
 pub async fn resume_all(
     config: Arc<DriverConfig>,
@@ -49,7 +54,6 @@ pub async fn resume_all(
     registry: NodeRegistry,
     recovering: Recovering,
 ) -> usize {
-    recovering.set(true);
     let resumed = resume_each(&config, &store, &registry).await;
     if resumed > 0 {
         end_read_through_everywhere(&config, &registry).await;

@@ -85,7 +85,7 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
     let etcd = etcd_client::Client::connect([args.etcd.as_str()], None)
         .await
         .with_context(|| format!("connecting to etcd at {}", args.etcd))?;
-    let recovering = Recovering::default();
+    let recovering = Recovering::starting();
     let service = CoordinatorService {
         nodes: NodeRegistry::new(etcd.clone(), &args.cluster),
         migrations: MigrationStore::new(etcd.clone(), &args.cluster),
