@@ -9,6 +9,7 @@
 #   MODES (default "lock_abort wait_remaster remus")  SCALE (default 4)
 #   CLIENTS (default 4 per node)  WARMUP (default 5 s)  BASE_PORT (default 25801)
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/../scripts/lib.sh"
 cd "$REPO_ROOT"
 # demo.sh has just set up (REMUS_SETUP_DONE=1): installing the extension again would stop its

@@ -6,6 +6,7 @@
 #   MODE=lock_abort|wait_remaster (default lock_abort)  ROWS (default 1000000, ~1 GB)
 #   CLIENTS (default 4 per node)  BASE_PORT (default 24801)
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/../scripts/lib.sh"
 cd "$REPO_ROOT"
 "$REPO_ROOT/scripts/setup.sh" >/dev/null

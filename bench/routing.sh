@@ -33,20 +33,22 @@ node n1 pgbench -i -s "$scale" -q >/dev/null 2>&1
 node n1 psql -Xq -o /dev/null -f sql/pgbench_distribute.sql
 # Keys whose shards n1 owns, in plain local tables on n1 and n2 (read locally by \gset), so the
 # single-shard runs touch only n1's data whichever node they enter through.
-keys_sql="SELECT row_number() OVER (ORDER BY k), k FROM generate_series(1, %s) k
+keys_sql() { # $1: the largest key, $2: the table
+    printf "SELECT row_number() OVER (ORDER BY k), k FROM generate_series(1, %s) k
            JOIN remus.shards s ON remus.key_hash(k) BETWEEN s.hash_min AND s.hash_max
            JOIN remus.shard_map m USING (shard_id)
-           WHERE s.logicalrelid = '%s'::regclass AND m.node_name = 'n1'"
+           WHERE s.logicalrelid = '%s'::regclass AND m.node_name = 'n1'" "$1" "$2"
+}
 for n in n1 n2; do
     node "$n" psql -Xq -o /dev/null -c "CREATE TABLE owned_a (i bigint PRIMARY KEY, k int); CREATE TABLE owned_t (i bigint PRIMARY KEY, k int); CREATE TABLE owned_b (i bigint PRIMARY KEY, k int)"
 done
-na=$(node n1 psql -XAtc "SELECT count(*) FROM ($(printf "$keys_sql" $((100000 * scale)) pgbench_accounts)) x")
-nt=$(node n1 psql -XAtc "SELECT count(*) FROM ($(printf "$keys_sql" $((10 * scale)) pgbench_tellers)) x")
-nb=$(node n1 psql -XAtc "SELECT count(*) FROM ($(printf "$keys_sql" "$scale" pgbench_branches)) x")
+na=$(node n1 psql -XAtc "SELECT count(*) FROM ($(keys_sql $((100000 * scale)) pgbench_accounts)) x")
+nt=$(node n1 psql -XAtc "SELECT count(*) FROM ($(keys_sql $((10 * scale)) pgbench_tellers)) x")
+nb=$(node n1 psql -XAtc "SELECT count(*) FROM ($(keys_sql "$scale" pgbench_branches)) x")
 for n in n1 n2; do
     for t in a:pgbench_accounts:$((100000 * scale)) t:pgbench_tellers:$((10 * scale)) b:pgbench_branches:$scale; do
         IFS=: read -r s tab max <<<"$t"
-        node n1 psql -XAtc "COPY ($(printf "$keys_sql" "$max" "$tab")) TO STDOUT" | node "$n" psql -Xq -c "COPY owned_$s FROM STDIN"
+        node n1 psql -XAtc "COPY ($(keys_sql "$max" "$tab")) TO STDOUT" | node "$n" psql -Xq -c "COPY owned_$s FROM STDIN"
     done
 done
 cat > "$work/select_owned.sql" <<SQL

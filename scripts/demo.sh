@@ -2,6 +2,7 @@
 # Sets everything up and starts a local 3-node pg_remus cluster (left running), then shows how
 # to connect. REMUS_DIR overrides the cluster directory (default .remus/cluster).
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
 cd "$REPO_ROOT"
 "$REPO_ROOT/scripts/setup.sh"

@@ -3,6 +3,8 @@
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+# Used by the scripts that source this file.
+# shellcheck disable=SC2034
 PGRX_VERSION=0.18.1
 export PATH="$HOME/.cargo/bin:$PATH"
 
@@ -11,6 +13,28 @@ die() { log "ERROR: $*"; exit 1; }
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+# Makes the toolchain rust-toolchain.toml pins available. rustup would download a missing one
+# (or refuse, with RUSTUP_AUTO_INSTALL=0); when the machine's stable toolchain is that very
+# release, the pinned name is made to point at it instead, with no download.
+ensure_toolchain() {
+    command -v rustup >/dev/null || return 0
+    local channel host sysroot
+    channel=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' "$REPO_ROOT/rust-toolchain.toml")
+    [ -n "$channel" ] || die "no channel in rust-toolchain.toml"
+    if rustup toolchain list | grep -q "^$channel-"; then
+        return 0
+    fi
+    if [ "$(RUSTUP_TOOLCHAIN=stable rustc --version 2>/dev/null | awk '{print $2}')" = "$channel" ]; then
+        host=$(RUSTUP_TOOLCHAIN=stable rustc -vV | sed -n 's/^host: //p')
+        sysroot=$(RUSTUP_TOOLCHAIN=stable rustc --print sysroot)
+        log "toolchain $channel: the installed stable toolchain ($sysroot)"
+        ln -s "$sysroot" "$(rustup show home)/toolchains/$channel-$host"
+    else
+        log "installing toolchain $channel"
+        rustup toolchain install "$channel" --profile minimal --component rustfmt --component clippy
+    fi
 }
 
 # Stops every running PostgreSQL server that preloads pg_remus: swapping the .so under a server

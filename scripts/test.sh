@@ -4,7 +4,10 @@
 #   2. #[pg_test] tests of the extension inside a real PostgreSQL 15 (as user postgres),
 #   3. pg_regress golden files (sql/regress) against a real cluster: messages and SQLSTATEs,
 #   4. integration tests against real local clusters (tests/).
+# The fast check tier (fmt, clippy, docs, module cycles, shellcheck) is scripts/check.sh; .ci/run
+# runs it before this script, which does not repeat it.
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
 cd "$REPO_ROOT"
 start=$SECONDS
