@@ -30,6 +30,17 @@ for p in json.load(sys.stdin)["packages"]:
         print(os.path.relpath(src))'
 }
 
+# The first lines of rustfmt's diff, then the list of files it would change (`cargo fmt --all`
+# fixes them).
+rustfmt_check() {
+    local out
+    out=$(cargo fmt --all -- --check 2>&1) && return 0
+    printf '%s\n' "$out" | head -n 60
+    log "rustfmt: $(printf '%s\n' "$out" | wc -l) lines of diff; files to format (cargo fmt --all):"
+    cargo fmt --all -- --check -l || true
+    return 1
+}
+
 module_cycles() {
     local srcs
     mapfile -t srcs < <(crate_srcs)
@@ -65,7 +76,7 @@ finish() {
 }
 
 # Cheapest first, so a style slip is reported within seconds.
-check rustfmt cargo fmt --all -- --check
+check rustfmt rustfmt_check
 check module-cycles module_cycles
 check shellcheck shell_scripts
 # --workspace takes pg_remus too (it is not a default member); its default feature is pg15.
