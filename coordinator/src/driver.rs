@@ -16,6 +16,8 @@ use tokio::sync::watch;
 use tracing::{debug, info, info_span, warn, Instrument};
 use wal_propagator::{CopyOptions, Lsn, ReplicationConnection, ReplicationOptions};
 
+use remus_proto::names;
+
 use crate::failpoint::{self, Failpoints};
 use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode, Phase, Status};
 use crate::node_conn::{NodeConnError, NodeConnector};
@@ -220,11 +222,11 @@ impl Run {
     }
 
     fn publication(&self) -> String {
-        format!("remus_m{}", self.id())
+        names::publication_name(self.id())
     }
 
     fn slot(&self) -> String {
-        format!("remus_m{}", self.id())
+        names::slot_name(self.id())
     }
 
     async fn drive(&mut self) {
@@ -331,9 +333,10 @@ impl Run {
                 // migration of this shard must not need DDL on a hot table.
                 format!(
                     "CREATE TABLE {q} (LIKE {} INCLUDING ALL);\n\
-                     CREATE TRIGGER remus_capture AFTER INSERT OR UPDATE OR DELETE ON {q} \
+                     CREATE TRIGGER {} AFTER INSERT OR UPDATE OR DELETE ON {q} \
                      FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n",
                     t.shell,
+                    names::CAPTURE_TRIGGER,
                     t.shard_id,
                     q = t.qualified()
                 )
@@ -364,7 +367,7 @@ impl Run {
         let parallelism = pairs.len();
         // Copied rows are committed under a Remus replication origin (one per copy session),
         // so MOCC on the target tells them from rows a target transaction wrote.
-        let origin = format!("'remus_m{id}_c' || pg_catalog.pg_backend_pid()");
+        let origin = format!("{} || pg_catalog.pg_backend_pid()", quote_literal(&names::copy_origin_prefix(id)));
         let copy_options = CopyOptions {
             dest_setup_sql: Some(format!(
                 "SELECT pg_catalog.pg_replication_origin_create({origin}) \
@@ -458,7 +461,10 @@ impl Run {
         let source = self.config.connector.connect(&self.plan.source).await?;
         let lsn: String = source
             .query_one(
-                "SELECT pg_logical_emit_message(true, 'remus_sync', $1)::text",
+                &format!(
+                    "SELECT pg_logical_emit_message(true, {}, $1)::text",
+                    quote_literal(names::SYNC_POINT_MESSAGE_PREFIX)
+                ),
                 &[&self.id().to_string()],
             )
             .await
@@ -736,8 +742,9 @@ impl Run {
             "SELECT count(*), min(pid), min(xact_start)::text FROM pg_stat_activity
               WHERE backend_type = 'client backend' AND xact_start < {}::timestamptz
                 AND pid <> pg_backend_pid() AND pid <> {requester}
-                AND application_name <> 'remus_migration'",
-            quote_literal(before)
+                AND application_name <> {}",
+            quote_literal(before),
+            quote_literal(names::MIGRATION_APPLICATION_NAME)
         );
         let mut reported = false;
         loop {
@@ -837,7 +844,7 @@ impl Run {
                  SELECT remus.begin_read_through();
                  UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});
                  PREPARE TRANSACTION {};",
-                quote_literal(&tm_gid(id, &node.name))
+                quote_literal(&names::tm_gid(id, &node.name))
             ))
             .await
             .map_err(sql(node))?;
@@ -857,7 +864,7 @@ impl Run {
         for (node, c) in &sessions {
             // Decided: a node that does not answer is retried (a fresh session each time)
             // until it commits; giving up here would leave the map split.
-            let gid = tm_gid(id, &node.name);
+            let gid = names::tm_gid(id, &node.name);
             let mut attempt = 0u32;
             loop {
                 let r = async {
@@ -1031,7 +1038,7 @@ impl Run {
     async fn resolve_shadows(&self) -> Result<(), DriverError> {
         let target = self.connect_when_up(&self.plan.target).await?;
         let source = self.connect_when_up(&self.plan.source).await?;
-        let prefix = format!("remus:{}:", self.id());
+        let prefix = names::shadow_gid_prefix(self.id());
         let gids: Vec<String> = target
             .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
             .await
@@ -1042,7 +1049,7 @@ impl Run {
         if gids.is_empty() {
             return Ok(());
         }
-        let origin = quote_literal(&format!("remus_m{}_recovery", self.id()));
+        let origin = quote_literal(&names::shadow_resolve_origin(self.id()));
         target
             .batch_execute(&format!(
                 "SELECT pg_replication_origin_create({origin}) WHERE pg_replication_origin_oid({origin}) IS NULL;
@@ -1116,7 +1123,7 @@ impl Run {
     /// everything its transactions wrote).
     async fn drop_shadows(&self) -> Result<(), DriverError> {
         let target = self.connect_when_up(&self.plan.target).await?;
-        let prefix = format!("remus:{}:", self.id());
+        let prefix = names::shadow_gid_prefix(self.id());
         let rows = target
             .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
             .await
@@ -1258,7 +1265,7 @@ impl Run {
             &target,
             &self.plan.target,
             "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE $1",
-            &format!(r"remus\_m{}\_%", self.id()),
+            &names::origin_like_pattern(self.id()),
         )
         .await
     }
@@ -1335,7 +1342,7 @@ impl Run {
         let id = self.id();
         for node in self.tm_order() {
             let c = self.connect_when_up(&node).await?;
-            finish_tm_if_prepared(&c, &node, &tm_gid(id, &node.name), "COMMIT PREPARED").await?;
+            finish_tm_if_prepared(&c, &node, &names::tm_gid(id, &node.name), "COMMIT PREPARED").await?;
             if self.state.gate_closed {
                 c.batch_execute(&format!("SELECT remus.open_gate({id})")).await.map_err(sql(&node))?;
             }
@@ -1459,7 +1466,7 @@ impl Run {
     async fn release_node(&self, node: &NodeRecord, c: &tokio_postgres::Client) -> Result<(), DriverError> {
         let id = self.id();
         if self.state.tm_prepared {
-            finish_tm_if_prepared(c, node, &tm_gid(id, &node.name), "ROLLBACK PREPARED").await?;
+            finish_tm_if_prepared(c, node, &names::tm_gid(id, &node.name), "ROLLBACK PREPARED").await?;
         }
         if self.state.read_through {
             c.batch_execute("SELECT remus.end_read_through()").await.map_err(sql(node))?;
@@ -1494,10 +1501,6 @@ async fn execute_while_in_use(
             Err(e) => return Err(sql(node)(e)),
         }
     }
-}
-
-fn tm_gid(id: u64, node: &str) -> String {
-    format!("remus_tm:{id}:{node}")
 }
 
 /// Runs `verb` (COMMIT PREPARED or ROLLBACK PREPARED) on a node's Tm transaction if it is still

@@ -25,9 +25,10 @@ use crate::process::{self, pid_alive};
 pub const DEFAULT_DIR: &str = ".remus/cluster";
 pub const DEFAULT_BASE_PORT: u16 = 6001;
 pub const DEFAULT_NODES: usize = 3;
-pub const ETCD_PORT_OFFSET: u16 = 100;
-pub const COORDINATOR_PORT_OFFSET: u16 = 102;
-pub const REPLAY_WORKER_PORT_OFFSET: u16 = 103;
+pub use remus_proto::names::ports::{
+    COORDINATOR_OFFSET as COORDINATOR_PORT_OFFSET, ETCD_CLIENT_OFFSET as ETCD_PORT_OFFSET,
+    REPLAY_WORKER_OFFSET as REPLAY_WORKER_PORT_OFFSET,
+};
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -63,12 +63,13 @@ impl NodeConnector {
     /// A libpq conninfo for `node`, optionally as a logical replication connection.
     pub fn conninfo(&self, node: &NodeRecord, replication: bool) -> String {
         let mut s = format!(
-            "host={} port={} user={} dbname={} connect_timeout={} application_name=remus_migration",
+            "host={} port={} user={} dbname={} connect_timeout={} application_name={}",
             quote_conninfo(&node.host),
             node.port,
             DB_USER,
             quote_conninfo(&self.database),
-            self.connect_timeout.as_secs().max(1)
+            self.connect_timeout.as_secs().max(1),
+            remus_proto::names::MIGRATION_APPLICATION_NAME
         );
         if let Some(p) = &self.password {
             s.push_str(&format!(" password={}", quote_conninfo(p)));

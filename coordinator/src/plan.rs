@@ -13,7 +13,8 @@ use crate::node_conn::NodeConnector;
 use crate::node_registry::{NodeRecord, NodeRegistry};
 
 /// Where the extension keeps the physical shard tables (`remus_shards.<table>_<shard_id>`).
-pub const SHARD_SCHEMA: &str = "remus_shards";
+pub use remus_proto::names::SHARD_SCHEMA;
+use remus_proto::names;
 
 /// One shard table to move: the physical table `schema.name` on the source, created with the
 /// same name on the target from the shell `shell`.
@@ -71,7 +72,7 @@ impl Refusal {
     pub fn into_status(self) -> tonic::Status {
         let mut status = tonic::Status::new(self.code, self.message);
         if let Ok(v) = self.sqlstate.parse() {
-            status.metadata_mut().insert("remus-sqlstate", v);
+            status.metadata_mut().insert(names::SQLSTATE_METADATA_KEY, v);
         }
         status
     }
@@ -187,7 +188,7 @@ pub async fn plan(
             shard_id,
             shell: r.get(4),
             schema: SHARD_SCHEMA.to_string(),
-            name: format!("{relname}_{shard_id}"),
+            name: names::shard_table_name(&relname, shard_id),
         });
     }
     let source = source.expect("at least the requested shards are members");
@@ -284,7 +285,7 @@ pub async fn plan_for_recovery(
             .map(|r| {
                 let shard_id: i64 = r.get(0);
                 let relname: String = r.get(1);
-                ShardTable { shard_id, shell: r.get(2), schema: SHARD_SCHEMA.to_string(), name: format!("{relname}_{shard_id}") }
+                ShardTable { shard_id, shell: r.get(2), schema: SHARD_SCHEMA.to_string(), name: names::shard_table_name(&relname, shard_id) }
             })
             .collect();
         return Ok(MigrationPlan {

@@ -17,6 +17,9 @@
 //! | apply origin | `remus_m<m>_w<k>` | replay worker apply session `k` | replay worker validation |
 //! | validation origin | `remus_m<m>_v<k>` | replay worker validation session `k` | — |
 //! | shadow-resolve origin | `remus_m<m>_recovery` | coordinator (shadow resolution) | — |
+//! | Tm transaction gid | `remus_tm:<m>:<node>` | coordinator (handover) | coordinator (commit, rollback, resume) |
+//! | sync point message | prefix `remus_sync`, body `<m>` | coordinator (catch-up, barrier) | — (only its LSN matters) |
+//! | capture trigger | `remus_capture` on each shard table | coordinator (target copy), extension (source) | — |
 //!
 //! Every origin of a migration starts with `remus_m<m>_`, which is how the coordinator drops
 //! them all ([`origin_like_pattern`]).
@@ -31,6 +34,14 @@ pub const MIGRATION_OBJECT_PREFIX: &str = "remus_m";
 pub const MESSAGE_PREFIX: &str = "remus";
 /// [`MESSAGE_PREFIX`] for C callers (`LogLogicalMessage`).
 pub const MESSAGE_PREFIX_C: &CStr = c"remus";
+
+/// Prefix of the transactional logical message the coordinator emits on the source to get a
+/// stream position that everything committed before it precedes (a sync point).
+pub const SYNC_POINT_MESSAGE_PREFIX: &str = "remus_sync";
+
+/// Name of the write-set capture trigger on every shard table (on the source and, created with
+/// the table by the copy, on the target).
+pub const CAPTURE_TRIGGER: &str = "remus_capture";
 
 /// gRPC metadata key under which the coordinator sends the SQLSTATE of a refusal.
 pub const SQLSTATE_METADATA_KEY: &str = "remus-sqlstate";
@@ -80,6 +91,13 @@ pub fn parse_shadow_gid(gid: &str) -> Option<(u64, u64)> {
         return None;
     }
     Some((m.parse().ok()?, xid.parse().ok()?))
+}
+
+// ---- Tm ----
+
+/// Gid of migration `migration_id`'s Tm transaction (the shard map change) on `node`.
+pub fn tm_gid(migration_id: u64, node: &str) -> String {
+    format!("remus_tm:{migration_id}:{node}")
 }
 
 // ---- slot, publication, replication origins ----
@@ -235,6 +253,9 @@ mod tests {
         assert_eq!(SHARD_SCHEMA_C.to_str(), Ok(SHARD_SCHEMA));
         assert_eq!(shard_table_name("accounts", 102008), "accounts_102008");
         assert_eq!(two_phase_gid("n1", 778u32, "n3"), "remus_n1_778_n3");
+        assert_eq!(tm_gid(12, "n2"), "remus_tm:12:n2");
+        // A Tm gid is not the 2PC gid of a node named "tm" (that one has `_` after the node).
+        assert!(!tm_gid(12, "n2").starts_with("remus_tm_"));
         assert_eq!(ports::ETCD_PEER_OFFSET, ports::ETCD_CLIENT_OFFSET + 1);
         assert_eq!(ports::MAX_OFFSET, 103);
     }

@@ -135,7 +135,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 Err(status) => {
                     let sqlstate = status
                         .metadata()
-                        .get("remus-sqlstate")
+                        .get(remus_proto::names::SQLSTATE_METADATA_KEY)
                         .and_then(|v| v.to_str().ok())
                         .unwrap_or("-")
                         .to_string();
