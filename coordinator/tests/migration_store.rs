@@ -1,81 +1,25 @@
-//! `MigrationStore` against a real etcd: each test starts its own `etcd` on free loopback ports
-//! with a temporary data directory, and kills it when done.
+//! `MigrationStore` against a real etcd: each test starts its own `etcd` (the throwaway etcd of
+//! `remus_test_support::etcd`: reserved loopback ports, a temporary data directory), killed when
+//! done.
 
-use std::fs::File;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use coordinator::migration::{
     MigrationError, MigrationId, MigrationRecord, MigrationStore, Mode, Phase, Status, Transition,
 };
-use coordinator::process::etcd_healthy;
-use tempfile::TempDir;
+use remus_test_support::etcd::Etcd;
 
 const CLUSTER: &str = "test";
 
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    // Dropped after the process is killed (field order), so etcd never sees its directory vanish.
-    _dir: TempDir,
+/// What these tests need of a throwaway etcd.
+trait EtcdExt {
+    async fn client(&self) -> etcd_client::Client;
+    async fn store(&self) -> MigrationStore;
 }
 
-impl Etcd {
-    fn start() -> Etcd {
-        let mut last_log = String::new();
-        // A port found free can be taken by someone else before etcd binds it: try a few times.
-        for _ in 0..3 {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let (client_port, peer_port) = free_ports();
-            let client = format!("http://127.0.0.1:{client_port}");
-            let peer = format!("http://127.0.0.1:{peer_port}");
-            let log_path = dir.path().join("etcd.log");
-            let log = File::create(&log_path).expect("etcd log");
-            let child = Command::new("etcd")
-                .arg("--name")
-                .arg("default")
-                .arg("--data-dir")
-                .arg(dir.path().join("data"))
-                .arg("--listen-client-urls")
-                .arg(&client)
-                .arg("--advertise-client-urls")
-                .arg(&client)
-                .arg("--listen-peer-urls")
-                .arg(&peer)
-                .arg("--initial-advertise-peer-urls")
-                .arg(&peer)
-                .arg("--initial-cluster")
-                .arg(format!("default={peer}"))
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().expect("log handle"))
-                .stderr(log)
-                .spawn()
-                .expect("etcd is installed and on PATH");
-            let mut etcd = Etcd {
-                child,
-                endpoint: client,
-                _dir: dir,
-            };
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                if etcd_healthy(client_port) {
-                    return etcd;
-                }
-                let exited = matches!(etcd.child.try_wait(), Ok(Some(_)));
-                if exited || Instant::now() > deadline {
-                    last_log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                    break; // `etcd` drops here: killed, directory removed.
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-        panic!("etcd did not become healthy; last log:\n{last_log}");
-    }
-
+impl EtcdExt for Etcd {
     async fn client(&self) -> etcd_client::Client {
-        etcd_client::Client::connect([self.endpoint.as_str()], None)
+        etcd_client::Client::connect([self.endpoint()], None)
             .await
             .expect("connect to etcd")
     }
@@ -83,23 +27,6 @@ impl Etcd {
     async fn store(&self) -> MigrationStore {
         MigrationStore::new(self.client().await, CLUSTER)
     }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Two distinct ports that were free a moment ago (both listeners held while choosing).
-fn free_ports() -> (u16, u16) {
-    let a = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let b = TcpListener::bind("127.0.0.1:0").expect("bind");
-    (
-        a.local_addr().expect("addr").port(),
-        b.local_addr().expect("addr").port(),
-    )
 }
 
 const REMUS_STEPS: [Phase; 7] = [
@@ -737,7 +664,7 @@ async fn grpc_list_migrations_mirrors_the_records() {
     let client = etcd.client().await;
     let service = CoordinatorService {
         cluster: CLUSTER.into(),
-        etcd_endpoint: etcd.endpoint.clone(),
+        etcd_endpoint: etcd.endpoint().to_string(),
         nodes: NodeRegistry::new(client.clone(), CLUSTER),
         migrations: MigrationStore::new(client.clone(), CLUSTER),
         etcd: client,

@@ -1,7 +1,7 @@
 //! Against real PostgreSQL 15 servers that each test starts itself (the throwaway servers of
-//! `wal_propagator/tests/support/pg.rs`: initdb as the `postgres` OS user, trust authentication,
-//! 127.0.0.1 only, ports 30001-30199), stopped with `pg_ctl stop -m immediate` when the test
-//! ends. Needs `/usr/lib/postgresql/15/bin`.
+//! `remus_test_support::pg`: initdb as the `postgres` OS user, trust authentication, 127.0.0.1
+//! only, reserved ports), stopped with `pg_ctl stop -m immediate` when the test ends. Needs
+//! `/usr/lib/postgresql/15/bin`.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -14,19 +14,19 @@ use remus_proto::v1::{
 use replay_worker::{ApplyConfig, ApplyError, ShadowApplier};
 use tokio_postgres::NoTls;
 
-#[path = "../../wal_propagator/tests/support/pg.rs"]
-mod pg;
-use pg::PgServer;
+use remus_test_support::pg::PgServer;
+use remus_test_support::ports::PortBlock;
 
-/// Ports 30001-30199 for this suite.
-fn free_port() -> u16 {
-    pg::free_port_in(30001..=30199)
+/// This suite's servers, and clients of them.
+trait Suite: Sized {
+    fn start() -> Self;
+    async fn client_db(&self, db: &str) -> tokio_postgres::Client;
+    async fn client(&self) -> tokio_postgres::Client;
 }
 
-impl PgServer {
+impl Suite for PgServer {
     fn start() -> PgServer {
         PgServer::start_with(
-            30001..=30199,
             "-c max_replication_slots=16 -c max_connections=40 -c track_commit_timestamp=on",
             "replay-pg-",
         )
@@ -544,7 +544,7 @@ async fn divergence_fails_loudly_and_commits_nothing_of_the_transaction() {
 // ---- (d) over gRPC ---------------------------------------------------------------------------
 
 async fn start_service() -> (String, tokio::sync::oneshot::Sender<()>) {
-    let port = free_port();
+    let port = PortBlock::reserve().keep_for_process();
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
         .await
         .unwrap();

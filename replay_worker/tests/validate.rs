@@ -1,6 +1,6 @@
 //! MOCC dual execution on the destination (`Validate` / `Resolve` and stream-committed shadows),
 //! against real PostgreSQL 15 servers that each test starts itself (the throwaway servers of
-//! `wal_propagator/tests/support/pg.rs`, ports 30200-30299 for this suite), with
+//! `remus_test_support::pg`), with
 //! `track_commit_timestamp` and prepared transactions enabled.
 
 use std::time::Duration;
@@ -17,11 +17,9 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::transport::Channel;
 use tonic::{Code, Streaming};
 
-#[path = "../../wal_propagator/tests/support/pg.rs"]
-mod pg;
-use pg::PgServer;
+use remus_test_support::pg::PgServer;
+use remus_test_support::ports::PortBlock;
 
-const PORTS: std::ops::RangeInclusive<u16> = 30200..=30299;
 /// The service's stream wait in these tests (production default 30 s).
 const STREAM_WAIT: Duration = Duration::from_secs(3);
 const START_LSN: u64 = 0x100_0000;
@@ -30,7 +28,6 @@ const T0_US: i64 = 757_382_400_000_000;
 
 fn start_pg() -> PgServer {
     PgServer::start_with(
-        PORTS,
         "-c max_replication_slots=40 -c max_connections=60 -c track_commit_timestamp=on \
          -c max_prepared_transactions=20",
         "validate-pg-",
@@ -129,7 +126,7 @@ fn gid(migration_id: u64, xid: u64) -> String {
 }
 
 async fn start_service() -> ReplayWorkerClient<Channel> {
-    let port = pg::free_port_in(PORTS);
+    let port = PortBlock::reserve().keep_for_process();
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()

@@ -1,8 +1,8 @@
 //! Running real pgbench against cluster nodes.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 
-use crate::TestCluster;
+use remus_test_support::cluster::TestCluster;
 
 /// The TPC-B tables of `pgbench -i -s <scale>`, distributed the way the routing issue asks:
 /// accounts by aid, branches by bid, tellers by tid, history by aid co-located with accounts
@@ -70,20 +70,4 @@ pub fn prepared_everywhere(c: &TestCluster) -> i64 {
         .iter()
         .map(|n| c.connect(n).unwrap().query_one("SELECT count(*) FROM pg_prepared_xacts", &[]).unwrap().get::<_, i64>(0))
         .sum()
-}
-
-impl TestCluster {
-    /// `pgbench <args>` with libpq pointed at `node` (password from the cluster's pgpass).
-    pub fn pgbench(&self, node: &str, args: &[&str]) -> Command {
-        let state = self.state().unwrap();
-        let n = state.node(node).unwrap();
-        let mut cmd = Command::new("pgbench");
-        cmd.args(args)
-            .env("PGHOST", &n.host)
-            .env("PGPORT", n.port.to_string())
-            .env("PGUSER", "postgres")
-            .env("PGDATABASE", "postgres")
-            .env("PGPASSFILE", &state.pgpass);
-        cmd
-    }
 }

@@ -4,11 +4,12 @@
 use std::net::TcpListener;
 
 use coordinator::process::pid_alive;
-use integration::{remusctl, stderr, stdout, TestCluster};
+use remus_test_support::cluster::{remusctl, stderr, stdout, TestCluster};
+use remus_test_support::ports::PortBlock;
 
 #[test]
 fn three_node_cluster_lifecycle() {
-    let c = TestCluster::start(3, 16001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let state = c.state().unwrap();
     let password = c.password().unwrap();
     assert!(password.len() >= 20, "generated password is too short");
@@ -95,7 +96,7 @@ fn three_node_cluster_lifecycle() {
     assert_eq!(stdout(&psql).trim(), "n2", "psql via env: {}", stderr(&psql));
 
     // A second `up` on a running cluster refuses and exits non-zero.
-    let again = c.ctl(&["cluster", "up", "--base-port", "16001"]);
+    let again = c.ctl(&["cluster", "up", "--base-port", &c.base_port.to_string()]);
     assert!(!again.status.success());
     assert!(stderr(&again).contains("already running"), "{}", stderr(&again));
 
@@ -115,7 +116,8 @@ fn three_node_cluster_lifecycle() {
         .output()
         .unwrap();
     assert!(stdout(&children).trim().is_empty(), "processes left behind: {}", stdout(&children));
-    for port in [16001u16, 16002, 16003, 16101, 16102, 16103, 16104] {
+    let p = c.base_port;
+    for port in [p, p + 1, p + 2, p + 100, p + 101, p + 102, p + 103] {
         assert!(TcpListener::bind(("127.0.0.1", port)).is_ok(), "port {port} still bound");
     }
     let st = c.ctl(&["cluster", "status"]);
@@ -124,11 +126,11 @@ fn three_node_cluster_lifecycle() {
 
 #[test]
 fn restart_keeps_catalog_and_password() {
-    let c = TestCluster::start(2, 17001).expect("cluster up");
+    let c = TestCluster::start(2).expect("cluster up");
     let pw = c.password().unwrap();
     let down = c.ctl(&["cluster", "down"]);
     assert!(down.status.success(), "{}", stderr(&down));
-    let up = c.ctl(&["cluster", "up", "--nodes", "2", "--base-port", "17001"]);
+    let up = c.ctl(&["cluster", "up", "--nodes", "2", "--base-port", &c.base_port.to_string()]);
     assert!(up.status.success(), "{}{}", stdout(&up), stderr(&up));
     assert_eq!(c.password().unwrap(), pw);
     let mut db = c.connect("n2").unwrap();
@@ -139,13 +141,15 @@ fn restart_keeps_catalog_and_password() {
 #[test]
 fn up_names_the_component_whose_port_is_taken() {
     let dir = tempfile::Builder::new().prefix("remus-it-").tempdir_in("/tmp").unwrap();
-    let _squatter = TcpListener::bind(("127.0.0.1", 18002)).unwrap();
-    let out = remusctl(&["cluster", "up", "--nodes", "3", "--base-port", "18001", "--dir", &dir.path().to_string_lossy()]);
+    let ports = PortBlock::reserve();
+    let _squatter = TcpListener::bind(("127.0.0.1", ports.port(1))).unwrap();
+    let base = ports.base().to_string();
+    let out = remusctl(&["cluster", "up", "--nodes", "3", "--base-port", &base, "--dir", &dir.path().to_string_lossy()]);
     assert!(!out.status.success());
     let err = stderr(&out);
-    assert!(err.contains("port 18002") && err.contains("n2"), "{err}");
+    assert!(err.contains(&format!("port {}", ports.port(1))) && err.contains("n2"), "{err}");
     // Nothing was started.
-    assert!(TcpListener::bind(("127.0.0.1", 18001)).is_ok());
+    assert!(TcpListener::bind(("127.0.0.1", ports.base())).is_ok());
 }
 
 #[test]

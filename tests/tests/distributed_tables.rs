@@ -1,15 +1,13 @@
 //! Distributed-table DDL on a real 3-node cluster: conversion of a filled table from any node,
 //! the shard map on every node, shard-key hashing, and bad input.
 
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
 
-fn sqlstate(e: &postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no sqlstate: {e:?}"))
-}
 
 #[test]
 fn distribute_a_filled_table_from_a_non_first_node() {
-    let c = TestCluster::start(3, 20001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n2 = c.connect("n2").unwrap();
     n2.batch_execute(
         "CREATE TABLE accounts (id bigint PRIMARY KEY, owner text NOT NULL, balance numeric DEFAULT 0,
@@ -145,7 +143,7 @@ fn distribute_a_filled_table_from_a_non_first_node() {
 
 #[test]
 fn bad_distribution_requests_are_refused_cleanly() {
-    let c = TestCluster::start(3, 20201).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute(
         "CREATE TABLE t (id int PRIMARY KEY, v text);

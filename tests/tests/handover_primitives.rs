@@ -7,11 +7,9 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
 
-fn sqlstate(e: &postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {e}"))
-}
 
 fn message(e: &postgres::Error) -> String {
     e.as_db_error().map(|d| d.message().to_string()).unwrap_or_else(|| e.to_string())
@@ -56,7 +54,7 @@ fn aborts(db: &mut postgres::Client, migration_id: i64) -> i64 {
 
 #[test]
 fn handover_primitives_on_a_real_cluster() {
-    let c = TestCluster::start(3, 31001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute(
         "CREATE TABLE hp (id int PRIMARY KEY, v int NOT NULL);

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
 
 struct Moved {
     migration_id: i64,
@@ -66,10 +66,10 @@ fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
 }
 
 
-fn run(mode: &str, base_port: u16) {
+fn run(mode: &str) {
     // Read by the coordinator that `cluster up` starts.
     std::env::set_var("REMUS_VERIFY_HANDOVER", "true");
-    let c = TestCluster::start(3, base_port).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 4);
     let before = owners(&c, "pgbench_accounts");
     assert!(before.len() >= 8, "{before:?}");
@@ -157,10 +157,10 @@ fn run(mode: &str, base_port: u16) {
 
 #[test]
 fn lock_abort_moves_and_consolidates_under_tpcb() {
-    run("lock_abort", 32001);
+    run("lock_abort");
 }
 
 #[test]
 fn wait_remaster_moves_and_consolidates_under_tpcb() {
-    run("wait_remaster", 32301);
+    run("wait_remaster");
 }

@@ -3,7 +3,8 @@
 //! copy (rolled back completely) or at its first step (a pre-existing table on the target is
 //! not touched), and the `remusctl migrate` CLI.
 
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
 
 fn shards_of(db: &mut postgres::Client, table: &str) -> Vec<(i64, String)> {
     db.query("SELECT shard_id, node_name FROM remus_shards WHERE table_name = $1 ORDER BY shard_id", &[&table])
@@ -13,14 +14,11 @@ fn shards_of(db: &mut postgres::Client, table: &str) -> Vec<(i64, String)> {
         .collect()
 }
 
-fn sqlstate(e: &postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {e}"))
-}
 
 
 #[test]
 fn failures_change_nothing_and_leave_nothing() {
-    let c = TestCluster::start(3, 32601).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute(
         "CREATE TABLE items (id int PRIMARY KEY, v text);
@@ -99,7 +97,7 @@ fn failures_change_nothing_and_leave_nothing() {
 
 #[test]
 fn remusctl_migrate_prints_phases_and_a_summary() {
-    let c = TestCluster::start(3, 28601).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute(
         "CREATE TABLE kv (k int PRIMARY KEY, v int NOT NULL);
@@ -109,8 +107,8 @@ fn remusctl_migrate_prints_phases_and_a_summary() {
     .unwrap();
     let (sid, _) = shards_of(&mut n1, "kv").into_iter().find(|(_, o)| o == "n2").unwrap();
     let out = c.ctl(&["migrate", "--shard", &sid.to_string(), "--to", "n3", "--mode", "wait_remaster"]);
-    let text = integration::stdout(&out);
-    assert!(out.status.success(), "{text}{}", integration::stderr(&out));
+    let text = remus_test_support::cluster::stdout(&out);
+    assert!(out.status.success(), "{text}{}", remus_test_support::cluster::stderr(&out));
     for phase in ["copy", "catchup", "handover", "cleanup", "done"] {
         assert!(text.contains(&format!("phase {phase} ")), "no line for phase {phase}:\n{text}");
     }
@@ -122,7 +120,7 @@ fn remusctl_migrate_prints_phases_and_a_summary() {
     // Refusals come back with their SQLSTATE and a non-zero exit.
     let out = c.ctl(&["migrate", "--shard", &sid.to_string(), "--to", "n3", "--mode", "lock_abort"]);
     assert!(!out.status.success());
-    assert!(integration::stderr(&out).contains("SQLSTATE 22023"), "{}", integration::stderr(&out));
-    let listed = integration::stdout(&c.ctl(&["migrations"]));
+    assert!(remus_test_support::cluster::stderr(&out).contains("SQLSTATE 22023"), "{}", remus_test_support::cluster::stderr(&out));
+    let listed = remus_test_support::cluster::stdout(&c.ctl(&["migrations"]));
     assert!(listed.contains("wait_remaster") && listed.contains("succeeded"), "{listed}");
 }

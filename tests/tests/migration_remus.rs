@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use coordinator::failpoint::{COPY_SNAPSHOT_EXPORTED, DUAL_STARTED, HANDOVER_DECIDED};
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
 
 struct Moved {
     migration_id: i64,
@@ -92,7 +92,7 @@ fn balance_mismatches(c: &TestCluster, table: &str, key: &str, balance: &str) ->
 
 #[test]
 fn remus_moves_and_consolidates_under_tpcb_without_failures() {
-    let c = TestCluster::start(3, 27001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 4);
     let before = owners(&c, "pgbench_accounts");
     assert!(before.len() >= 8, "{before:?}");
@@ -245,8 +245,8 @@ fn start_migration(c: &TestCluster, shard: i64) -> MigrationCall {
 /// A 3-node TPC-B cluster (scale 1) moving one of n1's account shards to n2, held at its sync
 /// barrier by an open write lock: the cluster, the shard, its source, the migration call and
 /// the holder (commit it to let the migration go on).
-fn held_at_barrier(base_port: u16) -> (TestCluster, i64, String, MigrationCall, postgres::Client) {
-    let c = TestCluster::start(3, base_port).expect("cluster up");
+fn held_at_barrier() -> (TestCluster, i64, String, MigrationCall, postgres::Client) {
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let holder = hold_barrier(&c, &source, shard);
@@ -260,7 +260,7 @@ const SPANNING_OPEN: Duration = Duration::from_secs(20);
 
 #[test]
 fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
-    let c = TestCluster::start(3, 27301).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let target = "n2";
@@ -364,7 +364,7 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
 #[test]
 fn write_write_conflict_across_the_handover_aborts_exactly_one() {
     // Held at the barrier while the test sets the scene.
-    let (c, shard, source, mover, mut holder) = held_at_barrier(27601);
+    let (c, shard, source, mover, mut holder) = held_at_barrier();
     let aid = an_account_of(&c, shard, 0);
     let stamped_aid = an_account_of(&c, shard, 1);
     let pin_aid = an_account_of(&c, shard, 2);
@@ -427,7 +427,7 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
 
 #[test]
 fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
-    let (c, shard, source, mover, mut holder) = held_at_barrier(27901);
+    let (c, shard, source, mover, mut holder) = held_at_barrier();
     let aid = an_account_of(&c, shard, 0);
     // A transaction open across Tm (so it commits in sync mode, after the flip), committed on
     // the source; the very next read, on the destination, sees it. A read-only transaction on
@@ -542,7 +542,7 @@ fn prepared_update(c: &TestCluster, aid: i32, delta: i32, gid: &str) -> (postgre
 ///   including a transaction validated (prepared) on the destination before the failure.
 #[test]
 fn a_stream_or_destination_failure_during_dual_execution() {
-    let c = TestCluster::start(3, 30001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let n1_shards: Vec<i64> =
         owners(&c, "pgbench_accounts").into_iter().filter(|(_, o)| o == "n1").map(|(s, _)| s).collect();
@@ -688,7 +688,7 @@ fn a_stream_or_destination_failure_during_dual_execution() {
 ///   stalled (its walsender stopped) to show the shadow does not wait for it.
 #[test]
 fn procedure_commits_and_2pc_participants_in_dual_execution() {
-    let c = TestCluster::start(3, 30201).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let (committed_aid, rolled_back_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
@@ -761,7 +761,7 @@ fn procedure_commits_and_2pc_participants_in_dual_execution() {
 /// transaction that committed while the target was down is committed by that fate.
 #[test]
 fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
-    let c = TestCluster::start(3, 30401).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let (prepared_aid, committed_aid, failing_aid) =
@@ -818,7 +818,7 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
 /// What the source's transactions wrote is all there, the destination has nothing left.
 #[test]
 fn a_destination_down_before_tm_rolls_back_and_the_source_keeps_serving() {
-    let c = TestCluster::start(3, 30601).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let (validated_aid, open_aid, later_aid) =
@@ -905,7 +905,7 @@ fn wait_lock_waiter(c: &TestCluster, node: &str, query_part: &str) {
 /// destination ends up with both changes.
 #[test]
 fn a_newer_writer_of_a_hot_row_waits_for_the_older_one_across_tm() {
-    let (c, shard, source, mover, mut holder) = held_at_barrier(30801);
+    let (c, shard, source, mover, mut holder) = held_at_barrier();
     let aid = an_account_of(&c, shard, 0);
     let mut older = c.connect(&source).unwrap();
     older.batch_execute("BEGIN").unwrap();
@@ -937,7 +937,7 @@ fn a_newer_writer_of_a_hot_row_waits_for_the_older_one_across_tm() {
 /// new writer on the source, then runs on the destination.
 #[test]
 fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
-    let c = TestCluster::start(3, 31201).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let aid = an_account_of(&c, shard, 0);
@@ -1033,7 +1033,7 @@ fn commit_across_coordinator_death(writer: &mut postgres::Client) -> bool {
 /// nothing is left on the target, and the shard can be moved again.
 #[test]
 fn a_coordinator_killed_before_tm_is_rolled_back_by_its_successor() {
-    let c = TestCluster::start(3, 24001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let (aid, validated_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
@@ -1098,7 +1098,7 @@ fn a_coordinator_killed_before_tm_is_rolled_back_by_its_successor() {
 /// fate and drops the source copy; every committed write is on the target.
 #[test]
 fn a_coordinator_killed_after_the_tm_decision_is_completed_by_its_successor() {
-    let c = TestCluster::start(3, 24301).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
     let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
     let (aid, validated_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));

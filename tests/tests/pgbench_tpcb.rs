@@ -4,11 +4,11 @@
 use std::time::{Duration, Instant};
 
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere, start_tpcb};
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
 
 #[test]
 fn tpcb_through_every_node_keeps_the_balances() {
-    let c = TestCluster::start(3, 21001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 10);
     let runs: Vec<_> = c.node_names().iter().map(|n| start_tpcb(&c, n, 8, 60)).collect();
     let mut processed = 0;
@@ -30,7 +30,7 @@ fn tpcb_through_every_node_keeps_the_balances() {
 
 #[test]
 fn a_killed_node_loses_nothing_and_in_doubt_work_resolves() {
-    let c = TestCluster::start(3, 22001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 2);
     let state = c.state().unwrap();
     let runs: Vec<_> = c.node_names().iter().map(|n| start_tpcb(&c, n, 8, 25)).collect();

@@ -1,11 +1,9 @@
 //! Reference tables (a full copy on every node, writes to all copies atomically) and node
 //! removal.
 
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
 
-fn sqlstate(e: &postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no sqlstate: {e:?}"))
-}
 
 fn copies(c: &TestCluster, shard_id: i64) -> Vec<String> {
     c.node_names()
@@ -24,7 +22,7 @@ fn copies(c: &TestCluster, shard_id: i64) -> Vec<String> {
 
 #[test]
 fn reference_tables_stay_identical_on_every_node() {
-    let c = TestCluster::start(3, 26001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n3 = c.connect("n3").unwrap();
     n3.batch_execute(
         "CREATE TABLE cur (code text PRIMARY KEY, rate numeric NOT NULL);
@@ -81,7 +79,7 @@ fn reference_tables_stay_identical_on_every_node() {
 
 #[test]
 fn removing_a_node() {
-    let c = TestCluster::start(3, 26201).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY); SELECT remus_create_distributed_table('t', 'id', 3);").unwrap();
     // n3 owns a shard: refused, nothing changes.
@@ -91,9 +89,10 @@ fn removing_a_node() {
     let e = n1.batch_execute("SELECT remus_remove_node('n9')").unwrap_err();
     assert_eq!(sqlstate(&e), "42704");
     // A node that owns nothing leaves every node's membership.
-    n1.batch_execute("SELECT remus_add_node('n4', '127.0.0.1', 26204)").unwrap();
+    let add_n4 = format!("SELECT remus_add_node('n4', '127.0.0.1', {})", c.base_port + 3);
+    n1.batch_execute(&add_n4).unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    n2.batch_execute("SELECT remus_add_node('n4', '127.0.0.1', 26204)").unwrap();
+    n2.batch_execute(&add_n4).unwrap();
     n2.batch_execute("SELECT remus_remove_node('n4')").unwrap();
     for name in c.node_names() {
         let mut db = c.connect(&name).unwrap();

@@ -4,11 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
 
-fn sqlstate(e: &postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no sqlstate: {e:?}"))
-}
 
 /// What the table should hold: k -> (v, n).
 type Model = BTreeMap<i64, (String, i32)>;
@@ -38,7 +36,7 @@ fn check_everywhere(c: &TestCluster, model: &Model) {
 
 #[test]
 fn every_form_through_every_node() {
-    let c = TestCluster::start(3, 23001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute(
         "CREATE TABLE kv (k bigint PRIMARY KEY, v text NOT NULL, n int NOT NULL DEFAULT 0);

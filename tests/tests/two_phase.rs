@@ -3,11 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
 
-fn sqlstate(e: &postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no sqlstate: {e:?}"))
-}
 
 fn count(db: &mut postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).unwrap().get(0)
@@ -34,7 +32,7 @@ fn cancel_once_under_way(c: &TestCluster, sql: &str, under_way: &str, never: &st
 
 #[test]
 fn cross_node_transactions_are_atomic() {
-    let c = TestCluster::start(3, 19001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     for db in [&mut n1, &mut n2] {
@@ -115,7 +113,7 @@ fn cross_node_transactions_are_atomic() {
 
 #[test]
 fn in_doubt_transactions_follow_the_recorded_decision() {
-    let c = TestCluster::start(2, 19301).expect("cluster up");
+    let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)").unwrap();
@@ -152,7 +150,7 @@ fn in_doubt_transactions_follow_the_recorded_decision() {
 /// A client that disappears mid-transaction does not leave its remote work holding locks.
 #[test]
 fn a_vanished_client_releases_remote_locks() {
-    let c = TestCluster::start(3, 19501).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute("CREATE TABLE k (id int PRIMARY KEY, v int); SELECT remus_create_distributed_table('k', 'id', 3); INSERT INTO k VALUES (1, 0), (2, 0), (3, 0);").unwrap();
     // A key owned by another node than n1.
@@ -177,7 +175,7 @@ fn a_vanished_client_releases_remote_locks() {
 /// Savepoints and PL/pgSQL exception blocks roll back remote work too.
 #[test]
 fn subtransactions_reach_the_participants() {
-    let c = TestCluster::start(3, 19701).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute("CREATE TABLE s (id int PRIMARY KEY, v int); SELECT remus_create_distributed_table('s', 'id', 3);").unwrap();
     n1.batch_execute("INSERT INTO s VALUES (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0)").unwrap();
@@ -227,7 +225,7 @@ fn subtransactions_reach_the_participants() {
 /// transaction's decision: after it comes back, the transaction commits.
 #[test]
 fn decisions_survive_an_unreachable_participant() {
-    let c = TestCluster::start(2, 19901).expect("cluster up");
+    let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)").unwrap();
@@ -257,7 +255,7 @@ fn decisions_survive_an_unreachable_participant() {
 /// hold its row locks until recovery's grace period (5 s) and stall every writer of those rows.
 #[test]
 fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
-    let c = TestCluster::start(2, 18401).expect("cluster up");
+    let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();
@@ -300,7 +298,7 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
 /// transaction whose write was committed on the participant.
 #[test]
 fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
-    let c = TestCluster::start(2, 18451).expect("cluster up");
+    let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();

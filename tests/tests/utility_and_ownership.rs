@@ -1,15 +1,13 @@
 //! COPY and TRUNCATE on distributed tables, the DDL guards, and ownership enforcement on the
 //! data node (SQLSTATE RM001).
 
-use integration::TestCluster;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
 
-fn sqlstate(e: &postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no sqlstate: {e:?}"))
-}
 
 #[test]
 fn copy_truncate_guards_and_ownership() {
-    let c = TestCluster::start(3, 25001).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n2 = c.connect("n2").unwrap();
     n2.batch_execute(
         "CREATE TABLE c (id int PRIMARY KEY, v text, g int GENERATED ALWAYS AS (id * 2) STORED, d text DEFAULT 'dflt');
@@ -101,7 +99,7 @@ fn copy_truncate_guards_and_ownership() {
 /// read-through is on (what a migration's ownership flip relies on).
 #[test]
 fn shard_map_cache_follows_generation_and_read_through() {
-    let c = TestCluster::start(3, 25201).expect("cluster up");
+    let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY, v text); SELECT remus_create_distributed_table('t', 'id', 3); INSERT INTO t VALUES (1, 'x');").unwrap();
     let (shard, owner): (i64, String) = {

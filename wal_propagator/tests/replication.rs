@@ -1,5 +1,5 @@
-//! Against real PostgreSQL 15 servers that each test starts itself (see `support/pg.rs`; ports
-//! 27001-27999), stopped with `pg_ctl stop -m immediate` when the test ends.
+//! Against real PostgreSQL 15 servers that each test starts itself (`remus_test_support::pg`),
+//! stopped with `pg_ctl stop -m immediate` when the test ends.
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -13,28 +13,19 @@ use wal_propagator::{
     ReplicationMessage, TableCopyError, TxnAssembler,
 };
 
-#[path = "support/pg.rs"]
-mod pg;
-use pg::PgServer;
+use remus_test_support::pg::PgServer;
+use remus_test_support::ports::PortBlock;
 
-/// Ports 27001-27999 for this suite.
-fn free_port() -> u16 {
-    pg::free_port_in(27001..=27999)
-}
-
-impl PgServer {
-    fn start() -> PgServer {
-        PgServer::start_with(
-            27001..=27999,
-            "-c max_replication_slots=8 -c max_connections=30",
-            "walprop-pg-",
-        )
-    }
+fn start_pg() -> PgServer {
+    PgServer::start_with(
+        "-c max_replication_slots=8 -c max_connections=30",
+        "walprop-pg-",
+    )
 }
 
 fn start_two() -> (PgServer, PgServer) {
-    let other = thread::spawn(PgServer::start);
-    let first = PgServer::start();
+    let other = thread::spawn(start_pg);
+    let first = start_pg();
     (first, other.join().expect("server start"))
 }
 
@@ -279,7 +270,7 @@ fn snapshot_copy_then_stream_exactly_the_later_transactions() {
 
 #[test]
 fn copy_errors_are_typed_and_name_the_table() {
-    let pg = PgServer::start();
+    let pg = start_pg();
     pg.psql(
         "CREATE TABLE t(id int PRIMARY KEY, v text);
          INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 100) g;
@@ -421,15 +412,16 @@ impl Drop for OpenTransaction {
 
 #[test]
 fn waits_time_out_and_can_be_cancelled() {
-    let pg = PgServer::start();
+    let pg = start_pg();
     pg.psql(&format!(
         "CREATE TABLE t(id int PRIMARY KEY); CREATE PUBLICATION {PUBLICATION} FOR TABLE t;"
     ));
 
     // Nothing listens on this port: a typed connect error, not a hang.
-    let closed = free_port();
+    let closed = PortBlock::reserve();
     match ReplicationConnection::connect(&format!(
-        "host=127.0.0.1 port={closed} user=postgres dbname=postgres"
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        closed.base()
     )) {
         Err(ReplicationError::Pg(PgError::Connect { .. })) => {}
         Err(other) => panic!("unexpected error {other:?}"),

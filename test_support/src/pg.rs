@@ -1,18 +1,13 @@
 //! Throwaway PostgreSQL 15 servers for tests: initdb into a temporary directory (as the
 //! `postgres` OS user when running as root, since initdb and pg_ctl refuse root), trust
 //! authentication, listening on 127.0.0.1 only, stopped with `pg_ctl stop -m immediate` on drop.
-//!
-//! Shared by the test suites of `wal_propagator` and `replay_worker` (included with `#[path]`),
-//! each with its own port range so that suites running at the same time do not collide.
-
-#![allow(dead_code)]
+//! The port comes from a [`PortBlock`] that the server holds until it is stopped.
 
 use std::io::Write;
-use std::net::TcpListener;
-use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU16, Ordering};
+
+use crate::ports::PortBlock;
 
 pub const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 
@@ -42,30 +37,18 @@ pub fn run(mut cmd: Command, what: &str) {
     );
 }
 
-/// Hands out ports of `range` that are free right now, never the same one twice per process.
-pub fn free_port_in(range: RangeInclusive<u16>) -> u16 {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let len = range.end() - range.start() + 1;
-    let offset = (std::process::id() % u32::from(len)) as u16;
-    for _ in 0..len {
-        let k = NEXT.fetch_add(1, Ordering::SeqCst) % len;
-        let port = range.start() + (offset + k) % len;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in {range:?}");
-}
-
 pub struct PgServer {
     pub dir: tempfile::TempDir,
     pub port: u16,
+    // Released after the server is stopped (`Drop` runs before the fields are dropped).
+    _ports: PortBlock,
 }
 
 impl PgServer {
-    /// initdb and start a server on a free port of `ports`, with `wal_level=logical` plus
-    /// `settings` (`-c name=value ...`).
-    pub fn start_with(ports: RangeInclusive<u16>, settings: &str, prefix: &str) -> PgServer {
+    /// initdb and start a server on the first port of a reserved [`PortBlock`], with
+    /// `wal_level=logical` plus `settings` (`-c name=value ...`); its directory under /tmp
+    /// starts with `prefix`.
+    pub fn start_with(settings: &str, prefix: &str) -> PgServer {
         let dir = tempfile::Builder::new()
             .prefix(prefix)
             .tempdir_in("/tmp")
@@ -90,7 +73,8 @@ impl PgServer {
         run(initdb, "initdb");
         let mut last_err = String::new();
         for _ in 0..5 {
-            let port = free_port_in(ports.clone());
+            let ports = PortBlock::reserve();
+            let port = ports.base();
             let opts = format!(
                 "-p {port} -c wal_level=logical -c listen_addresses=127.0.0.1 \
                  -c unix_socket_directories={} -c fsync=off -c max_wal_senders=8 \
@@ -106,7 +90,11 @@ impl PgServer {
                 .output()
                 .expect("pg_ctl start");
             if out.status.success() {
-                return PgServer { dir, port };
+                return PgServer {
+                    dir,
+                    port,
+                    _ports: ports,
+                };
             }
             last_err = format!(
                 "{}{}",

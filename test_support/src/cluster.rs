@@ -1,0 +1,301 @@
+//! Harness for integration tests: a real cluster started with the real `remusctl`, always torn
+//! down again (also when a test panics), plus helpers to talk to its nodes.
+//!
+//! Tests use the release binaries that `scripts/setup.sh` builds (override with REMUS_BIN_DIR)
+//! and the pg_remus extension installed into the system PostgreSQL 15.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use anyhow::{bail, Context, Result};
+pub use coordinator::local_cluster::ClusterState;
+use remus_proto::names::ports::{ETCD_CLIENT_OFFSET, MAX_OFFSET};
+
+use crate::ports::{PortBlock, NODE_PORTS, SERVICE_OFFSET, SERVICE_PORTS};
+
+// A cluster on base port P uses P..P+N-1 for its nodes and P+100..P+103 for etcd (client and
+// peer), the coordinator and the replay worker (`remus_proto::names::ports`): all inside one
+// `PortBlock`.
+const _: () =
+    assert!(ETCD_CLIENT_OFFSET >= SERVICE_OFFSET && MAX_OFFSET < SERVICE_OFFSET + SERVICE_PORTS);
+
+/// Where the release binaries are: `REMUS_BIN_DIR`, or the workspace's `target/release`.
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("REMUS_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release"))
+}
+
+pub fn remusctl(args: &[&str]) -> Output {
+    let bin = bin_dir().join("remusctl");
+    Command::new(&bin)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()))
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A running cluster in a private directory; `Drop` runs `remusctl cluster down`.
+pub struct TestCluster {
+    pub dir: tempfile::TempDir,
+    pub base_port: u16,
+    pub nodes: usize,
+    // Released after `cluster down` (`Drop` runs before the fields are dropped).
+    _ports: PortBlock,
+}
+
+impl TestCluster {
+    /// A cluster of `nodes` nodes on the ports of a freshly reserved [`PortBlock`] (at most
+    /// `NODE_PORTS` nodes), all below Linux's ephemeral range (see [`crate::ports`]).
+    pub fn start(nodes: usize) -> Result<Self> {
+        if nodes > usize::from(NODE_PORTS) {
+            bail!("a test cluster has at most {NODE_PORTS} nodes, not {nodes}");
+        }
+        let ports = PortBlock::reserve();
+        let base_port = ports.base();
+        // Under /tmp (world-searchable) so the postgres OS user can reach the data directories.
+        // REMUS_TEST_KEEP=1 keeps the cluster's directory (server and daemon logs) after the test.
+        let keep = std::env::var_os("REMUS_TEST_KEEP").is_some();
+        let dir = tempfile::Builder::new()
+            .prefix("remus-it-")
+            .disable_cleanup(keep)
+            .tempdir_in("/tmp")?;
+        let c = TestCluster {
+            dir,
+            base_port,
+            nodes,
+            _ports: ports,
+        };
+        let out = c.ctl(&[
+            "cluster",
+            "up",
+            "--nodes",
+            &nodes.to_string(),
+            "--base-port",
+            &base_port.to_string(),
+        ]);
+        if !out.status.success() {
+            bail!("cluster up failed: {}{}", stdout(&out), stderr(&out));
+        }
+        Ok(c)
+    }
+
+    pub fn dir_str(&self) -> String {
+        self.dir.path().to_string_lossy().into_owned()
+    }
+
+    /// Runs `remusctl <args> --dir <this cluster>`.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        let dir = self.dir_str();
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend(["--dir", &dir]);
+        remusctl(&all)
+    }
+
+    pub fn state(&self) -> Result<ClusterState> {
+        ClusterState::load(self.dir.path())
+    }
+
+    pub fn password(&self) -> Result<String> {
+        self.state()?.password()
+    }
+
+    /// A connection to node `name` over TCP with the generated password.
+    pub fn connect(&self, name: &str) -> Result<postgres::Client> {
+        let state = self.state()?;
+        let node = state.node(name)?;
+        postgres::Client::connect(&node.conninfo(&state.password()?), postgres::NoTls)
+            .with_context(|| format!("connecting to {name}"))
+    }
+
+    /// Starts node `name` again the way `cluster up` does (after a crash or a stop).
+    pub fn start_node(&self, name: &str) -> Result<()> {
+        let state = self.state()?;
+        let n = state.node(name)?;
+        let out = Command::new("runuser")
+            .args([
+                "-u",
+                "postgres",
+                "--",
+                "env",
+                &format!("PGPASSFILE={}", state.pgpass.display()),
+                "RUST_BACKTRACE=0",
+            ])
+            .arg(coordinator::local_cluster::pg_bindir().join("pg_ctl"))
+            .args([
+                "-D",
+                &n.data_dir.to_string_lossy(),
+                "-l",
+                &n.log.to_string_lossy(),
+                "-w",
+                "-t",
+                "120",
+                "start",
+            ])
+            .output()?;
+        if !out.status.success() {
+            bail!("starting {name}: {}", stderr(&out));
+        }
+        Ok(())
+    }
+
+    /// Stops node `name` cleanly (prepared transactions survive, as after a crash).
+    pub fn stop_node(&self, name: &str) -> Result<()> {
+        let state = self.state()?;
+        let n = state.node(name)?;
+        let out = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(coordinator::local_cluster::pg_bindir().join("pg_ctl"))
+            .args([
+                "-D",
+                &n.data_dir.to_string_lossy(),
+                "-m",
+                "fast",
+                "-w",
+                "stop",
+            ])
+            .output()?;
+        if !out.status.success() {
+            bail!("stopping {name}: {}", stderr(&out));
+        }
+        Ok(())
+    }
+
+    /// Kills the coordinator with SIGKILL (a crash: nothing of it is cleaned up) and waits
+    /// until it is gone.
+    pub fn kill_coordinator(&self) -> Result<()> {
+        let state = self.state()?;
+        let Some(pid) = state.coordinator.live_pid() else {
+            bail!("the coordinator is not running")
+        };
+        // SAFETY: plain syscall on the PID the cluster recorded for its coordinator.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let started = std::time::Instant::now();
+        while state.coordinator.live_pid().is_some() {
+            if started.elapsed() > std::time::Duration::from_secs(30) {
+                bail!("the coordinator (pid {pid}) survived SIGKILL");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// `remusctl cluster start-coordinator`: the coordinator again, the rest as it is.
+    pub fn start_coordinator_again(&self) -> Result<()> {
+        let out = self.ctl(&["cluster", "start-coordinator"]);
+        if !out.status.success() {
+            bail!("start-coordinator failed: {}{}", stdout(&out), stderr(&out));
+        }
+        Ok(())
+    }
+
+    /// Arms the coordinator's failpoint `name` (`coordinator::failpoint`) with `pause`: the
+    /// next migration to get there stops until [`release_failpoint`](Self::release_failpoint).
+    pub fn arm_pause(&self, name: &str) -> Result<()> {
+        let dir = self.state()?.failpoint_dir();
+        std::fs::create_dir_all(&dir)?;
+        // A marker left by a coordinator killed while paused would read as reached.
+        let _ = std::fs::remove_file(dir.join(format!("{name}.reached")));
+        std::fs::write(dir.join(name), "pause")?;
+        Ok(())
+    }
+
+    /// Waits until a migration is paused at failpoint `name`; returns its migration id.
+    pub fn wait_paused_at(&self, name: &str, limit: std::time::Duration) -> Result<i64> {
+        let marker = self
+            .state()?
+            .failpoint_dir()
+            .join(format!("{name}.reached"));
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(id) = std::fs::read_to_string(&marker) {
+                if let Ok(id) = id.trim().parse() {
+                    return Ok(id);
+                }
+            }
+            if started.elapsed() > limit {
+                bail!(
+                    "no migration reached failpoint {name} within {limit:?}\n{}",
+                    self.daemon_logs(30)
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Lets a migration paused at failpoint `name` go on.
+    pub fn release_failpoint(&self, name: &str) -> Result<()> {
+        let path = self.state()?.failpoint_dir().join(name);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// The last `lines` lines of the coordinator's and the replay worker's logs (for failure
+    /// messages: the cluster directory is removed when the test ends).
+    pub fn daemon_logs(&self, lines: usize) -> String {
+        let Ok(state) = self.state() else {
+            return String::new();
+        };
+        format!(
+            "--- coordinator log ---\n{}\n--- replay worker log ---\n{}",
+            coordinator::process::log_tail(&state.coordinator.log, lines),
+            coordinator::process::log_tail(&state.replay_worker.log, lines)
+        )
+    }
+
+    /// `pgbench <args>` with libpq pointed at `node` (password from the cluster's pgpass).
+    pub fn pgbench(&self, node: &str, args: &[&str]) -> Command {
+        let state = self.state().unwrap();
+        let n = state.node(node).unwrap();
+        let mut cmd = Command::new("pgbench");
+        cmd.args(args)
+            .env("PGHOST", &n.host)
+            .env("PGPORT", n.port.to_string())
+            .env("PGUSER", "postgres")
+            .env("PGDATABASE", "postgres")
+            .env("PGPASSFILE", &state.pgpass);
+        cmd
+    }
+
+    pub fn node_names(&self) -> Vec<String> {
+        (1..=self.nodes).map(|i| format!("n{i}")).collect()
+    }
+
+    /// What a migration may leave behind on the nodes, as "node: kind name" lines: replication
+    /// slots, publications, replication origins and prepared transactions.
+    pub fn migration_artifacts(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        for n in self.node_names() {
+            let mut db = self.connect(&n).unwrap();
+            for (what, q) in [
+                ("slot", "SELECT slot_name::text FROM pg_replication_slots"),
+                ("publication", "SELECT pubname::text FROM pg_publication"),
+                ("origin", "SELECT roname FROM pg_replication_origin"),
+                ("prepared", "SELECT gid FROM pg_prepared_xacts"),
+            ] {
+                for r in db.query(q, &[]).unwrap() {
+                    found.push(format!("{n}: {what} {}", r.get::<_, String>(0)));
+                }
+            }
+        }
+        found
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        let out = self.ctl(&["cluster", "down"]);
+        if !out.status.success() {
+            eprintln!("cluster down failed: {}", stderr(&out));
+        }
+    }
+}
