@@ -1,0 +1,101 @@
+//! Remus: the sync barrier, between catch-up and dual execution. Writers whose write sets are
+//! incomplete are waited for, the source switches to sync mode (`remus.sync_barrier`, the
+//! extension's half of the barrier), 2PC participants prepared before it are waited for, and the
+//! target applies the stream up to there. The lock waits here serve cleanup and resume too.
+
+use std::time::{Duration, Instant};
+
+use tracing::info;
+use wal_propagator::Lsn;
+
+use super::{sql, DriverError, Run};
+
+impl Run {
+    /// The sync barrier: wait for the writers whose write sets are incomplete, switch the
+    /// source to sync mode (TS_unsync drains inside `remus.sync_barrier`), wait for the 2PC
+    /// participants prepared in async mode, then until the target applied everything up to
+    /// there. From then on every source commit on the shards is validated on the target.
+    pub(super) async fn sync_barrier(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let started = Instant::now();
+        let writers = self.state.pre_capture_writers.clone();
+        self.wait_for_lockers(&writers, "transactions that were writing the shards when the migration started").await?;
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let lsn_unsync: i64 = source
+            .query_one(&format!("SELECT remus.sync_barrier({id})"), &[])
+            .await
+            .map_err(sql(&self.plan.source))?
+            .get(0);
+        // Prepared transactions (2PC participants) hold their shard locks without a backend;
+        // those prepared before sync mode committed unvalidated, and must be applied before
+        // the handover. Newer ones are validated already; waiting for them too is harmless.
+        let prepared = self.prepared_shard_lockers().await?;
+        self.wait_for_lockers(&prepared, "transactions prepared before the sync barrier").await?;
+        let lsn = self.sync_point().await?;
+        self.wait_applied(lsn).await?;
+        info!(
+            migration_id = id,
+            phase = "barrier",
+            lsn_unsync = %Lsn(lsn_unsync as u64),
+            ms = started.elapsed().as_millis() as u64,
+            "sync barrier set; dual execution on"
+        );
+        Ok(())
+    }
+
+    /// Prepared transactions (2PC participants: no backend) holding locks on the source's shard
+    /// tables, as virtual xids.
+    pub(super) async fn prepared_shard_lockers(&self) -> Result<Vec<String>, DriverError> {
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let rows = source
+            .query(
+                &format!(
+                    "SELECT DISTINCT virtualtransaction FROM pg_locks
+                      WHERE relation = ANY({}) AND pid IS NULL",
+                    self.regclass_array()
+                ),
+                &[],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    /// Waits until none of `vxids` holds a lock on the shard tables on the source any more.
+    pub(super) async fn wait_for_lockers(&self, vxids: &[String], what: &str) -> Result<(), DriverError> {
+        if vxids.is_empty() {
+            return Ok(());
+        }
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let query = format!(
+            "SELECT count(DISTINCT virtualtransaction), min(pid) FROM pg_locks
+              WHERE relation = ANY({}) AND virtualtransaction = ANY($1)",
+            self.regclass_array()
+        );
+        let mut reported = false;
+        loop {
+            let row = source.query_one(&query, &[&vxids]).await.map_err(sql(&self.plan.source))?;
+            let n: i64 = row.get(0);
+            if n == 0 {
+                break;
+            }
+            if !reported {
+                let pid: Option<i32> = row.get(1);
+                let who = pid.map(|p| format!("pid {p}")).unwrap_or_else(|| "a prepared transaction".into());
+                self.reporter
+                    .waiting_on(Some(format!("{n} {what} on {} (e.g. {who})", self.plan.source.name)))
+                    .await;
+                info!(migration_id = self.id(), phase = "barrier", n, what, "waiting for transactions");
+                reported = true;
+            }
+            if let Some(p) = &self.state.propagator {
+                p.check()?;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if reported {
+            self.reporter.waiting_on(None).await;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,179 @@
+//! The cleanup phase, after the Tm decision: the drain (transactions older than Tm, Remus's
+//! prepared participants), the stream stopped and the slot dropped, leftover shadows resolved,
+//! the source's copy, the publication and the origins dropped, the registration ended
+//! (`remus.migration_end`, the extension's half).
+
+use std::time::Duration;
+
+use tracing::{info, warn};
+use wal_propagator::ReplicationConnection;
+
+use remus_proto::names;
+
+use super::{sql, DriverError, Run};
+use crate::migration::Mode;
+use crate::node_registry::NodeRecord;
+
+impl Run {
+    pub(super) async fn cleanup(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let stream_lost = match self.drain_after_tm(true).await {
+            Ok(()) => None,
+            // Remus after Tm: every source commit since the sync barrier was validated, so its
+            // shadow is prepared or committed on the target already; the stream only carried
+            // the commit decisions. Finish from the shadows (paper section 3.7).
+            Err(DriverError::Propagator(e)) if self.plan.mode == Mode::Remus => Some(e),
+            Err(e) => return Err(e),
+        };
+        let propagator = self.state.propagator.take().expect("propagator running");
+        self.state.final_txns_applied =
+            propagator.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire);
+        let conn = match stream_lost {
+            // Everything up to the final sync point is applied; a worker that cannot finish
+            // cleanly now (its target restarting, say) leaves only its origins, dropped below.
+            None => match propagator.stop(true).await {
+                Ok(conn) => Some(conn),
+                Err(e) => {
+                    warn!(migration_id = id, phase = "cleanup", error = %e, "the replay worker did not finish cleanly");
+                    None
+                }
+            },
+            Some(e) => {
+                warn!(migration_id = id, phase = "cleanup", error = %e, "the stream failed after the handover; completing from the prepared shadows");
+                self.reporter
+                    .waiting_on(Some(format!("the stream failed after the handover ({e}); completing from the prepared shadows")))
+                    .await;
+                // Abandoning the apply call makes the replay worker refuse validations, so
+                // source transactions older than Tm that are still to commit fail now rather
+                // than wait for a stream that will not come; then wait for all of them to end.
+                let conn = propagator.stop(false).await.ok();
+                self.drain_after_tm(false).await?;
+                self.reporter.waiting_on(None).await;
+                conn
+            }
+        };
+        self.drop_slot(conn).await?;
+        let aborted = self.finish_after_drain().await? + self.state.terminated;
+        let replayed = self.txns_replayed();
+        self.reporter
+            .update(move |r| {
+                r.aborted_by_migration = aborted;
+                r.txns_replayed = replayed;
+            })
+            .await?;
+        info!(migration_id = id, phase = "cleanup", aborted, replayed, "source shard removed");
+        Ok(())
+    }
+
+    /// Waits until every transaction that could still use the source shards has ended: those
+    /// older than Tm on every node and (Remus) 2PC participants prepared on the source. With
+    /// `stream`, the target then applies the source's stream up to here.
+    async fn drain_after_tm(&mut self, stream: bool) -> Result<(), DriverError> {
+        for (node, at) in self.state.tm_committed_at.clone() {
+            self.wait_for_older_transactions(&node, &at, "transactions older than the handover").await?;
+        }
+        if self.plan.mode == Mode::Remus {
+            // Source transactions that predate Tm kept committing (validated) after it; 2PC
+            // participants among them may still be prepared. The stream carries their commits
+            // (which commit their shadows): apply all of it before it stops.
+            let prepared = self.prepared_shard_lockers().await?;
+            self.wait_for_lockers(&prepared, "prepared transactions older than the handover").await?;
+            if stream {
+                let lsn = self.sync_point().await?;
+                self.wait_applied(lsn).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cleanup's last steps, once the drain is over and the slot is gone: leftover shadows
+    /// resolved (Remus), the source's copy, the publication and the origins dropped (each if it
+    /// is still there: a resumed run may find them gone), the registration ended. Returns the
+    /// transactions the nodes counted as aborted by the migration.
+    pub(super) async fn finish_after_drain(&mut self) -> Result<u64, DriverError> {
+        if self.plan.mode == Mode::Remus {
+            self.resolve_shadows().await?;
+        }
+        let source = self.connect_when_up(&self.plan.source).await?;
+        source
+            .batch_execute(&format!(
+                "DROP TABLE IF EXISTS {}; DROP PUBLICATION IF EXISTS {};",
+                self.table_list(),
+                self.publication()
+            ))
+            .await
+            .map_err(sql(&self.plan.source))?;
+        self.state.publication = false;
+        self.drop_origins().await?;
+        self.end_registration().await
+    }
+
+    pub(super) async fn drop_slot(&mut self, conn: Option<ReplicationConnection>) -> Result<(), DriverError> {
+        let Some(slot) = self.state.slot.clone() else { return Ok(()) };
+        match conn {
+            Some(mut conn) => {
+                tokio::task::spawn_blocking(move || conn.drop_slot(&slot))
+                    .await
+                    .map_err(|source| DriverError::Thread { what: "drop slot", source })??;
+            }
+            None => {
+                let source = self.config.connector.connect(&self.plan.source).await?;
+                // A walsender that just lost its client may still hold the slot for a moment.
+                execute_while_in_use(
+                    &source,
+                    &self.plan.source,
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+                    &slot,
+                )
+                .await?;
+            }
+        }
+        self.state.slot = None;
+        Ok(())
+    }
+
+    pub(super) async fn drop_origins(&self) -> Result<(), DriverError> {
+        let target = self.connect_when_up(&self.plan.target).await?;
+        // The sessions of a replay worker that died are still attached to their origins until
+        // their backends notice the lost client and exit.
+        execute_while_in_use(
+            &target,
+            &self.plan.target,
+            "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname LIKE $1",
+            &names::origin_like_pattern(self.id()),
+        )
+        .await
+    }
+
+    /// Ends the registration on every node; returns the transactions the nodes counted as
+    /// aborted by the migration.
+    async fn end_registration(&mut self) -> Result<u64, DriverError> {
+        if !self.state.registered {
+            return Ok(0);
+        }
+        let rows = self.on_every_node(&format!("SELECT remus.migration_end({})", self.id())).await?;
+        self.state.registered = false;
+        Ok(rows.iter().map(|r| r.get::<_, i64>(0).max(0) as u64).sum())
+    }
+}
+
+/// Runs `statement` (one text parameter), retried for up to 10 s while it fails with "object
+/// in use" (55006): a slot or origin still held by a backend that is on its way out.
+async fn execute_while_in_use(
+    client: &tokio_postgres::Client,
+    node: &NodeRecord,
+    statement: &str,
+    param: &str,
+) -> Result<(), DriverError> {
+    let mut attempt = 0u32;
+    loop {
+        match client.execute(statement, &[&param]).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 200 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(sql(node)(e)),
+        }
+    }
+}

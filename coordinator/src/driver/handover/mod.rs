@@ -1,0 +1,212 @@
+//! The handover phase: each mode stops or orders the source's writers its own way
+//! ([`lock_abort`], [`wait_remaster`], [`remus`]), then all end in Tm, the ownership transfer
+//! transaction defined here, followed by the checks and steps every mode shares.
+
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use remus_proto::names;
+
+use super::{describe, join, quote_literal, sql, DriverError, Run, VerificationFailed, NODE_WAIT};
+use crate::failpoint;
+use crate::migration::{Mode, Phase};
+use crate::node_registry::NodeRecord;
+use crate::plan::MigrationPlan;
+
+pub(super) mod lock_abort;
+pub(super) mod remus;
+pub(super) mod wait_remaster;
+
+impl Run {
+    /// See [`DriverConfig::verify_handover`].
+    pub(super) async fn verify(&self) -> Result<(), DriverError> {
+        if !self.config.verify_handover {
+            return Ok(());
+        }
+        let source = self.config.connector.connect(&self.plan.source).await?;
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        for t in &self.plan.tables {
+            let q = format!(
+                "SELECT count(*), coalesce(md5(string_agg(h, '' ORDER BY h)), '')
+                   FROM (SELECT md5(x::text) AS h FROM {} x) d",
+                t.qualified()
+            );
+            let (s, d) = tokio::try_join!(source.query_one(&q, &[]), target.query_one(&q, &[]))
+                .map_err(sql(&self.plan.source))?;
+            let s: (i64, String) = (s.get(0), s.get(1));
+            let d: (i64, String) = (d.get(0), d.get(1));
+            if s != d {
+                return Err(DriverError::Verification(Box::new(VerificationFailed {
+                    table: t.qualified(),
+                    source_node: self.plan.source.name.clone(),
+                    source_rows: s.0,
+                    source_digest: s.1,
+                    target_node: self.plan.target.name.clone(),
+                    target_rows: d.0,
+                    target_digest: d.1,
+                })));
+            }
+            info!(migration_id = self.id(), phase = "handover", table = %t.qualified(), rows = s.0, digest = %s.1, "handover verified");
+        }
+        Ok(())
+    }
+
+    /// Tm: one transaction per node moves the shards in the map, prepared everywhere; the
+    /// decision is the record's move to `cleanup` in etcd; then committed on the target first
+    /// (so any node that sees the new owner finds it already committed there), the other nodes,
+    /// the source last. Read-through covers every node while the map is in flux.
+    pub(super) async fn tm(&mut self) -> Result<(), DriverError> {
+        let id = self.id();
+        let order = self.tm_order();
+        let ids = join(&self.plan.shard_ids);
+        let target = quote_literal(&self.plan.target.name);
+        let drain = if self.plan.mode == Mode::Remus { self.drain_source_statement() } else { String::new() };
+        let mut sessions = Vec::new();
+        for node in &order {
+            let c = self.config.connector.connect(node).await?;
+            self.state.read_through = true;
+            self.state.tm_prepared = true;
+            c.batch_execute(&format!(
+                "{drain}
+                 BEGIN;
+                 SELECT remus.begin_read_through();
+                 UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});
+                 PREPARE TRANSACTION {};",
+                quote_literal(&names::tm_gid(id, &node.name))
+            ))
+            .await
+            .map_err(sql(node))?;
+            sessions.push((node.clone(), c));
+        }
+        // A stream that has already failed is known before the decision: roll back rather
+        // than hand over to a target that stopped receiving the source's commits. (One that
+        // fails after it is recovered in `cleanup`.)
+        if let Some(p) = &self.state.propagator {
+            p.check()?;
+        }
+        // The decision.
+        self.reporter.advance(Phase::Cleanup).await?;
+        self.state.tm_decided = true;
+        self.config.failpoints.pause(failpoint::HANDOVER_DECIDED, id).await;
+        let started = Instant::now();
+        for (node, c) in &sessions {
+            // Decided: a node that does not answer is retried (a fresh session each time)
+            // until it commits; giving up here would leave the map split.
+            let gid = names::tm_gid(id, &node.name);
+            let mut attempt = 0u32;
+            loop {
+                let r = async {
+                    let c = self.config.connector.connect(node).await?;
+                    finish_tm_if_prepared(&c, node, &gid, "COMMIT PREPARED").await
+                }
+                .await;
+                match r {
+                    Ok(()) => break,
+                    Err(e) if attempt < 600 || started.elapsed() < NODE_WAIT => {
+                        attempt += 1;
+                        if attempt == 1 {
+                            warn!(migration_id = id, phase = "handover", node = %node.name, error = %describe(&e), "COMMIT PREPARED of Tm failed; retrying");
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            let at = self
+                .after_decision(node, c, "SELECT remus.bump_map_generation(), clock_timestamp()::text")
+                .await?
+                .unwrap_or_default();
+            self.state.tm_committed_at.push((node.clone(), at));
+        }
+        for (node, c) in &sessions {
+            self.after_decision(node, c, "SELECT remus.end_read_through()::text, NULL::text").await?;
+        }
+        self.state.read_through = false;
+        info!(migration_id = id, phase = "handover", "Tm committed on every node");
+        Ok(())
+    }
+
+    pub(super) fn tm_order(&self) -> Vec<NodeRecord> {
+        tm_order(&self.plan)
+    }
+
+    /// Runs `query` (two text columns; the second is returned) on `node` after the Tm decision:
+    /// on the Tm session, else, if that session or the node went away (a restart also clears
+    /// the node's read-through and map cache state, so running it again is harmless), on a new
+    /// one once the node answers.
+    async fn after_decision(
+        &self,
+        node: &NodeRecord,
+        session: &tokio_postgres::Client,
+        query: &str,
+    ) -> Result<Option<String>, DriverError> {
+        let mut result = session.query_one(query, &[]).await;
+        let started = Instant::now();
+        loop {
+            match result {
+                Ok(row) => return Ok(row.get(1)),
+                Err(e) if started.elapsed() >= NODE_WAIT => return Err(sql(node)(e)),
+                Err(e) => {
+                    warn!(migration_id = self.id(), phase = "handover", node = %node.name, error = %e, "step after the Tm decision failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let c = self.connect_patiently(node, false).await?;
+                    result = c.query_one(query, &[]).await;
+                }
+            }
+        }
+    }
+}
+
+/// Runs `verb` (COMMIT PREPARED or ROLLBACK PREPARED) on a node's Tm transaction if it is still
+/// prepared there: every caller may be a retry after the first attempt got through.
+pub(super) async fn finish_tm_if_prepared(
+    c: &tokio_postgres::Client,
+    node: &NodeRecord,
+    gid: &str,
+    verb: &str,
+) -> Result<(), DriverError> {
+    let prepared = !c
+        .query("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
+        .await
+        .map_err(sql(node))?
+        .is_empty();
+    if prepared {
+        c.batch_execute(&format!("{verb} {}", quote_literal(gid))).await.map_err(sql(node))?;
+    }
+    Ok(())
+}
+/// The order in which Tm is prepared and committed: the target first (any node that sees the
+/// new owner finds it committed there), every other node, the source last.
+fn tm_order(plan: &MigrationPlan) -> Vec<NodeRecord> {
+    let mut order = vec![plan.target.clone()];
+    order.extend(
+        plan.nodes.iter().filter(|n| n.name != plan.target.name && n.name != plan.source.name).cloned(),
+    );
+    order.push(plan.source.clone());
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str) -> NodeRecord {
+        NodeRecord { name: name.into(), host: "127.0.0.1".into(), port: 5432 }
+    }
+
+    #[test]
+    fn tm_goes_to_the_target_first_and_the_source_last() {
+        let plan = MigrationPlan {
+            mode: Mode::Remus,
+            shard_ids: vec![1],
+            tables: vec![],
+            source: node("n2"),
+            target: node("n4"),
+            nodes: ["n1", "n2", "n3", "n4"].map(node).to_vec(),
+            requested_by: None,
+        };
+        let order: Vec<String> = tm_order(&plan).into_iter().map(|n| n.name).collect();
+        assert_eq!(order, ["n4", "n1", "n3", "n2"]);
+    }
+}

@@ -1,0 +1,478 @@
+//! Drives one migration through its phases and rolls it back completely when it fails before
+//! the Tm decision. One module per phase, named as [`Phase`] and as the node side of the phase in
+//! the extension (`pg_remus/src/migration/<phase>.rs`), so that a grep for a phase finds both
+//! halves:
+//!
+//! | phase | driver (here) | what the driver does |
+//! | --- | --- | --- |
+//! | `copy` | [`copy`] | registers the migration on every node, creates the publication, the target's tables and the slot, copies the slot's snapshot |
+//! | `catchup` | [`catchup`] | starts the stream to the replay worker and waits until a round of it is short; Remus: starts write-set capture |
+//! | `barrier` | [`barrier`] | Remus: the sync barrier, after which every source commit on the shards is validated on the target |
+//! | `dual` | [`dual`] | Remus: dual execution runs on the nodes; the driver resolves or drops the prepared shadows it leaves |
+//! | `handover` | [`handover`] | per mode ([`handover::lock_abort`], [`handover::wait_remaster`], [`handover::remus`]), ending in Tm |
+//! | `cleanup` | [`cleanup`] | drain, stream and slot stopped, the source's copy, publication and origins dropped, registration ended |
+//! | — | [`rollback`] | undoes everything a migration failed before the Tm decision built |
+//! | — | [`resume`] | a restarted coordinator completes (past the decision) or rolls back (before it) a migration |
+//!
+//! The record in etcd is the truth about where a migration is; every phase change goes through
+//! [`MigrationStore::advance`] and is published to the callers waiting on the migration (the
+//! `MigrateShards` stream). Advancing to `cleanup` is written only after Tm is prepared on every
+//! node: it is the commit decision of Tm (../shared/DESIGN.md section 4). Before it, a failure
+//! rolls everything back; after it, Tm is committed everywhere and the migration can only go
+//! forward.
+//!
+//! Glossary:
+//! - **Tm**: the ownership transfer transaction (the paper's name): one transaction per node
+//!   moves the shards to the target in `remus.shard_map`, prepared on every node, decided by the
+//!   record's move to `cleanup`, then committed target first and source last
+//!   ([`handover`]'s `Run::tm`). Every handover mode ends in it.
+//! - **sync point**: a transactional logical message on the source whose LSN everything
+//!   committed before it precedes; the driver waits until the target applied up to it.
+//! - **shadow transaction**: Remus: a source transaction's writes prepared on the target under
+//!   the gid `remus:<migration>:<source xid>` ([`remus_proto::names::shadow_gid`]), committed
+//!   or rolled back with its source transaction.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio::sync::watch;
+use tracing::{info, info_span, warn, Instrument};
+use wal_propagator::{Lsn, ReplicationConnection};
+
+use remus_proto::names;
+
+use crate::failpoint::Failpoints;
+use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode, Phase, Status};
+use crate::node_conn::{NodeConnError, NodeConnector};
+use crate::node_registry::NodeRecord;
+use crate::plan::MigrationPlan;
+use crate::propagator::{Propagator, PropagatorError};
+
+mod barrier;
+mod catchup;
+mod cleanup;
+mod copy;
+mod dual;
+mod handover;
+mod resume;
+mod rollback;
+
+/// After the Tm decision, how long the driver keeps retrying a node that does not answer (a
+/// crashed target restarting) before the migration ends `failed`.
+const NODE_WAIT: Duration = Duration::from_secs(300);
+
+/// Static configuration of the migration machinery.
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    pub connector: NodeConnector,
+    /// gRPC endpoint of the replay worker, e.g. `http://127.0.0.1:6103`.
+    pub replay_endpoint: String,
+    /// Concurrent apply sessions on the target.
+    pub apply_parallelism: u32,
+    /// lock_abort: how long an idle writer holding the shard may keep the handover waiting
+    /// before it is terminated.
+    pub lock_grace: Duration,
+    /// wait_remaster: the longest the admission gate stays closed.
+    pub gate_timeout: Duration,
+    /// Before Tm, while the source is quiet, compare every shard table on source and target
+    /// (row count and a digest over all columns) and fail the migration on any difference.
+    /// Costs a full read of both copies inside the handover window, so it is off by default.
+    pub verify_handover: bool,
+    /// Named places where a test can stop a migration (`failpoint`).
+    pub failpoints: Failpoints,
+}
+
+#[derive(Debug, Error)]
+pub enum DriverError {
+    #[error(transparent)]
+    Store(#[from] MigrationError),
+    #[error(transparent)]
+    Connect(#[from] NodeConnError),
+    #[error("on node {node}: {source}")]
+    Sql {
+        node: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error(transparent)]
+    Replication(#[from] wal_propagator::ReplicationError),
+    #[error(transparent)]
+    Copy(#[from] wal_propagator::CopyError),
+    #[error(transparent)]
+    Propagator(#[from] PropagatorError),
+    /// The source answered a sync point with something that is not an LSN.
+    #[error(transparent)]
+    SyncPoint(#[from] wal_propagator::LsnParseError),
+    /// A blocking step (the copy, dropping the slot) ran on a thread that panicked or was
+    /// cancelled.
+    #[error("{what} thread: {source}")]
+    Thread {
+        what: &'static str,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    /// [`DriverConfig::verify_handover`] found the target's copy of a shard table different
+    /// from the source's.
+    #[error(transparent)]
+    Verification(Box<VerificationFailed>),
+}
+
+/// A shard table whose copies differ: rows and digest on each side.
+#[derive(Debug, Error)]
+#[error(
+    "verification failed: {table} holds {source_rows} rows (digest {source_digest}) on {source_node} \
+     but {target_rows} rows (digest {target_digest}) on {target_node}"
+)]
+pub struct VerificationFailed {
+    pub table: String,
+    pub source_node: String,
+    pub source_rows: i64,
+    pub source_digest: String,
+    pub target_node: String,
+    pub target_rows: i64,
+    pub target_digest: String,
+}
+
+fn sql(node: &NodeRecord) -> impl Fn(tokio_postgres::Error) -> DriverError + '_ {
+    move |source| DriverError::Sql { node: node.name.clone(), source }
+}
+
+fn describe(e: &DriverError) -> String {
+    match e {
+        DriverError::Sql { node, source } => match source.as_db_error() {
+            Some(db) => format!("on node {node}: {} (SQLSTATE {})", db.message(), db.code().code()),
+            None => format!("on node {node}: {source}"),
+        },
+        other => other.to_string(),
+    }
+}
+
+/// Publishes record changes to whoever waits on the migration.
+struct Reporter {
+    store: MigrationStore,
+    tx: watch::Sender<MigrationRecord>,
+}
+
+impl Reporter {
+    fn id(&self) -> crate::migration::MigrationId {
+        self.tx.borrow().id
+    }
+
+    async fn advance(&self, next: Phase) -> Result<(), DriverError> {
+        let r = self.store.advance(self.id(), next, |_| {}).await?;
+        info!(migration_id = r.id.0, phase = %next, "phase started");
+        self.tx.send_replace(r);
+        Ok(())
+    }
+
+    async fn update(&self, f: impl FnMut(&mut MigrationRecord)) -> Result<(), DriverError> {
+        let r = self.store.update(self.id(), f).await?;
+        self.tx.send_replace(r);
+        Ok(())
+    }
+
+    async fn waiting_on(&self, what: Option<String>) {
+        let w = what.clone();
+        if let Err(e) = self.update(move |r| r.waiting_on = w.clone()).await {
+            warn!(migration_id = self.id().0, error = %e, "could not record waiting_on");
+        }
+    }
+
+    async fn finish(&self, status: Status, error: Option<String>) {
+        match self.store.finish(self.id(), status, error).await {
+            Ok(r) => {
+                self.tx.send_replace(r);
+            }
+            Err(e) => warn!(migration_id = self.id().0, error = %e, "could not record the end"),
+        }
+    }
+}
+
+/// Starts driving `record` (just created, phase pending) on the current runtime; the receiver
+/// sees every change of the record until it is terminal.
+pub fn spawn(
+    config: Arc<DriverConfig>,
+    store: MigrationStore,
+    plan: MigrationPlan,
+    record: MigrationRecord,
+) -> watch::Receiver<MigrationRecord> {
+    let (tx, rx) = watch::channel(record.clone());
+    let id = record.id.0;
+    let span = info_span!("migration", migration_id = id, mode = %plan.mode);
+    tokio::spawn(
+        async move {
+            let reporter = Reporter { store, tx };
+            let mut run = Run { config, plan, reporter, state: State::default() };
+            run.drive().await;
+        }
+        .instrument(span),
+    );
+    rx
+}
+
+/// Resumes `record`, a migration that a coordinator was running when it stopped, and returns
+/// once it has ended: past the Tm decision (phase `cleanup`) it completes, before it rolls
+/// back. See [`crate::recovery`].
+pub async fn resume(config: Arc<DriverConfig>, store: MigrationStore, plan: MigrationPlan, record: MigrationRecord) {
+    let span = info_span!("migration", migration_id = record.id.0, mode = %plan.mode);
+    let phase = record.phase;
+    let (tx, _rx) = watch::channel(record);
+    async move {
+        let reporter = Reporter { store, tx };
+        let mut run = Run { config, plan, reporter, state: State::default() };
+        run.resume(phase).await;
+    }
+    .instrument(span)
+    .await
+}
+
+/// What exists on the nodes, so that a rollback removes exactly that.
+#[derive(Default)]
+struct State {
+    registered: bool,
+    publication: bool,
+    slot: Option<String>,
+    /// The replication connection while it is not streaming (to drop the slot). In a mutex
+    /// only because libpq connections are not `Sync` and the driver's future must be `Send`.
+    repl: std::sync::Mutex<Option<ReplicationConnection>>,
+    target_tables: bool,
+    propagator: Option<Propagator>,
+    gate_closed: bool,
+    tm_prepared: bool,
+    tm_decided: bool,
+    /// Set when the rollback starts: its steps on the target wait for it ([`Run::connect_when_up`]).
+    rolling_back: bool,
+    read_through: bool,
+    start_lsn: Lsn,
+    sync_points: u64,
+    final_txns_applied: u64,
+    /// Idle writers terminated by lock_abort after the grace period.
+    terminated: u64,
+    /// Per node, when Tm committed there (text timestamptz): cleanup waits for older ones.
+    tm_committed_at: Vec<(NodeRecord, String)>,
+    /// Remus: the source captures write sets (`remus.migration_capture`).
+    capturing: bool,
+    /// Remus: transactions (virtual xids) that held a write lock on the shards when capture
+    /// started; their write sets are incomplete, so the sync barrier waits for them.
+    pre_capture_writers: Vec<String>,
+}
+
+struct Run {
+    config: Arc<DriverConfig>,
+    plan: MigrationPlan,
+    reporter: Reporter,
+    state: State,
+}
+
+impl Run {
+    fn id(&self) -> u64 {
+        self.reporter.id().0
+    }
+
+    fn take_repl(&mut self) -> Option<ReplicationConnection> {
+        self.state.repl.get_mut().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn publication(&self) -> String {
+        names::publication_name(self.id())
+    }
+
+    fn slot(&self) -> String {
+        names::slot_name(self.id())
+    }
+
+    async fn drive(&mut self) {
+        let started = Instant::now();
+        match self.phases().await {
+            Ok(()) => {
+                self.reporter.finish(Status::Succeeded, None).await;
+                info!(migration_id = self.id(), ms = started.elapsed().as_millis() as u64, "migration done");
+            }
+            Err(e) => {
+                let msg = describe(&e);
+                warn!(migration_id = self.id(), error = %msg, "migration failed");
+                if self.state.tm_decided {
+                    // Ownership already moved; only cleanup failed. Leave the rest for an
+                    // operator and say so.
+                    self.reporter
+                        .finish(Status::Failed, Some(format!("cleanup after the handover failed: {msg}")))
+                        .await;
+                } else {
+                    match self.rollback().await {
+                        Ok(()) => self.reporter.finish(Status::RolledBack, Some(msg)).await,
+                        Err(re) => {
+                            self.reporter
+                                .finish(
+                                    Status::Failed,
+                                    Some(format!("{msg}; rollback failed too: {}", describe(&re))),
+                                )
+                                .await
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn phases(&mut self) -> Result<(), DriverError> {
+        self.reporter.advance(Phase::Copy).await?;
+        self.copy().await?;
+        self.reporter.advance(Phase::Catchup).await?;
+        self.catch_up().await?;
+        match self.plan.mode {
+            Mode::LockAbort => {
+                self.reporter.advance(Phase::Handover).await?;
+                self.handover_lock_abort().await?
+            }
+            Mode::WaitRemaster => {
+                self.reporter.advance(Phase::Handover).await?;
+                self.handover_wait_remaster().await?
+            }
+            Mode::Remus => {
+                self.reporter.advance(Phase::Barrier).await?;
+                self.sync_barrier().await?;
+                self.reporter.advance(Phase::Dual).await?;
+                self.dual().await;
+                self.reporter.advance(Phase::Handover).await?;
+                self.handover_remus().await?;
+            }
+        }
+        self.cleanup().await
+    }
+
+    async fn on_every_node(&self, sql_text: &str) -> Result<Vec<tokio_postgres::Row>, DriverError> {
+        let mut rows = Vec::new();
+        for node in &self.plan.nodes {
+            let c = self.config.connector.connect(node).await?;
+            rows.extend(c.query(sql_text, &[]).await.map_err(sql(node))?);
+        }
+        Ok(rows)
+    }
+
+    fn table_list(&self) -> String {
+        self.plan.tables.iter().map(|t| t.qualified()).collect::<Vec<_>>().join(", ")
+    }
+
+    fn regclass_array(&self) -> String {
+        let items: Vec<String> =
+            self.plan.tables.iter().map(|t| quote_literal(&t.qualified())).collect();
+        format!("ARRAY[{}]::regclass[]::oid[]", items.join(", "))
+    }
+
+    /// A session on `node`, retried while the node does not answer, for at most [`NODE_WAIT`]:
+    /// after the Tm decision the migration can only go forward, so a target that crashed is
+    /// waited for (its prepared shadows survive the restart); a rollback waits for it to remove
+    /// its copy. A stream failure meanwhile is reported at once (the caller then completes
+    /// without the stream).
+    async fn connect_when_up(&self, node: &NodeRecord) -> Result<tokio_postgres::Client, DriverError> {
+        self.connect_patiently(node, true).await
+    }
+
+    /// [`Self::connect_when_up`]; with `watch_stream` false a failed stream does not end the
+    /// wait (Tm's own steps: cleanup deals with the stream).
+    async fn connect_patiently(&self, node: &NodeRecord, watch_stream: bool) -> Result<tokio_postgres::Client, DriverError> {
+        if !(self.state.tm_decided || self.state.rolling_back) {
+            // Before the decision a node that does not answer fails the migration at once
+            // (the rollback then waits for it): holding a handover for it would stall writers.
+            return Ok(self.config.connector.connect(node).await?);
+        }
+        let started = Instant::now();
+        let mut reported = false;
+        loop {
+            match self.config.connector.connect(node).await {
+                Ok(c) => {
+                    if reported {
+                        self.reporter.waiting_on(None).await;
+                    }
+                    return Ok(c);
+                }
+                Err(e) if started.elapsed() < NODE_WAIT => {
+                    if !reported {
+                        warn!(migration_id = self.id(), node = %node.name, error = %e, "node unreachable; retrying");
+                        self.reporter
+                            .waiting_on(Some(format!("node {} is unreachable ({e}); retrying", node.name)))
+                            .await;
+                        reported = true;
+                    }
+                    if let Some(p) = self.state.propagator.as_ref().filter(|_| watch_stream) {
+                        p.check()?;
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Waits until no client transaction that started before `before` (a timestamptz in text)
+    /// is running on `node`, reporting what it waits for.
+    async fn wait_for_older_transactions(
+        &self,
+        node: &NodeRecord,
+        before: &str,
+        what: &str,
+    ) -> Result<(), DriverError> {
+        let mut c = self.connect_when_up(node).await?;
+        let requester = match &self.plan.requested_by {
+            Some((n, pid)) if *n == node.name => *pid,
+            _ => 0,
+        };
+        let query = format!(
+            "SELECT count(*), min(pid), min(xact_start)::text FROM pg_stat_activity
+              WHERE backend_type = 'client backend' AND xact_start < {}::timestamptz
+                AND pid <> pg_backend_pid() AND pid <> {requester}
+                AND application_name <> {}",
+            quote_literal(before),
+            quote_literal(names::MIGRATION_APPLICATION_NAME)
+        );
+        let mut reported = false;
+        loop {
+            let row = match c.query_one(&query, &[]).await {
+                Ok(row) => row,
+                // The node went away (a crash ends its transactions too): ask again once it is
+                // back.
+                Err(e) if c.is_closed() || self.state.tm_decided => {
+                    warn!(migration_id = self.id(), node = %node.name, error = %e, "polling for older transactions failed; reconnecting");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    c = self.connect_when_up(node).await?;
+                    continue;
+                }
+                Err(e) => return Err(sql(node)(e)),
+            };
+            let n: i64 = row.get(0);
+            if n == 0 {
+                break;
+            }
+            if !reported {
+                let pid: Option<i32> = row.get(1);
+                let since: Option<String> = row.get(2);
+                self.reporter
+                    .waiting_on(Some(format!(
+                        "{n} {what} on {} (e.g. pid {}, open since {})",
+                        node.name,
+                        pid.unwrap_or_default(),
+                        since.unwrap_or_default()
+                    )))
+                    .await;
+                reported = true;
+            }
+            if let Some(p) = &self.state.propagator {
+                p.check()?;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if reported {
+            self.reporter.waiting_on(None).await;
+        }
+        Ok(())
+    }
+}
+
+fn join(ids: &[i64]) -> String {
+    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
