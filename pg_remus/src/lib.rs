@@ -1,78 +1,37 @@
 //! pg_remus: the per-node half of Remus live shard migration on stock PostgreSQL 15.
 //!
-//! Module map (one job each):
-//! - [`guc`]: the `remus.*` settings, registered at preload time.
-//! - [`error`]: every error a user can see, with its SQLSTATE.
-//! - [`nodes`]: cluster membership in this node's catalog (`remus.nodes`, `remus_nodes`).
-//! - [`remote`]: libpq connections from this backend to other nodes, interruptible waits.
-//! - [`twophase`]: atomic commit over every node a transaction wrote (2PC).
-//! - [`router`]: planning and executing statements on distributed tables, from any node.
-//! - [`handover`]: shared-memory primitives of a migration's handover (registration, fence,
-//!   writer abort, admission gate).
-//! - [`mocc`]: write-set capture and validate-then-commit of source transactions (dual
-//!   execution).
-//! - [`migrate`]: `remus_migrate_shard(s)` and `remus_migrations`, answered by the coordinator.
-//! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
-//! - [`recovery_worker`]: the background worker that runs recovery on every node.
+//! Layers, each importing only the ones before it (checked by `scripts/check_module_cycles.py`):
 //!
-//! The library must be in `shared_preload_libraries`: later modules install hooks and shared
-//! memory, which PostgreSQL only allows while the postmaster starts.
+//! 1. [`pg`] (PostgreSQL glue), [`guc`] (the `remus.*` settings), [`error`] (every error a
+//!    user can see, with its SQLSTATE);
+//! 2. [`cluster`]: membership, libpq connections to other nodes, gRPC, the shard marker;
+//! 3. [`catalog`] (distributed tables, shards, the shard map and its cache, hashing) and
+//!    [`twophase`] (atomic commit over every node a transaction wrote, in-doubt recovery and
+//!    its background worker);
+//! 4. [`migration`]: the node side of a live shard migration, one module per Remus phase;
+//! 5. [`router`] (planning and executing statements on distributed tables, from any node) and
+//!    [`distribute`] (turning tables into distributed or reference tables);
+//! 6. [`api`]: the user-facing `remus_*` functions and views;
+//! 7. [`hooks`]: every PostgreSQL hook and callback, installed once, dispatching down.
+//!
+//! The library must be in `shared_preload_libraries`: it installs hooks and shared memory,
+//! which PostgreSQL only allows while the postmaster starts.
 
 use pgrx::prelude::*;
 
-pub mod catalog;
-pub mod distribute;
-pub mod error;
-pub mod guc;
-pub mod handover;
-pub mod hashing;
-pub mod migrate;
-pub mod mocc;
-pub mod nodes;
-pub mod recovery;
-pub mod recovery_worker;
-pub mod remote;
-pub mod router;
-pub mod twophase;
+mod api;
+mod catalog;
+mod cluster;
+mod distribute;
+mod error;
+mod guc;
+mod hooks;
+mod migration;
+mod pg;
+mod router;
+mod twophase;
 
 ::pgrx::pg_module_magic!(name, version);
-
-// The catalog lives in schema `remus`; the user-facing functions and views are created in the
-// extension's schema (public by default) so they are callable without qualification.
-pgrx::extension_sql!(
-    r#"
-CREATE SCHEMA IF NOT EXISTS remus;
-
-CREATE TABLE remus.nodes (
-    name     text PRIMARY KEY,
-    host     text NOT NULL,
-    port     int  NOT NULL CHECK (port BETWEEN 1 AND 65535),
-    added_at timestamptz NOT NULL DEFAULT now()
-);
-COMMENT ON TABLE remus.nodes IS 'Every node of the pg_remus cluster, this one included';
-
--- One row per remote participant of a two-phase commit this node coordinates, inserted in the
--- local transaction before PREPARE: the row exists exactly when the decision is commit.
-CREATE TABLE remus.commit_decisions (
-    gid         text PRIMARY KEY,
-    participant text NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT now()
-);
-"#,
-    name = "catalog",
-    bootstrap
-);
-
-pgrx::extension_sql!(
-    r#"
-CREATE VIEW remus_nodes AS
-    SELECT name, host, port FROM remus.nodes ORDER BY name;
-COMMENT ON VIEW remus_nodes IS 'Nodes this node knows: name, host, port';
-"#,
-    name = "views",
-    requires = ["catalog"],
-    finalize
-);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
@@ -81,12 +40,10 @@ pub extern "C-unwind" fn _PG_init() {
         pgrx::error!("pg_remus must be loaded via shared_preload_libraries (it installs hooks, shared memory and a background worker)");
     }
     guc::register();
-    error::install_emit_log_hook();
-    twophase::register_callbacks();
-    router::install_hooks();
-    router::map_cache::init_shmem();
-    handover::init_shmem();
-    recovery_worker::register();
+    hooks::install();
+    catalog::map_cache::init_shmem();
+    migration::init_shmem();
+    twophase::worker::register();
 }
 
 #[cfg(any(test, feature = "pg_test"))]

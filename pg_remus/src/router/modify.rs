@@ -1,7 +1,7 @@
 //! INSERT / UPDATE / DELETE on distributed tables, and SELECTs that read a single shard group
 //! of co-located tables.
 //!
-//! The plan is a single `RemusModify` CustomScan carrying the rewritten Query. At execution it
+//! The plan is a single `RemusRouter` CustomScan carrying the rewritten Query. At execution it
 //! finds the shard(s) the statement touches, deparses the statement (the full original text:
 //! RETURNING, ON CONFLICT, defaults already expanded by the rewriter), and runs it per shard
 //! where the shard lives, inside the current transaction. Remote writers join two-phase commit.
@@ -12,7 +12,8 @@ use std::ffi::CStr;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use super::{is_tag, list_ptrs, Params};
+use crate::pg::list::{is_tag, list_ptrs};
+use crate::router::execute::Params;
 use crate::catalog::{DistTable, ShardPlacement};
 use crate::error::RemusError;
 
@@ -29,7 +30,8 @@ struct ModifyState {
     done: bool,
 }
 
-pub fn register_methods() {
+/// Fills and registers the method tables; must run while the library is preloaded.
+pub(crate) fn register_methods() {
     // SAFETY: one-time initialisation at preload.
     unsafe {
         SCAN_METHODS.CustomName = NAME.as_ptr();
@@ -63,7 +65,7 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
         return Err(unsupported("a set-returning function in INSERT/UPDATE/DELETE"));
     }
     // Reference tables have no key; 0 never matches a column.
-    let key_attno = if table.kind == 'r' { 0 } else { super::key_attno(table)? };
+    let key_attno = if table.kind == 'r' { 0 } else { super::key::key_attno(table)? };
     if table.kind == 'r' {
         // Every node evaluates the statement for its own copy: a volatile expression (now(),
         // random(), a gen_random_uuid() default) would give each copy a different value.
@@ -236,7 +238,7 @@ unsafe extern "C-unwind" fn exec(node: *mut pg_sys::CustomScanState) -> *mut pg_
             e.raise();
         }
     }
-    super::next_from_store((*s).tstore, (*s).store_slot, (*node).ss.ss_ScanTupleSlot)
+    super::execute::next_from_store((*s).tstore, (*s).store_slot, (*node).ss.ss_ScanTupleSlot)
 }
 
 /// One statement per target shard.
@@ -258,15 +260,15 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     }
     let rt = (*query).resultRelation as usize;
     let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
-    let table = super::dist_table(shell)?
+    let table = super::placement::dist_table(shell)?
         .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
-    let all = super::placements(shell)?;
+    let all = super::placement::placements(shell)?;
     let reference = table.kind == 'r';
     let work = if reference {
         // One copy per node, all in this transaction (2PC).
         all.iter().map(|p| ShardWork { placement: p.clone(), query, key: None }).collect()
     } else {
-        let key_attno = super::key_attno(&table)?;
+        let key_attno = super::key::key_attno(&table)?;
         targets(query, &table, key_attno, &all, ps)?
     };
     let me = crate::guc::node_name().unwrap_or_default();
@@ -288,10 +290,10 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     let mut affected = 0u64;
     for w in work {
         if let Some(key) = &w.key {
-            super::drain_fence::wait_for_older_writers(&table, &w.placement, key)?;
+            crate::migration::handover::remus::wait_for_older_writers(&table, &w.placement, key)?;
         }
-        let sql = super::deparse(w.query);
-        let r = super::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
+        let sql = super::deparse::deparse(w.query);
+        let r = super::execute::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
         // A reference table's copies all change alike: report (and return) one of them.
         if reference && w.placement.node_name != me {
             continue;
@@ -314,15 +316,15 @@ unsafe fn run_select(
     let ps = &mut (*s).css.ss.ps;
     let estate = ps.state;
     let anchor_relid = pg_sys::Oid::from((*anchor).constvalue.value() as u32);
-    let table = super::dist_table(anchor_relid)?
+    let table = super::placement::dist_table(anchor_relid)?
         .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
-    let all = super::placements(anchor_relid)?;
-    let (v, isnull, ty) = super::eval_expr(value, ps);
+    let all = super::placement::placements(anchor_relid)?;
+    let (v, isnull, ty) = super::execute::eval_expr(value, ps);
     if isnull {
         // `key = NULL` selects nothing.
         return Ok(());
     }
-    let placement = super::placement_for(&table, &all, v, ty)?;
+    let placement = super::key::placement_for(&table, &all, v, ty)?;
     let out_types: Vec<(pg_sys::Oid, i32)> = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
         .into_iter()
         .filter(|te| !(**te).resjunk)
@@ -332,8 +334,8 @@ unsafe fn run_select(
         })
         .collect();
     let params = Params::from_list((*estate).es_param_list_info);
-    let sql = super::deparse(query);
-    let r = super::run_on_shard(&placement, &sql, &params, &out_types, false)?;
+    let sql = super::deparse::deparse(query);
+    let r = super::execute::run_on_shard(&placement, &sql, &params, &out_types, false)?;
     let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
     let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
     (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
@@ -379,13 +381,13 @@ unsafe fn targets(
             conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
         }
         for c in conjuncts {
-            if let Some(v) = super::key_equality_value(c, rt, key_attno) {
-                let (value, isnull, ty) = super::eval_expr(v, ps);
+            if let Some(v) = super::key::key_equality_value(c, rt, key_attno) {
+                let (value, isnull, ty) = super::execute::eval_expr(v, ps);
                 if isnull {
                     return Ok(vec![]);
                 }
-                let p = super::placement_for(table, all, value, ty)?;
-                let key = Some(super::datum_to_text(value, ty));
+                let p = super::key::placement_for(table, all, value, ty)?;
+                let key = Some(crate::pg::datum::datum_to_text(value, ty));
                 return Ok(vec![ShardWork { placement: p, query, key }]);
             }
         }
@@ -413,17 +415,17 @@ unsafe fn targets(
     };
     match values_rte {
         None => {
-            if !super::is_routable_value(expr) {
+            if !super::key::is_routable_value(expr) {
                 return Err(RemusError::FeatureNotSupported(format!(
                     "the shard key of an INSERT into {} must be a constant or a parameter",
                     table.qualified_name
                 )));
             }
-            let (value, isnull, ty) = super::eval_expr(expr as *mut pg_sys::Expr, ps);
+            let (value, isnull, ty) = super::execute::eval_expr(expr as *mut pg_sys::Expr, ps);
             if isnull {
                 return Err(null_key(table));
             }
-            let p = super::placement_for(table, all, value, ty)?;
+            let p = super::key::placement_for(table, all, value, ty)?;
             Ok(vec![ShardWork { placement: p, query, key: None }])
         }
         Some((vidx, vrte)) => {
@@ -436,16 +438,16 @@ unsafe fn targets(
             let mut groups: BTreeMap<i64, (ShardPlacement, *mut pg_sys::List)> = BTreeMap::new();
             for row in list_ptrs::<pg_sys::List>((*vrte).values_lists) {
                 let cell = list_ptrs::<pg_sys::Node>(row)[col];
-                if !super::is_routable_value(cell) {
+                if !super::key::is_routable_value(cell) {
                     return Err(RemusError::FeatureNotSupported(
                         "shard key values of a multi-row INSERT must be constants or parameters".into(),
                     ));
                 }
-                let (value, isnull, ty) = super::eval_expr(cell as *mut pg_sys::Expr, ps);
+                let (value, isnull, ty) = super::execute::eval_expr(cell as *mut pg_sys::Expr, ps);
                 if isnull {
                     return Err(null_key(table));
                 }
-                let p = super::placement_for(table, all, value, ty)?;
+                let p = super::key::placement_for(table, all, value, ty)?;
                 let entry = groups.entry(p.shard_id).or_insert((p, std::ptr::null_mut()));
                 entry.1 = pg_sys::lappend(entry.1, row as *mut std::ffi::c_void);
             }

@@ -9,72 +9,16 @@ use std::ffi::{CStr, CString};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use super::list_ptrs;
+use crate::pg::list::list_ptrs;
 use crate::catalog::{shard_table_name, DistTable, ShardPlacement};
 use crate::error::RemusError;
 
-static mut PREV_UTILITY: pg_sys::ProcessUtility_hook_type = None;
 const FLUSH_BYTES: usize = 4 << 20;
 
 thread_local! {
     /// COPY text handed to a local `CopyFrom` through its data-source callback (which takes no
     /// argument, hence a backend-global buffer).
     static LOCAL_COPY: RefCell<(Vec<u8>, usize)> = const { RefCell::new((Vec::new(), 0)) };
-}
-
-pub fn install() {
-    // SAFETY: process-global hook set once at preload, previous value chained.
-    unsafe {
-        PREV_UTILITY = pg_sys::ProcessUtility_hook;
-        pg_sys::ProcessUtility_hook = Some(process_utility);
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-#[pg_guard]
-unsafe extern "C-unwind" fn process_utility(
-    pstmt: *mut pg_sys::PlannedStmt,
-    query_string: *const std::ffi::c_char,
-    read_only_tree: bool,
-    context: pg_sys::ProcessUtilityContext::Type,
-    params: pg_sys::ParamListInfo,
-    query_env: *mut pg_sys::QueryEnvironment,
-    dest: *mut pg_sys::DestReceiver,
-    qc: *mut pg_sys::QueryCompletion,
-) {
-    match intercept(pstmt, query_string, qc) {
-        Ok(true) => return,
-        Ok(false) => {}
-        Err(e) => e.raise(),
-    }
-    let finishing = finishing_prepared(pstmt);
-    match PREV_UTILITY {
-        Some(prev) => prev(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
-        None => pg_sys::standard_ProcessUtility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
-    }
-    if let Some((xid, commit)) = finishing {
-        crate::mocc::prepared_finished(xid, commit);
-    }
-}
-
-/// COMMIT / ROLLBACK PREPARED of a transaction whose Remus shadows are noted on this node:
-/// its xid and whether it commits.
-unsafe fn finishing_prepared(pstmt: *mut pg_sys::PlannedStmt) -> Option<(u32, bool)> {
-    let stmt = (*pstmt).utilityStmt;
-    if stmt.is_null() || (*stmt).type_ != pg_sys::NodeTag::T_TransactionStmt {
-        return None;
-    }
-    let t = stmt as *mut pg_sys::TransactionStmt;
-    let commit = match (*t).kind {
-        pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED => true,
-        pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK_PREPARED => false,
-        _ => return None,
-    };
-    if (*t).gid.is_null() {
-        return None;
-    }
-    let gid = CStr::from_ptr((*t).gid).to_string_lossy();
-    crate::mocc::prepared_xid(&gid).map(|xid| (xid, commit))
 }
 
 unsafe fn shell_of(rv: *mut pg_sys::RangeVar) -> Result<Option<DistTable>, RemusError> {
@@ -85,17 +29,21 @@ unsafe fn shell_of(rv: *mut pg_sys::RangeVar) -> Result<Option<DistTable>, Remus
     if relid == pg_sys::InvalidOid {
         return Ok(None);
     }
-    super::dist_table(relid)
+    super::placement::dist_table(relid)
 }
 
-/// `Ok(true)`: handled here.
-unsafe fn intercept(
+/// The ProcessUtility hook's work before the statement runs (the hook is
+/// `hooks::process_utility`). `Ok(true)`: handled here.
+///
+/// # Safety
+/// `pstmt`, `query_string` and `qc` must be the hook's arguments.
+pub(crate) unsafe fn intercept(
     pstmt: *mut pg_sys::PlannedStmt,
     query_string: *const std::ffi::c_char,
     qc: *mut pg_sys::QueryCompletion,
 ) -> Result<bool, RemusError> {
     let stmt = (*pstmt).utilityStmt;
-    if stmt.is_null() || !super::extension_present() {
+    if stmt.is_null() || !crate::pg::extension::extension_present() {
         return Ok(false);
     }
     // ROLLBACK ends the transaction anyway: never held at the gate, never failed for a
@@ -103,9 +51,9 @@ unsafe fn intercept(
     let rollback = (*stmt).type_ == pg_sys::NodeTag::T_TransactionStmt
         && (*(stmt as *mut pg_sys::TransactionStmt)).kind == pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK;
     if !rollback {
-        crate::handover::admit_statement()?;
+        crate::migration::handover::admit_statement()?;
     }
-    if crate::handover::active() && !crate::guc::MIGRATION_SESSION.get() {
+    if crate::migration::state::active() && !crate::guc::MIGRATION_SESSION.get() {
         guard_migrating(stmt)?;
     }
     match (*stmt).type_ {
@@ -145,7 +93,7 @@ unsafe fn intercept(
                 ));
             }
             for d in &shells {
-                for p in super::placements(d.relid)? {
+                for p in super::placement::placements(d.relid)? {
                     run_on_owner(&p, &format!("TRUNCATE {}", shard_table_name(&d.rel_name, p.shard_id)))?;
                 }
             }
@@ -207,7 +155,7 @@ unsafe fn guard_migrating(stmt: *mut pg_sys::Node) -> Result<(), RemusError> {
             let copy = stmt as *mut pg_sys::CopyStmt;
             if (*copy).is_from {
                 if let Some((_, ids)) = relation_shards((*copy).relation, false)? {
-                    crate::handover::check_write(&ids)?;
+                    crate::migration::handover::lock_abort::check_write(&ids)?;
                 }
             }
             return Ok(());
@@ -216,7 +164,7 @@ unsafe fn guard_migrating(stmt: *mut pg_sys::Node) -> Result<(), RemusError> {
     }
     for rv in targets {
         if let Some((name, ids)) = relation_shards(rv, true)? {
-            crate::handover::check_ddl(&name, &ids)?;
+            crate::migration::copy::check_ddl(&name, &ids)?;
         }
     }
     Ok(())
@@ -236,8 +184,8 @@ unsafe fn relation_shards(
         return Ok(None);
     }
     if with_shells {
-        if let Some(d) = super::dist_table(relid)? {
-            let ids = super::placements(d.relid)?.iter().map(|p| p.shard_id).collect();
+        if let Some(d) = super::placement::dist_table(relid)? {
+            let ids = super::placement::placements(d.relid)?.iter().map(|p| p.shard_id).collect();
             return Ok(Some((d.qualified_name.clone(), ids)));
         }
     }
@@ -262,7 +210,7 @@ unsafe fn run_on_owner(p: &ShardPlacement, sql: &str) -> Result<(), RemusError> 
     if crate::guc::node_name().as_deref() == Some(p.node_name.as_str()) {
         Spi::run(sql)?;
     } else {
-        let addr = crate::nodes::lookup(&p.node_name)?;
+        let addr = crate::cluster::nodes::lookup(&p.node_name)?;
         crate::twophase::exec_in_transaction(&addr, sql, true)?;
     }
     Ok(())
@@ -290,7 +238,7 @@ unsafe fn copy_from(
     let rel = pg_sys::table_open(table.relid, pg_sys::RowExclusiveLock as i32);
     let desc = (*rel).rd_att;
     let natts = (*desc).natts as usize;
-    let key_attno = if table.kind == 'r' { 0 } else { super::key_attno(table)? as usize };
+    let key_attno = if table.kind == 'r' { 0 } else { super::key::key_attno(table)? as usize };
     // Columns carried to the shards: live, not generated (the shard computes those).
     let mut cols = Vec::new();
     let mut out_fns = Vec::new();
@@ -305,7 +253,7 @@ unsafe fn copy_from(
         cols.push((i, CStr::from_ptr((*a).attname.data.as_ptr()).to_string_lossy().into_owned()));
         out_fns.push(f);
     }
-    let col_list = cols.iter().map(|(_, n)| crate::catalog::quote_ident(n)).collect::<Vec<_>>().join(", ");
+    let col_list = cols.iter().map(|(_, n)| crate::pg::sql::quote_ident(n)).collect::<Vec<_>>().join(", ");
 
     let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
     (*pstate).p_sourcetext = query_string;
@@ -321,7 +269,7 @@ unsafe fn copy_from(
     );
     let estate = pg_sys::CreateExecutorState();
     let econtext = pg_sys::CreateExprContext(estate);
-    let all = super::placements(table.relid)?;
+    let all = super::placement::placements(table.relid)?;
     let mut values = vec![pg_sys::Datum::from(0usize); natts];
     let mut nulls = vec![false; natts];
     let mut buffers: BTreeMap<(i64, String), (ShardPlacement, Vec<u8>)> = BTreeMap::new();
@@ -352,7 +300,7 @@ unsafe fn copy_from(
             all.clone()
         } else {
             let key_type = (*(*desc).attrs.as_ptr().add(key_attno - 1)).atttypid;
-            vec![super::placement_for(table, &all, values[key_attno - 1], key_type)?]
+            vec![super::key::placement_for(table, &all, values[key_attno - 1], key_type)?]
         };
         for p in targets {
             let key = (p.shard_id, p.node_name.clone());
@@ -381,7 +329,7 @@ unsafe fn copy_from(
 unsafe fn flush(table: &DistTable, p: &ShardPlacement, cols: &str, data: &[u8]) -> Result<(), RemusError> {
     let shard = shard_table_name(&table.rel_name, p.shard_id);
     if crate::guc::node_name().as_deref() != Some(p.node_name.as_str()) {
-        let addr = crate::nodes::lookup(&p.node_name)?;
+        let addr = crate::cluster::nodes::lookup(&p.node_name)?;
         let sql = format!("COPY {shard} ({cols}) FROM STDIN");
         return crate::twophase::copy_in_transaction(&addr, &sql, data);
     }

@@ -567,36 +567,3 @@ fn current_user() -> String {
             .into_owned()
     }
 }
-
-/// Quotes a SQL literal for a command sent to another node.
-pub fn quote_literal(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
-}
-
-/// Encodes a five-character SQLSTATE the way PostgreSQL's MAKE_SQLSTATE does.
-pub fn sqlstate_code(s: &str) -> i32 {
-    let b = s.as_bytes();
-    if b.len() != 5 {
-        return pgrx::PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32;
-    }
-    b.iter()
-        .enumerate()
-        .fold(0i32, |acc, (i, c)| acc | ((((*c as i32) - ('0' as i32)) & 0x3F) << (6 * i)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sqlstate_codes_match_pgrx() {
-        assert_eq!(sqlstate_code("40001"), pgrx::PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE as i32);
-        assert_eq!(sqlstate_code("23505"), pgrx::PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION as i32);
-        assert_eq!(sqlstate_code("0A000"), pgrx::PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED as i32);
-    }
-
-    #[test]
-    fn literals_are_quoted() {
-        assert_eq!(quote_literal("it's"), "'it''s'");
-    }
-}

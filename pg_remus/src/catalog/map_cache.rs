@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PgAtomic};
 
-use crate::catalog::ShardPlacement;
+use super::ShardPlacement;
 
 static MAP_GENERATION: PgAtomic<AtomicU64> = unsafe { PgAtomic::new(c"remus_map_generation") };
 static READ_THROUGH: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_map_read_through") };

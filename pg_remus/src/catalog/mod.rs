@@ -9,6 +9,37 @@ use pgrx::prelude::*;
 
 use crate::error::RemusError;
 
+pub(crate) mod hashing;
+pub(crate) mod map_cache;
+pub(crate) mod shard_ddl;
+
+// The catalog lives in schema `remus`; the user-facing functions and views are created in the
+// extension's schema (public by default) so they are callable without qualification.
+pgrx::extension_sql!(
+    r#"
+CREATE SCHEMA IF NOT EXISTS remus;
+
+CREATE TABLE remus.nodes (
+    name     text PRIMARY KEY,
+    host     text NOT NULL,
+    port     int  NOT NULL CHECK (port BETWEEN 1 AND 65535),
+    added_at timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE remus.nodes IS 'Every node of the pg_remus cluster, this one included';
+
+-- One row per remote participant of a two-phase commit this node coordinates, inserted in the
+-- local transaction before PREPARE: the row exists exactly when the decision is commit.
+CREATE TABLE remus.commit_decisions (
+    gid         text PRIMARY KEY,
+    participant text NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+"#,
+    name = "catalog",
+    bootstrap
+);
+
+
 pgrx::extension_sql!(
     r#"
 CREATE SCHEMA remus_shards;
@@ -68,26 +99,17 @@ pub struct DistTable {
 pub struct ShardPlacement {
     pub shard_id: i64,
     pub shard_index: i32,
+    // The shard's hash range as the catalog stores it; routing computes the shard index instead.
+    #[allow(dead_code)]
     pub hash_min: i32,
+    #[allow(dead_code)]
     pub hash_max: i32,
     pub node_name: String,
 }
 
-/// Quotes an identifier for SQL text sent to this or another node.
-pub fn quote_ident(s: &str) -> String {
-    if !s.is_empty()
-        && s.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-    {
-        s.to_string()
-    } else {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    }
-}
-
 /// `remus_shards.<table>_<shard_id>`, quoted.
 pub fn shard_table_name(rel_name: &str, shard_id: i64) -> String {
-    format!("remus_shards.{}", quote_ident(&format!("{rel_name}_{shard_id}")))
+    format!("remus_shards.{}", crate::pg::sql::quote_ident(&format!("{rel_name}_{shard_id}")))
 }
 
 pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
@@ -144,76 +166,17 @@ pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError>
     .map_err(RemusError::from)
 }
 
-/// The one value of a read-only query (an aggregate, so there is always one row), read with the
-/// active snapshot. pgrx's `Spi::get_one*` run their query as a mutating one, which assigns the
-/// transaction an xid: on the routing path that gave every read-only transaction an xid (a
-/// commit record to flush, and a migration's slot creation waiting for it to end).
-pub fn read_one<'mcx, A: FromDatum + IntoDatum>(
-    query: &str,
-    args: &[pgrx::datum::DatumWithOid<'mcx>],
-) -> Result<Option<A>, pgrx::spi::Error> {
-    Spi::connect(|c| c.select(query, Some(1), args)?.first().get_one())
-}
-
 /// The single shard of a reference table (present on every node).
 pub fn reference_shard(relid: pg_sys::Oid) -> Result<i64, RemusError> {
-    read_one::<i64>("SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1", &[relid.into()])?
+    crate::pg::spi::read_one::<i64>("SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1", &[relid.into()])?
         .ok_or_else(|| RemusError::InvalidArgument("reference table has no shard".into()))
 }
 
 /// A reference table's placements: its one shard, on every node.
 pub fn reference_placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
     let shard_id = reference_shard(relid)?;
-    Ok(crate::nodes::all_nodes()?
+    Ok(crate::cluster::nodes::all_nodes()?
         .into_iter()
         .map(|n| ShardPlacement { shard_id, shard_index: 0, hash_min: i32::MIN, hash_max: i32::MAX, node_name: n.name })
         .collect())
 }
-
-/// Size of a shard's table on its owner, asked of the owner when it is another node.
-#[pg_extern(volatile, parallel_unsafe)]
-fn remus_shard_size(shard_id: i64) -> Option<i64> {
-    let run = || -> Result<Option<i64>, RemusError> {
-        let row = Spi::connect(|c| {
-            let r = c.select(
-                "SELECT cl.relname::text, m.node_name FROM remus.shards s
-                   JOIN remus.shard_map m USING (shard_id)
-                   JOIN pg_class cl ON cl.oid = s.logicalrelid WHERE s.shard_id = $1",
-                Some(1),
-                &[shard_id.into()],
-            )?;
-            if r.is_empty() {
-                return Ok::<_, pgrx::spi::Error>(None);
-            }
-            let r = r.first();
-            Ok(Some((r.get::<String>(1)?.unwrap_or_default(), r.get::<String>(2)?.unwrap_or_default())))
-        })?;
-        let Some((rel, owner)) = row else { return Ok(None) };
-        let sql = format!(
-            "SELECT pg_total_relation_size(to_regclass({}))",
-            crate::remote::quote_literal(&shard_table_name(&rel, shard_id))
-        );
-        if crate::guc::node_name().as_deref() == Some(owner.as_str()) {
-            return Ok(Spi::get_one::<i64>(&sql)?);
-        }
-        let addr = crate::nodes::lookup(&owner)?;
-        let r = crate::twophase::exec_in_transaction(&addr, &sql, false)?;
-        Ok(r.rows.first().and_then(|row| row[0].as_ref()).and_then(|v| v.parse().ok()))
-    };
-    crate::error::OrRaise::or_raise(run())
-}
-
-pgrx::extension_sql!(
-    r#"
-CREATE VIEW remus_shards AS
-    SELECT s.shard_id, d.logicalrelid::text AS table_name, d.shard_key, s.hash_min, s.hash_max,
-           m.node_name, d.colocation_id, remus_shard_size(s.shard_id) AS size_bytes
-      FROM remus.shards s
-      JOIN remus.distributed_tables d USING (logicalrelid)
-      LEFT JOIN remus.shard_map m USING (shard_id)
-     ORDER BY s.shard_id;
-COMMENT ON VIEW remus_shards IS 'Every shard: table, key, hash range, owner node (NULL: a reference table, on every node), size on the owner';
-"#,
-    name = "shards_view",
-    requires = ["distribution_catalog", remus_shard_size]
-);

@@ -1,6 +1,6 @@
 //! `RemusShardScan`: the scan of a distributed table's shell, reading its shards.
 //!
-//! Planned through `set_rel_pathlist_hook` as the only path of the shell's base relation, so
+//! Planned through `set_rel_pathlist_hook` (`hooks::pathlist` calls [`add_path`]) as the only path of the shell's base relation, so
 //! PostgreSQL plans everything above it (joins, aggregates, sorts, limits) exactly as for a
 //! local table and computes the same answers. A `key = <constant or parameter>` restriction
 //! prunes the scan to one shard and is shipped with it; every restriction is also rechecked
@@ -11,10 +11,9 @@ use std::ffi::CStr;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use super::{list_ptrs, Params};
+use crate::pg::list::list_ptrs;
+use crate::router::execute::Params;
 use crate::error::RemusError;
-
-static mut PREV_PATHLIST: pg_sys::set_rel_pathlist_hook_type = None;
 
 /// Method tables must have stable addresses for PostgreSQL; they are filled once at preload.
 static mut PATH_METHODS: pg_sys::CustomPathMethods = unsafe { std::mem::zeroed() };
@@ -32,8 +31,9 @@ struct ShardScanState {
     fetched: bool,
 }
 
-pub fn install() {
-    // SAFETY: one-time initialisation of process-global tables and hook at preload.
+/// Fills and registers the method tables; must run while the library is preloaded.
+pub(crate) fn register_methods() {
+    // SAFETY: one-time initialisation of process-global tables at preload.
     unsafe {
         PATH_METHODS.CustomName = NAME.as_ptr();
         PATH_METHODS.PlanCustomPath = Some(plan_custom_path);
@@ -45,25 +45,18 @@ pub fn install() {
         EXEC_METHODS.EndCustomScan = Some(end);
         EXEC_METHODS.ReScanCustomScan = Some(rescan);
         pg_sys::RegisterCustomScanMethods(&raw const SCAN_METHODS);
-        PREV_PATHLIST = pg_sys::set_rel_pathlist_hook;
-        pg_sys::set_rel_pathlist_hook = Some(pathlist_hook);
     }
 }
 
-#[pg_guard]
-unsafe extern "C-unwind" fn pathlist_hook(
-    root: *mut pg_sys::PlannerInfo,
-    rel: *mut pg_sys::RelOptInfo,
-    rti: pg_sys::Index,
-    rte: *mut pg_sys::RangeTblEntry,
-) {
-    if let Some(prev) = PREV_PATHLIST {
-        prev(root, rel, rti, rte);
-    }
+/// After the other paths of a base relation are set: a shell gets our path as its only one.
+///
+/// # Safety
+/// `rel` and `rte` must be the planner's base relation and its range-table entry.
+pub(crate) unsafe fn add_path(rel: *mut pg_sys::RelOptInfo, rte: *mut pg_sys::RangeTblEntry) {
     if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL {
         return;
     }
-    match super::dist_table((*rte).relid) {
+    match super::placement::dist_table((*rte).relid) {
         Ok(Some(_)) => {}
         Ok(None) => return,
         Err(e) => e.raise(),
@@ -101,10 +94,10 @@ unsafe extern "C-unwind" fn plan_custom_path(
     (*cscan).methods = &raw const SCAN_METHODS;
     // Remember the routable `key = value` restriction, if any, as the scan's only custom expr.
     let rte = pg_sys::planner_rt_fetch((*rel).relid, _root);
-    if let Ok(Some(table)) = super::dist_table((*rte).relid) {
-        if let Ok(attno) = super::key_attno(&table) {
+    if let Ok(Some(table)) = super::placement::dist_table((*rte).relid) {
+        if let Ok(attno) = super::key::key_attno(&table) {
             for rinfo in list_ptrs::<pg_sys::RestrictInfo>(clauses) {
-                if let Some(v) = super::key_equality_value((*rinfo).clause as *mut _, (*rel).relid as i32, attno) {
+                if let Some(v) = super::key::key_equality_value((*rinfo).clause as *mut _, (*rel).relid as i32, attno) {
                     (*cscan).custom_exprs = pg_sys::lappend(std::ptr::null_mut(), v as *mut std::ffi::c_void);
                     break;
                 }
@@ -151,7 +144,7 @@ unsafe extern "C-unwind" fn next_tuple(ss: *mut pg_sys::ScanState) -> *mut pg_sy
         }
         (*s).fetched = true;
     }
-    super::next_from_store((*s).tstore, (*s).store_slot, (*ss).ss_ScanTupleSlot)
+    super::execute::next_from_store((*s).tstore, (*s).store_slot, (*ss).ss_ScanTupleSlot)
 }
 
 /// Reads the rows of every shard this scan needs into a tuplestore.
@@ -159,9 +152,9 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
     let ss = &mut (*s).css.ss;
     let estate = ss.ps.state;
     let relid = (*ss.ss_currentRelation).rd_id;
-    let table = super::dist_table(relid)?
+    let table = super::placement::dist_table(relid)?
         .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared during the scan".into()))?;
-    let all = super::placements(relid)?;
+    let all = super::placement::placements(relid)?;
 
     let desc = (*ss.ss_ScanTupleSlot).tts_tupleDescriptor;
     let natts = (*desc).natts as usize;
@@ -176,14 +169,14 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
     } else if (*s).key_expr.is_null() {
         (all, Params::none(), String::new())
     } else {
-        let (value, isnull, ty) = super::eval_expr((*s).key_expr, &mut ss.ps);
+        let (value, isnull, ty) = super::execute::eval_expr((*s).key_expr, &mut ss.ps);
         if isnull {
             // `key = NULL` is never true.
             return Ok(());
         }
-        let target = super::placement_for(&table, &all, value, ty)?;
-        let key_value = crate::distribute::coerce_via_text(value, ty, table.key_type);
-        let key = crate::catalog::quote_ident(table.shard_key.as_deref().unwrap_or_default());
+        let target = super::key::placement_for(&table, &all, value, ty)?;
+        let key_value = crate::pg::datum::coerce_via_text(value, ty, table.key_type);
+        let key = crate::pg::sql::quote_ident(table.shard_key.as_deref().unwrap_or_default());
         (
             vec![target],
             Params { types: vec![table.key_type], values: vec![key_value], nulls: vec![false] },
@@ -201,7 +194,7 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
             continue;
         }
         let name = CStr::from_ptr((*attr).attname.data.as_ptr()).to_string_lossy();
-        cols.push(crate::catalog::quote_ident(&name));
+        cols.push(crate::pg::sql::quote_ident(&name));
         positions.push(i);
         types.push(((*attr).atttypid, (*attr).atttypmod));
     }
@@ -211,7 +204,7 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
     let mut values = vec![pg_sys::Datum::from(0usize); natts];
     let mut nulls = vec![true; natts];
     for p in &targets {
-        let r = super::run_on_shard(p, &sql, &params, &types, false)?;
+        let r = super::execute::run_on_shard(p, &sql, &params, &types, false)?;
         for row in r.rows {
             for (j, v) in row.into_iter().enumerate().take(positions.len()) {
                 let pos = positions[j];
@@ -248,4 +241,3 @@ unsafe extern "C-unwind" fn rescan(node: *mut pg_sys::CustomScanState) {
     }
     pg_sys::ExecScanReScan(&mut (*node).ss);
 }
-

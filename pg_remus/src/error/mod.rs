@@ -6,6 +6,8 @@
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 
+pub(crate) mod report;
+
 /// Dedicated SQLSTATE (class RM, pg_remus): a statement reached a node that does not own the
 /// shard for its transaction. Routers retry or redirect on it.
 pub const NOT_SHARD_OWNER: &str = "RM001";
@@ -103,9 +105,9 @@ impl RemusError {
             Self::Connection { .. } => ERRCODE_CONNECTION_FAILURE,
             Self::NullShardKey { .. } => ERRCODE_NOT_NULL_VIOLATION,
             Self::TransactionDoomed => ERRCODE_IN_FAILED_SQL_TRANSACTION,
-            Self::NotShardOwner { .. } => PgSqlErrorCode::from(crate::remote::sqlstate_code(NOT_SHARD_OWNER)),
+            Self::NotShardOwner { .. } => PgSqlErrorCode::from(report::sqlstate_code(NOT_SHARD_OWNER)),
             Self::Remote { sqlstate, .. } => {
-                PgSqlErrorCode::from(crate::remote::sqlstate_code(sqlstate))
+                PgSqlErrorCode::from(report::sqlstate_code(sqlstate))
             }
         }
     }
@@ -126,8 +128,8 @@ impl RemusError {
     /// The SQLSTATE as PostgreSQL encodes it (MAKE_SQLSTATE).
     fn code(&self) -> i32 {
         match self {
-            Self::Remote { sqlstate, .. } => crate::remote::sqlstate_code(sqlstate),
-            Self::NotShardOwner { .. } => crate::remote::sqlstate_code(NOT_SHARD_OWNER),
+            Self::Remote { sqlstate, .. } => report::sqlstate_code(sqlstate),
+            Self::NotShardOwner { .. } => report::sqlstate_code(NOT_SHARD_OWNER),
             other => other.sqlstate() as i32,
         }
     }
@@ -154,14 +156,15 @@ impl RemusError {
     /// Always through pgrx's report path (a Rust panic turned into an ERROR at the pg_guard
     /// boundary, after every Rust frame has unwound). pgrx can only carry SQLSTATEs it has a
     /// name for; any other code (pg_remus's own class RM, or a remote node's code passed
-    /// through) is remembered here and put back by the `emit_log_hook` below when the error
-    /// is reported, whatever guards it crossed on the way.
+    /// through) is remembered here and put back by the `emit_log_hook` (`hooks::emit_log`, through
+    /// [`report::restore_sqlstate`]) when the error is reported, whatever guards it crossed on
+    /// the way.
     pub fn raise(self) -> ! {
         let code = self.code();
         let known = PgSqlErrorCode::from(code);
         let message = self.to_string();
         if known as i32 != code {
-            PENDING_CODE.with(|p| *p.borrow_mut() = Some((message.clone(), code)));
+            report::remember(message.clone(), code);
         }
         let mut report = ErrorReport::new(known, message, "pg_remus");
         if let Some(h) = self.full_hint() {
@@ -172,45 +175,6 @@ impl RemusError {
         }
         report.report(PgLogLevel::ERROR);
         unreachable!("ERROR does not return")
-    }
-}
-
-thread_local! {
-    /// (message, SQLSTATE) of the last error raised with a code pgrx cannot name.
-    static PENDING_CODE: std::cell::RefCell<Option<(String, i32)>> = const { std::cell::RefCell::new(None) };
-}
-
-static mut PREV_EMIT_LOG_HOOK: pgrx::pg_sys::emit_log_hook_type = None;
-
-pub fn install_emit_log_hook() {
-    // SAFETY: process-global hook set once at preload, previous value chained.
-    unsafe {
-        PREV_EMIT_LOG_HOOK = pgrx::pg_sys::emit_log_hook;
-        pgrx::pg_sys::emit_log_hook = Some(restore_sqlstate);
-    }
-}
-
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn restore_sqlstate(edata: *mut pgrx::pg_sys::ErrorData) {
-    crate::handover::rewrite_cancel(edata);
-    if !edata.is_null()
-        && (*edata).elevel >= PgLogLevel::ERROR as i32
-        && (*edata).sqlerrcode == PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32
-        && !(*edata).message.is_null()
-    {
-        let msg = std::ffi::CStr::from_ptr((*edata).message).to_string_lossy();
-        PENDING_CODE.with(|p| {
-            let mut p = p.borrow_mut();
-            if let Some((m, code)) = p.as_ref() {
-                if *m == msg {
-                    (*edata).sqlerrcode = *code;
-                    *p = None;
-                }
-            }
-        });
-    }
-    if let Some(prev) = PREV_EMIT_LOG_HOOK {
-        prev(edata);
     }
 }
 

@@ -3,61 +3,17 @@
 //! state in etcd. Nothing of a migration runs inside the calling backend, so cancelling the call
 //! stops the waiting, not the migration.
 //!
-//! The gRPC client runs on a current-thread tokio runtime owned by the backend. Every wait is
-//! sliced so that interrupts (cancel, statement_timeout, terminate) are served within 100 ms,
-//! outside the runtime.
+//! The gRPC client runs on the backend's runtime (`cluster::rpc`), which serves interrupts
+//! (cancel, statement_timeout, terminate) within 100 ms.
 
-use std::future::Future;
 use std::time::Duration;
 
 use pgrx::prelude::*;
 use remus_proto::v1::coordinator_client::CoordinatorClient;
 use remus_proto::v1::{ListMigrationsRequest, MigrateShardsRequest, Migration};
 
+use crate::cluster::rpc::{block_on, coordinator_error};
 use crate::error::RemusError;
-
-const SLICE: Duration = Duration::from_millis(100);
-
-thread_local! {
-    static RUNTIME: std::cell::OnceCell<tokio::runtime::Runtime> = const { std::cell::OnceCell::new() };
-}
-
-fn coordinator_error(message: String) -> RemusError {
-    RemusError::Remote {
-        node: "coordinator".into(),
-        sqlstate: "08006".into(),
-        message,
-        detail: None,
-        hint: None,
-    }
-}
-
-/// Runs `fut` to completion on the backend's runtime, serving interrupts between slices.
-pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
-    RUNTIME.with(|cell| {
-        let rt = match cell.get() {
-            Some(rt) => rt,
-            None => {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .map_err(|e| coordinator_error(format!("cannot start the gRPC runtime: {e}")))?;
-                let _ = cell.set(rt);
-                cell.get().expect("just set")
-            }
-        };
-        let mut fut = std::pin::pin!(fut);
-        loop {
-            match rt.block_on(async { tokio::time::timeout(SLICE, &mut fut).await }) {
-                Ok(v) => return Ok(v),
-                Err(_) => {
-                    // Outside the runtime: an ERROR raised here unwinds only our own frames.
-                    check_for_interrupts!();
-                }
-            }
-        }
-    })
-}
 
 fn address() -> Result<String, RemusError> {
     crate::guc::coordinator_address().ok_or(RemusError::CoordinatorUnset)
@@ -236,7 +192,7 @@ fn remus_migrate_shards(
 mod remus {
     use pgrx::prelude::*;
 
-    use super::*;
+    use crate::api::migrate::*;
 
     /// Every migration the coordinator knows, for the `remus_migrations` view.
     #[pg_extern(volatile, parallel_unsafe)]

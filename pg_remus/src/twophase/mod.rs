@@ -1,7 +1,7 @@
 //! Atomic commit of transactions that touched other nodes.
 //!
-//! A permanent `XactCallback` (registered once in `_PG_init`; pgrx's per-transaction callbacks
-//! would be lost at the first commit) drives the remote transactions:
+//! The permanent `XactCallback` (installed once by `hooks::xact`; pgrx's per-transaction callbacks
+//! would be lost at the first commit) drives the remote transactions through [`on_xact_event`]:
 //! - PRE_COMMIT: with writes on more than one node (a remote writer plus a local write, or two
 //!   remote writers), record the decision for every remote writer in `remus.commit_decisions`
 //!   inside the local transaction, then PREPARE TRANSACTION on each writer. Any failure is an
@@ -16,120 +16,26 @@
 //! The decision row commits atomically with the local transaction, so "a record exists" means
 //! "commit", and "no record and the local transaction is over" means "roll back" (as Citus's
 //! pg_dist_transaction).
+//!
+//! - [`savepoints`]: subtransactions mirrored on every remote transaction.
+//! - [`recovery`]: resolving in-doubt prepared transactions from the recorded decisions.
+//! - [`worker`]: the background worker that runs recovery on every node.
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+use crate::cluster::remote;
 use crate::error::RemusError;
-use crate::remote::{self, quote_literal};
+use crate::pg::sql::quote_literal;
 
-thread_local! {
-    /// Open subtransactions (innermost last). Each has a savepoint on every remote transaction.
-    static SUBXACTS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// A remote participant could not follow a savepoint release or rollback: the transaction
-    /// can no longer commit consistently. Holds the error its commit will raise: the
-    /// participant's own when it is a retryable 40xxx (e.g. a shard migration aborted it),
-    /// `TransactionDoomed` otherwise.
-    static DOOMED: std::cell::RefCell<Option<RemusError>> = const { std::cell::RefCell::new(None) };
-}
+pub(crate) mod recovery;
+pub(crate) mod savepoints;
+pub(crate) mod worker;
 
-pub fn register_callbacks() {
-    // SAFETY: registering static function pointers with no argument; done once at preload.
-    unsafe {
-        pg_sys::RegisterXactCallback(Some(xact_callback), std::ptr::null_mut());
-        pg_sys::RegisterSubXactCallback(Some(subxact_callback), std::ptr::null_mut());
-    }
-}
-
-fn savepoint_name(subid: u32) -> String {
-    format!("remus_s{subid}")
-}
-
-/// Savepoints follow subtransactions onto every remote transaction (PL/pgSQL exception blocks,
-/// SAVEPOINT / ROLLBACK TO), so rolling back a subtransaction also undoes its remote work.
-#[pg_guard]
-unsafe extern "C-unwind" fn subxact_callback(
-    event: pg_sys::SubXactEvent::Type,
-    my_subid: pg_sys::SubTransactionId,
-    _parent: pg_sys::SubTransactionId,
-    _arg: *mut std::ffi::c_void,
-) {
-    use pg_sys::SubXactEvent::*;
-    let subid: u32 = my_subid;
-    match event {
-        SUBXACT_EVENT_START_SUB => {
-            SUBXACTS.with(|s| s.borrow_mut().push(subid));
-            let mut failure = None;
-            remote::for_each_in_transaction(|c| {
-                if failure.is_none() {
-                    if let Err(e) = c.exec(&format!("SAVEPOINT {}", savepoint_name(subid))) {
-                        failure = Some(e);
-                    }
-                }
-            });
-            if let Some(e) = failure {
-                e.raise();
-            }
-        }
-        SUBXACT_EVENT_COMMIT_SUB | SUBXACT_EVENT_ABORT_SUB => {
-            if event == SUBXACT_EVENT_ABORT_SUB {
-                crate::mocc::subxact_aborted(my_subid);
-            }
-            SUBXACTS.with(|s| s.borrow_mut().retain(|x| *x != subid));
-            let commit = event == SUBXACT_EVENT_COMMIT_SUB;
-            remote::for_each_in_transaction(|c| {
-                if !commit {
-                    c.cancel_running();
-                }
-                let sql = if commit {
-                    format!("RELEASE SAVEPOINT {}", savepoint_name(subid))
-                } else {
-                    format!("ROLLBACK TO SAVEPOINT {}", savepoint_name(subid))
-                };
-                // No ERROR here (we may be in abort processing): a participant that cannot
-                // follow dooms the transaction, which then fails at commit.
-                if let Err(e) = c.exec_uninterruptible(&sql) {
-                    pgrx::warning!("pg_remus: {sql} on node {} failed: {e}", c.addr.name);
-                    c.broken = true;
-                    let retryable = matches!(&e, RemusError::Remote { sqlstate, .. } if sqlstate.starts_with("40"));
-                    DOOMED.with(|d| {
-                        let mut d = d.borrow_mut();
-                        if d.is_none() || retryable {
-                            *d = Some(if retryable { e } else { RemusError::TransactionDoomed });
-                        }
-                    });
-                }
-            });
-        }
-        _ => {}
-    }
-}
-
-#[pg_guard]
-unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+/// The transaction callback's 2PC part (after dual execution and the end-of-transaction
+/// bookkeeping of the other features, see `hooks::xact`).
+pub(crate) fn on_xact_event(event: pg_sys::XactEvent::Type) {
     use pg_sys::XactEvent::*;
-    // Dual execution first: a write set refused by the destination fails the transaction
-    // before any remote participant is prepared.
-    match event {
-        XACT_EVENT_PRE_COMMIT | XACT_EVENT_PRE_PREPARE => {
-            if let Err(e) = crate::mocc::pre_commit() {
-                e.raise();
-            }
-        }
-        XACT_EVENT_COMMIT => crate::mocc::end_of_transaction(true),
-        XACT_EVENT_ABORT => crate::mocc::end_of_transaction(false),
-        XACT_EVENT_PREPARE => crate::mocc::prepared(),
-        _ => {}
-    }
-    if matches!(
-        event,
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE
-    ) {
-        crate::router::ownership::end_of_transaction();
-        crate::handover::end_of_transaction();
-        SUBXACTS.with(|s| s.borrow_mut().clear());
-        DOOMED.with(|d| d.borrow_mut().take());
-    }
     if !remote::any_in_transaction() {
         return;
     }
@@ -167,7 +73,7 @@ fn local_node() -> String {
 }
 
 fn pre_commit() -> Result<(), RemusError> {
-    if let Some(e) = DOOMED.with(|d| d.borrow_mut().take()) {
+    if let Some(e) = savepoints::take_doomed() {
         return Err(e);
     }
     let mut writers = Vec::new();
@@ -302,9 +208,9 @@ pub fn exec_params_in_transaction(
             c.exec(&format!("BEGIN ISOLATION LEVEL {iso}"))?;
             c.in_transaction = true;
             // Joining inside subtransactions: recreate their savepoints here too.
-            let open: Vec<u32> = SUBXACTS.with(|s| s.borrow().clone());
+            let open = savepoints::open();
             for subid in open {
-                c.exec(&format!("SAVEPOINT {}", savepoint_name(subid)))?;
+                c.exec(&format!("SAVEPOINT {}", savepoints::savepoint_name(subid)))?;
             }
         }
         if writes {

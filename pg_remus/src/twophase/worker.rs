@@ -1,6 +1,6 @@
 //! Background worker that resolves in-doubt two-phase commits after any crash.
 //!
-//! One per node. Every `remus.recovery_interval` it runs [`crate::recovery::recover`] in its own
+//! One per node. Every `remus.recovery_interval` it runs [`super::recovery::recover`] in its own
 //! transaction: prepared transactions this node coordinated are committed on their participants
 //! when this node recorded a commit decision, and rolled back otherwise. A failed round (a peer
 //! down, say) is logged and retried on the next tick; the worker itself is restarted by the
@@ -35,8 +35,8 @@ pub extern "C-unwind" fn remus_recovery_worker_main(_arg: pg_sys::Datum) {
         BackgroundWorker::transaction(|| {
             // SAFETY: a fresh transaction; SPI below needs an active snapshot, popped at the end.
             unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
-            if crate::router::extension_present() {
-                match crate::recovery::recover() {
+            if crate::pg::extension::extension_present() {
+                match super::recovery::recover() {
                     Ok(s) if s.committed + s.rolled_back > 0 => pgrx::log!(
                         "pg_remus recovery: committed {} and rolled back {} in-doubt transactions",
                         s.committed,

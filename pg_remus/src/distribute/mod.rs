@@ -8,162 +8,25 @@
 //! parts are remote transactions of the caller's transaction, so the whole conversion commits
 //! by 2PC or not at all.
 
-use std::collections::BTreeMap;
+//!
+//! [`validate`] checks that a table can be distributed; [`move_rows`] moves its existing rows.
 
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
-use crate::catalog::{quote_ident, shard_table_name};
+use crate::catalog::hashing;
+use crate::catalog::shard_ddl::{capture_trigger_ddl, guard_ddl};
+use crate::catalog::shard_table_name;
 use crate::error::RemusError;
-use crate::hashing;
-use crate::remote::{quote_literal, NodeAddr};
+use crate::pg::sql::quote_literal;
+
+mod move_rows;
+mod validate;
+
+use move_rows::{copy_escape, move_rows, ShardPlan};
+use validate::inspect;
 
 const MAX_SHARDS: i32 = 4096;
-const COPY_FLUSH_BYTES: usize = 4 << 20;
-
-struct TableInfo {
-    qualified: String,
-    rel_name: String,
-    key_type: pg_sys::Oid,
-    key_type_name: String,
-    /// Non-generated columns, quoted, in attnum order (what COPY and INSERT … SELECT carry).
-    copy_columns: Vec<String>,
-}
-
-fn inspect(client: &SpiClient<'_>, relid: pg_sys::Oid, key: &str) -> Result<TableInfo, RemusError> {
-    let r = client.select(
-        "SELECT c.relkind::text, format('%I.%I', n.nspname, c.relname), c.relname::text,
-                c.relpersistence::text
-           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
-        Some(1),
-        &[relid.into()],
-    )?;
-    if r.is_empty() {
-        return Err(RemusError::InvalidArgument(format!("relation with oid {} does not exist", relid.to_u32())));
-    }
-    let r = r.first();
-    let relkind = r.get::<String>(1)?.unwrap_or_default();
-    let qualified = r.get::<String>(2)?.unwrap_or_default();
-    let rel_name = r.get::<String>(3)?.unwrap_or_default();
-    if relkind != "r" {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} is not an ordinary table; only ordinary tables can be distributed"
-        )));
-    }
-    if r.get::<String>(4)?.as_deref() != Some("p") {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} is temporary or unlogged; only permanent logged tables can be distributed"
-        )));
-    }
-    let already = client
-        .select("SELECT 1 FROM remus.distributed_tables WHERE logicalrelid = $1", Some(1), &[relid.into()])?
-        .len();
-    if already > 0 {
-        return Err(RemusError::DuplicateObject(format!("table {qualified} is already distributed")));
-    }
-    let k = client.select(
-        "SELECT a.attnum, a.atttypid, format_type(a.atttypid, NULL)
-           FROM pg_attribute a WHERE a.attrelid = $1 AND a.attname = $2 AND a.attnum > 0
-            AND NOT a.attisdropped",
-        Some(1),
-        &[relid.into(), key.into()],
-    )?;
-    if k.is_empty() {
-        return Err(RemusError::UndefinedColumn(format!(
-            "column \"{key}\" of table {qualified} does not exist"
-        )));
-    }
-    let k = k.first();
-    let key_attnum = k.get::<i16>(1)?.unwrap_or_default();
-    let key_type = k.get::<pg_sys::Oid>(2)?.unwrap_or(pg_sys::InvalidOid);
-    let key_type_name = k.get::<String>(3)?.unwrap_or_default();
-    if !hashing::type_has_hash(key_type) {
-        return Err(RemusError::InvalidTableDefinition(format!(
-            "shard key \"{key}\" has type {key_type_name}, which has no hash function"
-        )));
-    }
-    let pk = client.select(
-        "SELECT $2::int2 = ANY (i.indkey::int2[]) FROM pg_index i WHERE i.indrelid = $1 AND i.indisprimary",
-        Some(1),
-        &[relid.into(), key_attnum.into()],
-    )?;
-    let pk_has_key = if pk.is_empty() { None } else { pk.first().get::<bool>(1)? };
-    match pk_has_key {
-        None => {
-            return Err(RemusError::InvalidTableDefinition(format!(
-                "table {qualified} has no primary key; a distributed table needs a primary key that contains the shard key \"{key}\""
-            )))
-        }
-        Some(false) => {
-            return Err(RemusError::InvalidTableDefinition(format!(
-                "the primary key of {qualified} does not contain the shard key \"{key}\"; a distributed table needs a primary key that contains its shard key"
-            )))
-        }
-        Some(true) => {}
-    }
-    let unique_without_key = client
-        .select(
-            "SELECT 1 FROM pg_index i WHERE i.indrelid = $1 AND i.indisunique AND NOT i.indisprimary
-               AND NOT ($2::int2 = ANY (i.indkey::int2[]))",
-            Some(1),
-            &[relid.into(), key_attnum.into()],
-        )?
-        .len();
-    if unique_without_key > 0 {
-        return Err(RemusError::InvalidTableDefinition(format!(
-            "{qualified} has a unique index without the shard key \"{key}\"; uniqueness could not be enforced across shards"
-        )));
-    }
-    let fks = client
-        .select(
-            "SELECT 1 FROM pg_constraint WHERE contype = 'f' AND (conrelid = $1 OR confrelid = $1)",
-            Some(1),
-            &[relid.into()],
-        )?
-        .len();
-    if fks > 0 {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} has foreign keys; foreign keys on distributed tables are not supported"
-        )));
-    }
-    let seq_defaults = client
-        .select(
-            "SELECT 1 FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped
-                AND (a.attidentity <> '' OR pg_get_expr(d.adbin, d.adrelid) LIKE '%nextval(%')",
-            Some(1),
-            &[relid.into()],
-        )?
-        .len();
-    if seq_defaults > 0 {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} has identity or serial columns; each node would draw its own values, so they are not supported on distributed tables (use uuid defaults such as gen_random_uuid())"
-        )));
-    }
-    let dropped = client
-        .select(
-            "SELECT 1 FROM pg_attribute WHERE attrelid = $1 AND attisdropped",
-            Some(1),
-            &[relid.into()],
-        )?
-        .len();
-    if dropped > 0 {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} has dropped columns; shards are planned with the shell's column numbers, so recreate the table (CREATE TABLE … AS) before distributing it"
-        )));
-    }
-    let copy_columns = client
-        .select(
-            "SELECT quote_ident(attname) FROM pg_attribute
-              WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
-              ORDER BY attnum",
-            None,
-            &[relid.into()],
-        )?
-        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(TableInfo { qualified, rel_name, key_type, key_type_name, copy_columns })
-}
 
 /// CREATE TABLE (columns, defaults, constraints) plus the table's other indexes, for shells on
 /// other nodes. Deparsed with search_path = pg_catalog so every name is schema-qualified.
@@ -222,34 +85,6 @@ fn shell_ddl(client: &mut SpiClient<'_>, relid: pg_sys::Oid, qualified: &str) ->
     Ok(ddl)
 }
 
-fn guard_ddl(qualified: &str) -> String {
-    format!(
-        "CREATE TRIGGER remus_shell_guard BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {qualified} \
-         FOR EACH STATEMENT EXECUTE FUNCTION remus.shell_guard();\n"
-    )
-}
-
-/// Escapes one value for COPY text format.
-fn copy_escape(v: &str, out: &mut String) {
-    for ch in v.chars() {
-        match ch {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c => out.push(c),
-        }
-    }
-}
-
-struct ShardPlan {
-    shard_id: i64,
-    index: i32,
-    lo: i32,
-    hi: i32,
-    owner: String,
-}
-
 fn create(
     relid: pg_sys::Oid,
     key: &str,
@@ -262,7 +97,7 @@ fn create(
             "shard_count must be between 1 and {MAX_SHARDS}, not {shard_count}"
         )));
     }
-    let nodes = crate::nodes::all_nodes()?;
+    let nodes = crate::cluster::nodes::all_nodes()?;
     if !nodes.iter().any(|n| n.name == me) {
         return Err(RemusError::InvalidArgument(format!(
             "this node ({me}) is not in remus_nodes; add it with remus_add_node first"
@@ -355,7 +190,7 @@ fn create(
                     format!(
                         "CREATE TABLE {table} (LIKE {} INCLUDING ALL);\n{}",
                         info.qualified,
-                        crate::mocc::capture_trigger_ddl(&table, p.shard_id)
+                        capture_trigger_ddl(&table, p.shard_id)
                     )
                 })
                 .collect()
@@ -396,91 +231,9 @@ fn create(
     })
 }
 
-/// Moves the table's existing rows into their shards: INSERT … SELECT for local shards, COPY
-/// over the remote transaction for shards on other nodes.
-fn move_rows(
-    client: &mut SpiClient<'_>,
-    info: &TableInfo,
-    key: &str,
-    shards: &[ShardPlan],
-    me: &str,
-    nodes: &[NodeAddr],
-) -> Result<(), RemusError> {
-    let cols = info.copy_columns.join(", ");
-    let qkey = quote_ident(key);
-    for p in shards.iter().filter(|p| p.owner == me) {
-        client.update(
-            &format!(
-                "INSERT INTO {} ({cols}) SELECT {cols} FROM ONLY {} WHERE remus.key_hash({qkey}) BETWEEN {} AND {}",
-                shard_table_name(&info.rel_name, p.shard_id),
-                info.qualified,
-                p.lo,
-                p.hi
-            ),
-            None,
-            &[],
-        )?;
-    }
-    if shards.iter().all(|p| p.owner == me) {
-        return Ok(());
-    }
-    let text_cols: Vec<String> = info.copy_columns.iter().map(|c| format!("{c}::text")).collect();
-    let query = format!(
-        "SELECT remus.key_hash({qkey}), {} FROM ONLY {}",
-        text_cols.join(", "),
-        info.qualified
-    );
-    let by_index: BTreeMap<i32, &ShardPlan> = shards.iter().map(|p| (p.index, p)).collect();
-    let mut buffers: BTreeMap<i64, String> = BTreeMap::new();
-    let flush = |shard: &ShardPlan, data: &str| -> Result<(), RemusError> {
-        let addr = nodes.iter().find(|n| n.name == shard.owner).expect("owner is a known node");
-        let sql = format!("COPY {} ({cols}) FROM STDIN", shard_table_name(&info.rel_name, shard.shard_id));
-        crate::remote::with_connection(addr, |c| c.copy_in(&sql, data.as_bytes()))?;
-        Ok(())
-    };
-    let mut cursor = client.open_cursor(&query, &[]);
-    loop {
-        let batch = cursor.fetch(10_000)?;
-        if batch.is_empty() {
-            break;
-        }
-        for row in batch {
-            let hash = row.get::<i32>(1)?.unwrap_or_default();
-            let idx = hashing::shard_index(hash, shards.len() as u32) as i32;
-            let shard = by_index[&idx];
-            if shard.owner == me {
-                continue;
-            }
-            let buf = buffers.entry(shard.shard_id).or_default();
-            for i in 0..info.copy_columns.len() {
-                if i > 0 {
-                    buf.push('\t');
-                }
-                match row.get::<String>(i + 2)? {
-                    Some(v) => copy_escape(&v, buf),
-                    None => buf.push_str("\\N"),
-                }
-            }
-            buf.push('\n');
-            if buf.len() >= COPY_FLUSH_BYTES {
-                let data = std::mem::take(buf);
-                flush(shard, &data)?;
-            }
-        }
-    }
-    for (shard_id, data) in buffers {
-        if let Some(shard) = shards.iter().find(|p| p.shard_id == shard_id) {
-            if !data.is_empty() {
-                flush(shard, &data)?;
-            }
-        }
-    }
-    Ok(())
-}
-
 fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
-    let nodes = crate::nodes::all_nodes()?;
+    let nodes = crate::cluster::nodes::all_nodes()?;
     if !nodes.iter().any(|n| n.name == me) {
         return Err(RemusError::InvalidArgument(format!(
             "this node ({me}) is not in remus_nodes; add it with remus_add_node first"
@@ -611,19 +364,19 @@ mod remus {
         shard_count: i32,
         colocate_with: Option<pg_sys::Oid>,
     ) {
-        super::create(relid, shard_key, shard_count, colocate_with).or_raise();
+        crate::distribute::create(relid, shard_key, shard_count, colocate_with).or_raise();
     }
 
     #[pg_extern(volatile, parallel_unsafe)]
     fn create_reference_table(relid: pg_sys::Oid) {
-        super::create_reference(relid).or_raise();
+        crate::distribute::create_reference(relid).or_raise();
     }
 
     /// The int4 hash of a shard-key value (its type's standard hash function).
     #[pg_extern(immutable, strict, parallel_safe)]
     fn key_hash(value: AnyElement) -> i32 {
         // SAFETY: AnyElement carries a valid datum of the type it names.
-        unsafe { crate::hashing::hash_datum(value.datum(), value.oid(), pg_sys::InvalidOid) }.or_raise()
+        unsafe { crate::catalog::hashing::hash_datum(value.datum(), value.oid(), pg_sys::InvalidOid) }.or_raise()
     }
 
     /// The shard id a value of the table's shard key maps to.
@@ -642,10 +395,10 @@ mod remus {
             // SAFETY: AnyElement carries a valid datum of its type; coercion goes through the
             // types' text I/O, which errors on a value the key type cannot represent.
             let hash = unsafe {
-                let d = crate::distribute::coerce_via_text(value.datum(), value.oid(), t.key_type);
-                crate::hashing::hash_datum(d, t.key_type, pg_sys::InvalidOid)?
+                let d = crate::pg::datum::coerce_via_text(value.datum(), value.oid(), t.key_type);
+                crate::catalog::hashing::hash_datum(d, t.key_type, pg_sys::InvalidOid)?
             };
-            let idx = crate::hashing::shard_index(hash, t.shard_count as u32) as i32;
+            let idx = crate::catalog::hashing::shard_index(hash, t.shard_count as u32) as i32;
             crate::catalog::placements(relid)?
                 .into_iter()
                 .find(|p| p.shard_index == idx)
@@ -654,24 +407,6 @@ mod remus {
         };
         run().or_raise()
     }
-}
-
-/// Converts a datum between types through their text representations.
-///
-/// # Safety
-/// `value` must be a valid datum of type `from`.
-pub unsafe fn coerce_via_text(value: pg_sys::Datum, from: pg_sys::Oid, to: pg_sys::Oid) -> pg_sys::Datum {
-    if from == to {
-        return value;
-    }
-    let mut out_fn = pg_sys::InvalidOid;
-    let mut varlena = false;
-    pg_sys::getTypeOutputInfo(from, &mut out_fn, &mut varlena);
-    let text = pg_sys::OidOutputFunctionCall(out_fn, value);
-    let mut in_fn = pg_sys::InvalidOid;
-    let mut ioparam = pg_sys::InvalidOid;
-    pg_sys::getTypeInputInfo(to, &mut in_fn, &mut ioparam);
-    pg_sys::OidInputFunctionCall(in_fn, text, ioparam, -1)
 }
 
 pgrx::extension_sql!(

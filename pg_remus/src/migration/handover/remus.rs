@@ -1,4 +1,6 @@
-//! READ COMMITTED order across Tm (Remus mode): a newer writer waits for the older ones.
+//! Remus handover, node side: from Tm until the migration ends, the node a shard left (its drain
+//! source, `remus.migration_drain_source`), and READ COMMITTED order across Tm: a newer writer
+//! waits for the older ones.
 //!
 //! Between Tm and the end of a migration, a shard has two copies that take writes: the source,
 //! where transactions whose view predates Tm keep running, and the destination, where every
@@ -16,7 +18,7 @@
 //!   commits and commits its shadow before it lets go of its locks; so the row the destination
 //!   then locks already carries their writes, and the newer writer re-evaluates on top of
 //!   them, as on a single node.
-//! - [`wait_for_in_doubt_flip`]: a READ COMMITTED transaction that routes a shard for the first
+//! - [`super::wait_for_in_doubt_flip`]: a READ COMMITTED transaction that routes a shard for the first
 //!   time while this node's Tm is prepared (decided elsewhere, perhaps already committed on the
 //!   destination) waits for that outcome and reads the map again, rather than start a new
 //!   writer on the source while others already write on the destination.
@@ -25,23 +27,38 @@
 //! `remus.drain_wait_timeout`, is logged and the write goes ahead (its older writer may then
 //! get the conflict it would have got without the wait).
 
-use pgrx::pg_sys;
-use pgrx::prelude::*;
 
 use std::time::{Duration, Instant};
 
-use crate::catalog::{quote_ident, DistTable, ShardPlacement};
+use pgrx::prelude::*;
+
+use crate::catalog::{DistTable, ShardPlacement};
+use crate::cluster::remote::{self, NodeAddr};
+use crate::cluster::shard_marker;
 use crate::error::{RemusError, NOT_SHARD_OWNER};
-use crate::remote::{self, quote_literal, NodeAddr};
+use crate::migration::state::{active, migration_of, require_superuser, NODE_NAME_BYTES, STATE};
+use crate::pg::sql::{quote_ident, quote_literal};
+
+/// The node `shard_id` is leaving, while its migration (Remus mode) is between Tm and its end:
+/// a write routed to the shard on another node waits there first for the row's writers that
+/// predate Tm ([`wait_for_older_writers`]).
+pub(crate) fn drain_source_of(shard_id: i64) -> Option<String> {
+    if !active() {
+        return None;
+    }
+    let s = STATE.share();
+    let migration_id = migration_of(&s, shard_id)?;
+    s.migrations.iter().find(|m| m.migration_id == migration_id)?.drain_source()
+}
 
 /// Before a write of the row(s) with shard key `key` (text) of `table` in `placement`: if the
 /// shard is draining from another node, waits there for the row's older writers (holding or queued).
-pub fn wait_for_older_writers(
+pub(crate) fn wait_for_older_writers(
     table: &DistTable,
     placement: &ShardPlacement,
     key: &str,
 ) -> Result<(), RemusError> {
-    let Some(source) = crate::handover::drain_source_of(placement.shard_id) else {
+    let Some(source) = drain_source_of(placement.shard_id) else {
         return Ok(());
     };
     // This transaction runs on the source itself (it predates Tm): it is one of the older ones.
@@ -55,14 +72,14 @@ pub fn wait_for_older_writers(
     if timeout_ms <= 0 {
         return Ok(());
     }
-    let addr = crate::nodes::lookup(&source)?;
+    let addr = crate::cluster::nodes::lookup(&source)?;
     // A session of its own, outside this transaction: the share lock is dropped as soon as the
     // row is free and must not join the two-phase commit.
     let fence = NodeAddr {
         name: format!("{}#drain", addr.name),
         ..addr
     };
-    let lock_row = super::marked(
+    let lock_row = shard_marker::marked(
         placement.shard_id,
         &format!(
             "SELECT 1 FROM {} WHERE {} = {} FOR SHARE",
@@ -147,42 +164,33 @@ fn wait_until_row_queue_is_empty(
     }
 }
 
-/// Does this transaction route by the latest map (READ COMMITTED)? One that keeps a snapshot
-/// for the whole transaction routes by that snapshot: whatever it waited for, it would route as
-/// an older transaction.
-pub fn routes_at_latest() -> bool {
-    // SAFETY: reads the backend's isolation level.
-    (unsafe { pg_sys::XactIsoLevel } as u32) < pg_sys::XACT_REPEATABLE_READ
-}
+#[pg_schema]
+mod remus {
+    use pgrx::prelude::*;
 
-/// First use of `relid`'s shards in a READ COMMITTED transaction while this node's map is read
-/// through (a Tm in progress): waits for any prepared Tm on those shards' map rows. Returns
-/// true when it waited.
-pub fn wait_for_in_doubt_flip(relid: pg_sys::Oid) -> Result<bool, RemusError> {
-    let in_doubt: Vec<u32> = Spi::connect(|c| {
-        c.select(
-            "SELECT m.xmax::text::bigint
-               FROM remus.shards s
-               JOIN remus.shard_map m USING (shard_id)
-              WHERE s.logicalrelid = $1 AND m.xmax <> '0'::xid
-                AND EXISTS (SELECT 1 FROM pg_catalog.pg_prepared_xacts p WHERE p.transaction = m.xmax)",
-            None,
-            &[relid.into()],
-        )?
-        .map(|r| r.get::<i64>(1).map(|x| x.unwrap_or(0) as u32))
-        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
-    })?;
-    for xid in &in_doubt {
-        // SAFETY: waits on the prepared transaction's xid lock (interruptible; lock_timeout
-        // applies), like a writer that meets its row version.
-        unsafe {
-            pg_sys::XactLockTableWait(
-                pg_sys::TransactionId::from(*xid),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                pg_sys::XLTW_Oper::XLTW_None,
-            )
-        };
+    use crate::migration::handover::remus::*;
+
+    /// Remus mode, at Tm: from now until `migration_end`, a write routed to one of the
+    /// migration's shards on a node other than `source_node` first waits on `source_node` for
+    /// the transactions there that hold the row (they predate Tm), so it follows them the way
+    /// a READ COMMITTED writer follows an older one on a single node, instead of leaving them a
+    /// write-write conflict. The migration must be registered. Idempotent.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_drain_source(migration_id: i64, source_node: &str) {
+        require_superuser("remus.migration_drain_source");
+        if source_node.is_empty() || source_node.len() >= NODE_NAME_BYTES {
+            RemusError::InvalidArgument(format!("node name must be 1..{} bytes", NODE_NAME_BYTES - 1)).raise();
+        }
+        let mut s = STATE.exclusive();
+        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+            Some(m) => {
+                m.drain_source = [0; NODE_NAME_BYTES];
+                m.drain_source[..source_node.len()].copy_from_slice(source_node.as_bytes());
+            }
+            None => {
+                drop(s);
+                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+            }
+        }
     }
-    Ok(!in_doubt.is_empty())
 }

@@ -14,8 +14,9 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 use crate::error::RemusError;
-use crate::nodes;
-use crate::remote::{self, quote_literal};
+use crate::cluster::{nodes, remote};
+use crate::error::OrRaise;
+use crate::pg::sql::quote_literal;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RecoveryStats {
@@ -113,4 +114,15 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
         }
     }
     Ok(stats)
+}
+
+/// Resolves in-doubt prepared transactions this node coordinated; returns how many were
+/// committed, rolled back, and are still running.
+#[pg_extern]
+fn remus_recover_prepared() -> TableIterator<
+    'static,
+    (name!(committed, i64), name!(rolled_back, i64), name!(in_progress, i64)),
+> {
+    let s = recover().or_raise();
+    TableIterator::once((s.committed, s.rolled_back, s.in_progress))
 }

@@ -1,0 +1,12 @@
+//! The user-facing `remus_*` SQL functions and views that compose features from the layers
+//! below (the SQL functions of one feature, such as `remus_create_distributed_table` or the
+//! migration primitives in schema `remus`, live with that feature).
+//!
+//! - [`nodes`]: `remus_add_node`, `remus_remove_node`, `remus_local_node`, `remus_run_on_node`,
+//!   the `remus_nodes` view.
+//! - [`shards`]: the `remus_shards` view and `remus_shard_size`.
+//! - [`migrate`]: `remus_migrate_shard(s)` and the `remus_migrations` view.
+
+mod migrate;
+mod nodes;
+mod shards;

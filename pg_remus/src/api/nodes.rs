@@ -1,0 +1,85 @@
+//! Cluster membership from SQL: adding and removing nodes, and running a command on one.
+
+use pgrx::prelude::*;
+use pgrx::spi::Spi;
+
+use crate::cluster::nodes::{add_node, all_nodes, lookup};
+use crate::error::{OrRaise, RemusError};
+
+pgrx::extension_sql!(
+    r#"
+CREATE VIEW remus_nodes AS
+    SELECT name, host, port FROM remus.nodes ORDER BY name;
+COMMENT ON VIEW remus_nodes IS 'Nodes this node knows: name, host, port';
+"#,
+    name = "views",
+    requires = ["catalog"],
+    finalize
+);
+
+/// Adds a node to this node's catalog. Adding the same name with the same address again is a
+/// no-op, so provisioning can be re-run; another address for a known name is refused (42710).
+#[pg_extern]
+fn remus_add_node(name: &str, host: &str, port: i32) {
+    add_node(name, host, port).or_raise();
+}
+
+/// This node's name (`remus.node_name`).
+#[pg_extern]
+fn remus_local_node() -> String {
+    crate::guc::node_name()
+        .ok_or(RemusError::NodeNameUnset)
+        .or_raise()
+}
+
+/// Runs a command on another node inside the current transaction; with several writing nodes
+/// the transaction commits by two-phase commit. Returns the number of rows it affected.
+/// Running it on this node itself is refused: the remote backend would wait on our own locks,
+/// a deadlock no detector sees.
+#[pg_extern]
+fn remus_run_on_node(node: &str, command: &str) -> i64 {
+    let run = || -> Result<i64, RemusError> {
+        if crate::guc::node_name().as_deref() == Some(node) {
+            return Err(RemusError::InvalidArgument(format!(
+                "node {node} is this node; run the command directly"
+            )));
+        }
+        let addr = lookup(node)?;
+        let r = crate::twophase::exec_in_transaction(&addr, command, true)?;
+        Ok(r.affected as i64)
+    };
+    run().or_raise()
+}
+
+fn remove_node(name: &str) -> Result<(), RemusError> {
+    let owned = Spi::get_one_with_args::<i64>(
+        "SELECT count(*) FROM remus.shard_map WHERE node_name = $1",
+        &[name.into()],
+    )?
+    .unwrap_or(0);
+    if owned > 0 {
+        return Err(RemusError::ObjectInUse(format!(
+            "node {name} still owns {owned} shards; move them away first (remus_migrate_shard)"
+        )));
+    }
+    let nodes = all_nodes()?;
+    if !nodes.iter().any(|n| n.name == name) {
+        return Err(RemusError::UnknownNode(name.to_string()));
+    }
+    let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
+    let sql = format!("DELETE FROM remus.nodes WHERE name = {}", crate::pg::sql::quote_literal(name));
+    // Every remaining node forgets it, in one 2PC transaction. The leaving node is not asked:
+    // it may well be down, which is a common reason to remove it.
+    for n in nodes.iter().filter(|n| n.name != me && n.name != name) {
+        crate::twophase::exec_in_transaction(n, &sql, true)?;
+    }
+    Spi::run(&sql)?;
+    Ok(())
+}
+
+/// Removes a node from the cluster's membership on every node. Refused (55006) while the node
+/// owns shards.
+#[pg_extern]
+fn remus_remove_node(name: &str) {
+    remove_node(name).or_raise();
+}

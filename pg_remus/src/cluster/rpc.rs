@@ -1,0 +1,81 @@
+//! gRPC from a backend: the coordinator (`api::migrate`) and the replay workers that validate
+//! and resolve dual-execution commits (`migration::dual`).
+//!
+//! The clients run on a current-thread tokio runtime owned by the backend. Every wait is sliced
+//! so that interrupts (cancel, statement_timeout, terminate) are served within 100 ms, outside
+//! the runtime.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use pgrx::prelude::*;
+use remus_proto::v1::replay_worker_client::ReplayWorkerClient;
+
+use crate::error::RemusError;
+
+const SLICE: Duration = Duration::from_millis(100);
+
+thread_local! {
+    static RUNTIME: std::cell::OnceCell<tokio::runtime::Runtime> = const { std::cell::OnceCell::new() };
+    static CLIENTS: RefCell<HashMap<String, ReplayWorkerClient<tonic::transport::Channel>>> = RefCell::new(HashMap::new());
+}
+
+pub(crate) fn coordinator_error(message: String) -> RemusError {
+    RemusError::Remote {
+        node: "coordinator".into(),
+        sqlstate: "08006".into(),
+        message,
+        detail: None,
+        hint: None,
+    }
+}
+
+/// Runs `fut` to completion on the backend's runtime, serving interrupts between slices.
+pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
+    RUNTIME.with(|cell| {
+        let rt = match cell.get() {
+            Some(rt) => rt,
+            None => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| coordinator_error(format!("cannot start the gRPC runtime: {e}")))?;
+                let _ = cell.set(rt);
+                cell.get().expect("just set")
+            }
+        };
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            match rt.block_on(async { tokio::time::timeout(SLICE, &mut fut).await }) {
+                Ok(v) => return Ok(v),
+                Err(_) => {
+                    // Outside the runtime: an ERROR raised here unwinds only our own frames.
+                    check_for_interrupts!();
+                }
+            }
+        }
+    })
+}
+
+/// A client of the replay worker at `endpoint`, made once per backend and endpoint.
+pub(crate) fn client_for(endpoint: &str) -> Result<ReplayWorkerClient<tonic::transport::Channel>, RemusError> {
+    if let Some(c) = CLIENTS.with(|c| c.borrow().get(endpoint).cloned()) {
+        return Ok(c);
+    }
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .map_err(|e| RemusError::InvalidArgument(format!("bad replay worker endpoint {endpoint}: {e}")))?
+        .connect_timeout(Duration::from_secs(5))
+        .connect_lazy();
+    let client = ReplayWorkerClient::new(channel)
+        .max_decoding_message_size(256 * 1024 * 1024)
+        .max_encoding_message_size(256 * 1024 * 1024);
+    CLIENTS.with(|c| c.borrow_mut().insert(endpoint.to_string(), client.clone()));
+    Ok(client)
+}
+
+/// Drops the cached client of `endpoint` (after a failed call), so the next call reconnects.
+pub(crate) fn forget_client(endpoint: &str) {
+    CLIENTS.with(|c| c.borrow_mut().remove(endpoint));
+}

@@ -1,0 +1,26 @@
+//! `ExecutorStart_hook`: the ownership check (RM001) and the handover's checks, then the
+//! previous executor start.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+static mut PREV_EXECUTOR_START: pg_sys::ExecutorStart_hook_type = None;
+
+pub(super) fn install() {
+    // SAFETY: process-global hook set once at preload, previous value chained.
+    unsafe {
+        PREV_EXECUTOR_START = pg_sys::ExecutorStart_hook;
+        pg_sys::ExecutorStart_hook = Some(executor_start);
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, eflags: i32) {
+    if let Err(e) = crate::router::ownership::check(query_desc) {
+        e.raise();
+    }
+    match PREV_EXECUTOR_START {
+        Some(prev) => prev(query_desc, eflags),
+        None => pg_sys::standard_ExecutorStart(query_desc, eflags),
+    }
+}

@@ -1,0 +1,37 @@
+//! `planner_hook`: the admission gate, then the router's decision, then the previous planner.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+static mut PREV_PLANNER: pg_sys::planner_hook_type = None;
+
+pub(super) fn install() {
+    // SAFETY: process-global hook set once at preload, previous value chained.
+    unsafe {
+        PREV_PLANNER = pg_sys::planner_hook;
+        pg_sys::planner_hook = Some(remus_planner);
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn remus_planner(
+    parse: *mut pg_sys::Query,
+    query_string: *const std::ffi::c_char,
+    cursor_options: std::ffi::c_int,
+    bound_params: pg_sys::ParamListInfo,
+) -> *mut pg_sys::PlannedStmt {
+    // A gated transaction waits before its statement is routed, so that the routing decision
+    // is taken after the gate opens.
+    if let Err(e) = crate::migration::handover::admit_statement() {
+        e.raise();
+    }
+    match crate::router::planner::route(parse, query_string) {
+        Ok(Some(stmt)) => return stmt,
+        Ok(None) => {}
+        Err(e) => e.raise(),
+    }
+    match PREV_PLANNER {
+        Some(prev) => prev(parse, query_string, cursor_options, bound_params),
+        None => pg_sys::standard_planner(parse, query_string, cursor_options, bound_params),
+    }
+}

@@ -1,0 +1,44 @@
+//! `ProcessUtility_hook`: the router's utility statements (COPY FROM, TRUNCATE, refusals) and
+//! the handover's checks; after a COMMIT / ROLLBACK PREPARED, its Remus shadows follow.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use crate::migration::dual;
+
+static mut PREV_UTILITY: pg_sys::ProcessUtility_hook_type = None;
+
+pub(super) fn install() {
+    // SAFETY: process-global hook set once at preload, previous value chained.
+    unsafe {
+        PREV_UTILITY = pg_sys::ProcessUtility_hook;
+        pg_sys::ProcessUtility_hook = Some(process_utility);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[pg_guard]
+unsafe extern "C-unwind" fn process_utility(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query_string: *const std::ffi::c_char,
+    read_only_tree: bool,
+    context: pg_sys::ProcessUtilityContext::Type,
+    params: pg_sys::ParamListInfo,
+    query_env: *mut pg_sys::QueryEnvironment,
+    dest: *mut pg_sys::DestReceiver,
+    qc: *mut pg_sys::QueryCompletion,
+) {
+    match crate::router::utility::intercept(pstmt, query_string, qc) {
+        Ok(true) => return,
+        Ok(false) => {}
+        Err(e) => e.raise(),
+    }
+    let finishing = dual::finishing_prepared(pstmt);
+    match PREV_UTILITY {
+        Some(prev) => prev(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
+        None => pg_sys::standard_ProcessUtility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
+    }
+    if let Some((xid, commit)) = finishing {
+        dual::prepared_finished(xid, commit);
+    }
+}

@@ -1,0 +1,240 @@
+//! Catch-up phase, node side (Remus mode): write-set capture on the source.
+//!
+//! Every shard table carries an AFTER ROW trigger, `remus.capture_write`, created with the table
+//! (`catalog::shard_ddl::capture_trigger_ddl`; creating it at migration time would queue every
+//! writer behind the longest running one). It returns at once unless the shard's migration
+//! captures writes (`remus.migration_capture`); then it records the row change, in the replay
+//! worker's wire format, in this backend's write set. A rolled-back subtransaction drops its
+//! changes. The write set is validated at commit by dual execution (`migration::dual`).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::rc::Rc;
+
+use pgrx::prelude::*;
+use pgrx::pg_sys;
+use remus_proto::v1::{column_value, row_change, ColumnValue, RowChange};
+
+use crate::error::RemusError;
+use crate::migration::state::{active, migration_of, require_superuser, ENDPOINT_BYTES, STATE};
+
+/// Columns of a shard table as the write set ships them.
+struct RelMeta {
+    schema: String,
+    table: String,
+    columns: Vec<String>,
+    key: Vec<bool>,
+    /// Per column: attribute number and output function.
+    attrs: Vec<(usize, pg_sys::Oid)>,
+}
+
+struct Captured {
+    migration_id: i64,
+    subxact: pg_sys::SubTransactionId,
+    change: RowChange,
+}
+
+thread_local! {
+    static REL_META: RefCell<HashMap<pg_sys::Oid, Rc<RelMeta>>> = RefCell::new(HashMap::new());
+    static WRITE_SET: RefCell<Vec<Captured>> = const { RefCell::new(Vec::new()) };
+}
+
+fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
+    // SAFETY: the trigger's relation is open and locked for the duration of the call.
+    let relid = unsafe { (*rel).rd_id };
+    if let Some(m) = REL_META.with(|c| c.borrow().get(&relid).cloned()) {
+        return Ok(m);
+    }
+    // Once per table per backend: names, key columns (the primary key) and output functions.
+    let rows: Vec<(String, String, String, i16, bool, pg_sys::Oid)> = Spi::connect(|c| {
+        c.select(
+            "SELECT n.nspname::text, cl.relname::text, a.attname::text, a.attnum,
+                    coalesce(a.attnum = ANY(i.indkey::int2[]), false), a.atttypid
+               FROM pg_class cl
+               JOIN pg_namespace n ON n.oid = cl.relnamespace
+               JOIN pg_attribute a ON a.attrelid = cl.oid AND a.attnum > 0 AND NOT a.attisdropped
+               LEFT JOIN pg_index i ON i.indrelid = cl.oid AND i.indisprimary
+              WHERE cl.oid = $1
+              ORDER BY a.attnum",
+            None,
+            &[relid.into()],
+        )?
+        .map(|r| {
+            Ok((
+                r.get::<String>(1)?.unwrap_or_default(),
+                r.get::<String>(2)?.unwrap_or_default(),
+                r.get::<String>(3)?.unwrap_or_default(),
+                r.get::<i16>(4)?.unwrap_or_default(),
+                r.get::<bool>(5)?.unwrap_or_default(),
+                r.get::<pg_sys::Oid>(6)?.unwrap_or(pg_sys::InvalidOid),
+            ))
+        })
+        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+    })?;
+    let Some((schema, table, ..)) = rows.first().cloned() else {
+        return Err(RemusError::InvalidArgument(format!("relation {relid:?} has no columns")));
+    };
+    let mut meta = RelMeta { schema, table, columns: Vec::new(), key: Vec::new(), attrs: Vec::new() };
+    for (_, _, column, attnum, key, typid) in rows {
+        let mut output = pg_sys::InvalidOid;
+        let mut varlena = false;
+        // SAFETY: catalog lookup of a type that exists (the column has it).
+        unsafe { pg_sys::getTypeOutputInfo(typid, &mut output, &mut varlena) };
+        meta.columns.push(column);
+        meta.key.push(key);
+        meta.attrs.push((attnum as usize, output));
+    }
+    let meta = Rc::new(meta);
+    REL_META.with(|c| c.borrow_mut().insert(relid, meta.clone()));
+    Ok(meta)
+}
+
+/// Every column of `tuple` in the output format (what pgoutput sends).
+///
+/// # Safety
+/// `tuple` and `tupdesc` must be the trigger's valid tuple and its relation's descriptor.
+unsafe fn row_values(meta: &RelMeta, tuple: pg_sys::HeapTuple, tupdesc: pg_sys::TupleDesc) -> Vec<ColumnValue> {
+    meta.attrs
+        .iter()
+        .map(|&(attnum, output)| {
+            let value = match NonZeroUsize::new(attnum).and_then(|a| pgrx::heap_getattr_raw(tuple, a, tupdesc)) {
+                None => column_value::Value::Null(true),
+                Some(datum) => {
+                    let text = pg_sys::OidOutputFunctionCall(output, datum);
+                    let s = std::ffi::CStr::from_ptr(text).to_string_lossy().into_owned();
+                    pg_sys::pfree(text.cast());
+                    column_value::Value::Text(s)
+                }
+            };
+            ColumnValue { value: Some(value) }
+        })
+        .collect()
+}
+
+fn shard_of(trigger: &PgTrigger<'_>) -> Option<i64> {
+    trigger.extra_args().ok()?.first()?.parse().ok()
+}
+
+fn capture(trigger: &PgTrigger<'_>, migration_id: i64) -> Result<(), RemusError> {
+    let data = trigger.trigger_data();
+    let rel = data.tg_relation;
+    let meta = rel_meta(rel)?;
+    let event = data.tg_event;
+    // SAFETY: the relation is open; its descriptor lives as long as the call.
+    let tupdesc = unsafe { (*rel).rd_att };
+    let op = event & pg_sys::TRIGGER_EVENT_OPMASK;
+    let (kind, old, new) = if op == pg_sys::TRIGGER_EVENT_INSERT {
+        (row_change::Kind::Insert, None, Some(data.tg_trigtuple))
+    } else if op == pg_sys::TRIGGER_EVENT_UPDATE {
+        (row_change::Kind::Update, Some(data.tg_trigtuple), Some(data.tg_newtuple))
+    } else if op == pg_sys::TRIGGER_EVENT_DELETE {
+        (row_change::Kind::Delete, Some(data.tg_trigtuple), None)
+    } else {
+        return Ok(());
+    };
+    // SAFETY: row triggers get valid tuples for their event (checked above).
+    let (old_values, new_values) = unsafe {
+        (
+            old.map(|t| row_values(&meta, t, tupdesc)).unwrap_or_default(),
+            new.map(|t| row_values(&meta, t, tupdesc)).unwrap_or_default(),
+        )
+    };
+    let change = RowChange {
+        kind: kind as i32,
+        schema: meta.schema.clone(),
+        table: meta.table.clone(),
+        columns: meta.columns.clone(),
+        key: meta.key.clone(),
+        old_values,
+        new_values,
+        truncate_tables: Vec::new(),
+    };
+    // SAFETY: plain read of the current subtransaction id.
+    let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    WRITE_SET.with(|w| w.borrow_mut().push(Captured { migration_id, subxact, change }));
+    Ok(())
+}
+
+/// The migration capturing writes on `shard_id`, if any (the write-set trigger's question).
+pub(crate) fn capturing_migration(shard_id: i64) -> Option<i64> {
+    if !active() {
+        return None;
+    }
+    let s = STATE.share();
+    let migration_id = migration_of(&s, shard_id)?;
+    s.migrations.iter().any(|m| m.migration_id == migration_id && m.capture).then_some(migration_id)
+}
+
+/// Row changes captured so far in this transaction (for the tests).
+#[cfg(any(test, feature = "pg_test"))]
+pub(crate) fn captured_changes() -> usize {
+    WRITE_SET.with(|w| w.borrow().len())
+}
+
+/// A subtransaction rolled back: its changes (and its children's) leave the write set.
+pub(crate) fn subxact_aborted(subxact: pg_sys::SubTransactionId) {
+    WRITE_SET.with(|w| w.borrow_mut().retain(|c| c.subxact < subxact));
+}
+
+/// Takes this transaction's write set: (migration, row change), in capture order.
+pub(crate) fn take_write_set() -> Vec<(i64, RowChange)> {
+    WRITE_SET.with(|w| w.borrow_mut().drain(..).map(|c| (c.migration_id, c.change)).collect())
+}
+
+/// The transaction ended: its write set goes.
+pub(crate) fn clear_write_set() {
+    WRITE_SET.with(|w| w.borrow_mut().clear());
+}
+
+#[pg_schema]
+mod remus {
+    use pgrx::prelude::*;
+
+    use crate::migration::catchup::*;
+
+    /// AFTER INSERT OR UPDATE OR DELETE … FOR EACH ROW on every shard table, with the shard id as
+    /// its argument. Costs one atomic load unless a migration captures the shard.
+    #[pg_trigger]
+    fn capture_write<'a>(
+        trigger: &'a pgrx::PgTrigger<'a>,
+    ) -> Result<Option<PgHeapTuple<'a, impl WhoAllocated>>, PgHeapTupleError> {
+        if !active() {
+            return Ok(None::<PgHeapTuple<'a, pgrx::AllocatedByPostgres>>);
+        }
+        let Some(migration_id) = shard_of(trigger).and_then(capturing_migration) else {
+            return Ok(None);
+        };
+        if crate::guc::MIGRATION_SESSION.get() {
+            // The migration's own sessions (the shadow side) never write a source shard.
+            return Ok(None);
+        }
+        if let Err(e) = capture(trigger, migration_id) {
+            e.raise();
+        }
+        Ok(None)
+    }
+
+    /// Remus mode: from now on writes on the migration's shard tables on this node are
+    /// captured as write sets, to be validated through the replay worker at `endpoint` once the
+    /// sync barrier is set. The migration must be registered. Idempotent.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_capture(migration_id: i64, endpoint: &str) {
+        require_superuser("remus.migration_capture");
+        if endpoint.is_empty() || endpoint.len() >= ENDPOINT_BYTES {
+            RemusError::InvalidArgument(format!("replay worker endpoint must be 1..{} bytes", ENDPOINT_BYTES - 1)).raise();
+        }
+        let mut s = STATE.exclusive();
+        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+            Some(m) => {
+                m.capture = true;
+                m.endpoint = [0; ENDPOINT_BYTES];
+                m.endpoint[..endpoint.len()].copy_from_slice(endpoint.as_bytes());
+            }
+            None => {
+                drop(s);
+                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! Copy phase, node side: the migration's registration. From `remus.migration_begin` until
+//! `remus.migration_end` (cleanup), DDL on its shard tables and on their distributed tables
+//! fails with 55006, because a shard whose schema changes under the copy and the replay would
+//! silently diverge.
+
+use pgrx::prelude::*;
+
+use crate::error::RemusError;
+use crate::migration::state::{
+    active, exempt, migration_of, recount, require_superuser, MigrationEntry, ShardEntry, MAX_MIGRATIONS, MAX_SHARDS,
+    STATE,
+};
+
+/// Before DDL on a relation: `shard_ids` are the shards the relation is (a shard table) or has
+/// (a distributed table). Refused while one of them is migrating.
+pub(crate) fn check_ddl(table: &str, shard_ids: &[i64]) -> Result<(), RemusError> {
+    if !active() || exempt() {
+        return Ok(());
+    }
+    let s = STATE.share();
+    for &shard_id in shard_ids {
+        if let Some(migration_id) = migration_of(&s, shard_id) {
+            return Err(RemusError::ObjectInUse(format!(
+                "table {table} is being migrated by shard migration {migration_id} (shard {shard_id}); retry the DDL when it has ended"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[pg_schema]
+mod remus {
+    use pgrx::prelude::*;
+
+    use crate::migration::copy::*;
+
+    /// Registers a migration's shards on this node (DDL on them is refused until
+    /// `migration_end`). Idempotent.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_begin(migration_id: i64, shard_ids: Vec<i64>) {
+        require_superuser("remus.migration_begin");
+        if migration_id <= 0 {
+            RemusError::InvalidArgument(format!("invalid migration id {migration_id}")).raise();
+        }
+        let mut s = STATE.exclusive();
+        // Refuse before changing anything.
+        if let Some((shard_id, other)) = shard_ids
+            .iter()
+            .find_map(|&id| migration_of(&s, id).filter(|&m| m != migration_id).map(|m| (id, m)))
+        {
+            drop(s);
+            RemusError::ObjectInUse(format!("shard {shard_id} is already registered by migration {other}")).raise();
+        }
+        if !s.migrations.iter().any(|m| m.migration_id == migration_id) {
+            let Some(slot) = s.migrations.iter_mut().find(|m| m.migration_id == 0) else {
+                drop(s);
+                RemusError::ObjectInUse(format!("too many concurrent migrations on this node (at most {MAX_MIGRATIONS})")).raise()
+            };
+            *slot = MigrationEntry { migration_id, ..MigrationEntry::default() };
+        }
+        for shard_id in shard_ids {
+            if migration_of(&s, shard_id).is_some() {
+                continue;
+            }
+            let Some(slot) = s.shards.iter_mut().find(|e| e.migration_id == 0) else {
+                drop(s);
+                RemusError::ObjectInUse(format!("too many migrating shards on this node (at most {MAX_SHARDS})")).raise()
+            };
+            *slot = ShardEntry { migration_id, shard_id };
+        }
+        recount(&s);
+    }
+}

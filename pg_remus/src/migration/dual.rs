@@ -1,0 +1,362 @@
+//! Dual execution, node side (Remus mode): validate-then-commit of the source transactions that
+//! wrote a migrating shard. (The MOCC conflict check itself runs on the destination, in the
+//! replay worker's `validate`.)
+//!
+//! - Commit: at pre-commit (and pre-prepare, so 2PC participants validate inside their
+//!   PREPARE), a transaction with a captured write set (`migration::catchup`) reads its
+//!   migration's mode under the handover lock (`migration::barrier::enter_commit`). Async: it
+//!   commits as usual, marked "in async commit" for the sync barrier until it ends. Sync: it
+//!   ships the write set with L_T (its WAL insert position, flushed) to the replay worker's
+//!   `Validate`; the destination applies it in a prepared shadow transaction after its stream
+//!   passed L_T, or refuses it on a write-write conflict, which fails this transaction with
+//!   40001. Once validated, a transactional logical message "remus" carrying the shadow's gid
+//!   tells the stream not to apply the transaction again, and synchronous_commit is forced on
+//!   (the shadow must not outlive a lost commit record).
+//! - After the commit, the backend asks the replay worker to commit the shadow with this
+//!   transaction's commit time and waits for it before the client gets its COMMIT, so a client
+//!   that commits here and reads on the destination sees its write. This wait cannot raise (the
+//!   transaction is committed): a failure is a WARNING, and the stream commits the shadow later.
+//!   An abort after validation rolls the shadow back the same way; a shadow whose source died
+//!   in between is resolved by the coordinator from the source transaction's status.
+//! - A 2PC participant's shadows wait for its COMMIT / ROLLBACK PREPARED, which may run in
+//!   another session: noted in shared memory under its xid, they are resolved by that session
+//!   before the statement returns.
+
+
+use std::cell::{Cell, RefCell};
+use std::ffi::CString;
+use std::time::Duration;
+
+use pgrx::prelude::*;
+use pgrx::pg_sys;
+use remus_proto::v1::{ResolveRequest, RowChange, ValidateRequest};
+
+use crate::cluster::rpc::{block_on, client_for, forget_client};
+use crate::error::RemusError;
+use crate::migration::barrier::{enter_commit, leave_commit, CommitMode};
+use crate::migration::catchup::{clear_write_set, take_write_set};
+use crate::migration::state::{active, count_migration_abort, PreparedShadow, MAX_PREPARED_SHADOWS, STATE};
+use crate::pg::ffi::LogLogicalMessage;
+
+/// Logical message prefix marking a validated transaction in the WAL stream (the propagator's
+/// `REMUS_MESSAGE_PREFIX`).
+const MESSAGE_PREFIX: &std::ffi::CStr = c"remus";
+/// Longest wait of the post-commit shadow commit (the client's COMMIT waits for it).
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A write set the destination accepted: its prepared shadow awaits this transaction's fate.
+struct Validated {
+    migration_id: i64,
+    gid: String,
+    endpoint: String,
+    /// The source transaction's top xid (what pg_prepared_xacts shows if it is prepared).
+    xid: u32,
+}
+
+thread_local! {
+    static VALIDATED: RefCell<Vec<Validated>> = const { RefCell::new(Vec::new()) };
+    static MARKED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Pre-commit / pre-prepare: validates the captured write sets of migrations in sync mode.
+pub(crate) fn pre_commit() -> Result<(), RemusError> {
+    let mut by_migration: Vec<(i64, Vec<RowChange>)> = Vec::new();
+    for (migration_id, change) in take_write_set() {
+        match by_migration.iter_mut().find(|(m, _)| *m == migration_id) {
+            Some((_, changes)) => changes.push(change),
+            None => by_migration.push((migration_id, vec![change])),
+        }
+    }
+    if by_migration.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<i64> = by_migration.iter().map(|(m, _)| *m).collect();
+    let modes = enter_commit(&ids);
+    if modes.iter().any(|(_, m)| *m == CommitMode::Async) {
+        MARKED.with(|m| m.set(true));
+    }
+    for ((migration_id, changes), (_, mode)) in by_migration.into_iter().zip(modes) {
+        if let CommitMode::Sync { endpoint } = mode {
+            validate(migration_id, &endpoint, changes)?;
+        }
+    }
+    Ok(())
+}
+
+/// The gid of the shadow of source transaction `fxid` (what the replay worker and the
+/// coordinator's cleanup expect).
+fn shadow_gid(migration_id: i64, fxid: u64) -> String {
+    format!("remus:{migration_id}:{fxid}")
+}
+
+fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Result<(), RemusError> {
+    // SAFETY: the transaction wrote, so it has an xid; plain reads of WAL positions.
+    let (fxid, wait_lsn) = unsafe {
+        let fxid = pg_sys::GetTopFullTransactionId().value;
+        // The insert position may lie just past the header of a page no record has reached
+        // yet; flushing up to there fails ("xlog flush request … is not satisfied"), so both
+        // the flush and L_T stop at the end of the last record.
+        let lsn = end_of_last_record(pg_sys::GetXLogInsertRecPtr());
+        // The destination waits until its stream has passed L_T; the walsender only decodes
+        // flushed WAL, so flush now rather than wait for the WAL writer.
+        pg_sys::XLogFlush(lsn);
+        (fxid, lsn)
+    };
+    let gid = shadow_gid(migration_id, fxid);
+    let request = ValidateRequest {
+        migration_id: migration_id as u64,
+        gid: gid.clone(),
+        wait_lsn,
+        changes,
+        lock_timeout_ms: 0,
+    };
+    // The channel is made inside the runtime: tonic spawns its connection task there.
+    let reply = block_on(async move {
+        let mut client = client_for(endpoint)?;
+        Ok::<_, RemusError>(client.validate(request).await)
+    });
+    let reply = match reply {
+        Err(e) | Ok(Err(e)) => return Err(e),
+        Ok(Ok(Err(status))) => {
+            forget_client(endpoint);
+            return Err(RemusError::SyncValidation {
+                migration_id,
+                message: format!("replay worker {endpoint}: {}", status.message()),
+            });
+        }
+        Ok(Ok(Ok(reply))) => reply.into_inner(),
+    };
+    if !reply.ok {
+        count_migration_abort(migration_id);
+        return Err(RemusError::MigrationConflict { migration_id, conflict: reply.conflict });
+    }
+    VALIDATED.with(|v| {
+        v.borrow_mut().push(Validated { migration_id, gid: gid.clone(), endpoint: endpoint.to_string(), xid: fxid as u32 })
+    });
+    let content = CString::new(gid).expect("gid has no NUL");
+    // SAFETY: transactional message inside this transaction; the strings outlive the call.
+    unsafe {
+        LogLogicalMessage(MESSAGE_PREFIX.as_ptr(), content.as_ptr(), content.as_bytes().len(), true);
+    }
+    force_synchronous_commit();
+    Ok(())
+}
+
+/// The insert position just past a page header is where the next record starts, but the
+/// walsender reports the end of the last record read, which stops before that header: step back
+/// over it so an idle stream can reach L_T.
+fn end_of_last_record(insert: u64) -> u64 {
+    const XLOG_BLCKSZ: u64 = pg_sys::XLOG_BLCKSZ as u64;
+    const SHORT_HEADER: u64 = 24;
+    const LONG_HEADER: u64 = 40;
+    // SAFETY: read-only global set at startup.
+    let segment = unsafe { pg_sys::wal_segment_size } as u64;
+    if segment > 0 && insert % segment == LONG_HEADER {
+        insert - LONG_HEADER
+    } else if insert % XLOG_BLCKSZ == SHORT_HEADER {
+        insert - SHORT_HEADER
+    } else {
+        insert
+    }
+}
+
+fn force_synchronous_commit() {
+    // SAFETY: transaction-local GUC change, reverted at transaction end (after the commit
+    // record is flushed), exactly as SET LOCAL does.
+    unsafe {
+        pg_sys::set_config_option(
+            c"synchronous_commit".as_ptr(),
+            c"on".as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_LOCAL,
+            true,
+            0,
+            false,
+        );
+    }
+}
+
+/// The transaction ended (commit or abort; for PREPARE, see [`prepared`]). Commits or rolls
+/// back the validated shadows, waiting for the answer, and clears this backend's state.
+pub(crate) fn end_of_transaction(committed: bool) {
+    clear_write_set();
+    if MARKED.with(|m| m.replace(false)) {
+        leave_commit();
+    }
+    let validated = VALIDATED.with(|v| std::mem::take(&mut *v.borrow_mut()));
+    if validated.is_empty() {
+        return;
+    }
+    // SAFETY: plain reads of this (ended) transaction's commit time and end of commit record.
+    let (commit_time_us, commit_lsn) = unsafe { (pg_sys::GetCurrentTransactionStopTimestamp(), pg_sys::XactLastCommitEnd) };
+    for v in validated {
+        resolve(&v, committed, commit_time_us, commit_lsn);
+    }
+}
+
+/// The transaction was prepared (a 2PC participant): its shadows stay prepared, noted in
+/// shared memory under its xid so that the session running its COMMIT / ROLLBACK PREPARED
+/// finishes them too ([`prepared_finished`]). The stream (on the source's commit) and the
+/// migration's cleanup (by the source's fate) cover a note that is lost.
+pub(crate) fn prepared() {
+    clear_write_set();
+    if MARKED.with(|m| m.replace(false)) {
+        leave_commit();
+    }
+    let validated = VALIDATED.with(|v| std::mem::take(&mut *v.borrow_mut()));
+    if let Some(first) = validated.first() {
+        let migrations: Vec<i64> = validated.iter().map(|v| v.migration_id).collect();
+        note_prepared_shadows(first.xid, &migrations);
+    }
+}
+
+/// A transaction validated for `migrations` was prepared as `xid` (a 2PC participant). With no
+/// free slot it is not noted: the stream and the migration's cleanup finish its shadows then.
+fn note_prepared_shadows(xid: u32, migrations: &[i64]) {
+    let mut s = STATE.exclusive();
+    for &migration_id in migrations {
+        if let Some(slot) = s.prepared_shadows.iter_mut().find(|p| p.migration_id == 0) {
+            *slot = PreparedShadow { migration_id, xid };
+        }
+    }
+}
+
+/// Is any prepared transaction noted by [`note_prepared_shadows`]? (Cheap enough per COMMIT
+/// PREPARED: only taken while a migration is registered here.)
+fn any_prepared_shadows() -> bool {
+    active() && STATE.share().prepared_shadows.iter().any(|p| p.migration_id != 0)
+}
+
+/// Removes the notes of prepared transaction `xid`; returns, per migration still in sync mode,
+/// its replay worker endpoint.
+fn take_prepared_shadows(xid: u32) -> Vec<(i64, String)> {
+    let mut s = STATE.exclusive();
+    let mut taken = Vec::new();
+    for i in 0..MAX_PREPARED_SHADOWS {
+        let p = s.prepared_shadows[i];
+        if p.migration_id == 0 || p.xid != xid {
+            continue;
+        }
+        s.prepared_shadows[i] = PreparedShadow::default();
+        if let Some(m) = s.migrations.iter().find(|m| m.migration_id == p.migration_id && m.capture) {
+            taken.push((p.migration_id, m.endpoint()));
+        }
+    }
+    taken
+}
+
+/// COMMIT / ROLLBACK PREPARED of a transaction whose Remus shadows are noted on this node:
+/// its xid and whether it commits (asked by the ProcessUtility hook before the statement runs,
+/// while the gid still exists).
+///
+/// # Safety
+/// `pstmt` must be the utility statement about to run.
+pub(crate) unsafe fn finishing_prepared(pstmt: *mut pg_sys::PlannedStmt) -> Option<(u32, bool)> {
+    let stmt = (*pstmt).utilityStmt;
+    if stmt.is_null() || (*stmt).type_ != pg_sys::NodeTag::T_TransactionStmt {
+        return None;
+    }
+    let t = stmt as *mut pg_sys::TransactionStmt;
+    let commit = match (*t).kind {
+        pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED => true,
+        pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK_PREPARED => false,
+        _ => return None,
+    };
+    if (*t).gid.is_null() {
+        return None;
+    }
+    let gid = std::ffi::CStr::from_ptr((*t).gid).to_string_lossy();
+    prepared_xid(&gid).map(|xid| (xid, commit))
+}
+
+/// The xid of prepared transaction `gid`, if its shadows are noted here (looked up before
+/// COMMIT / ROLLBACK PREPARED runs, while the gid still exists).
+fn prepared_xid(gid: &str) -> Option<u32> {
+    if !any_prepared_shadows() {
+        return None;
+    }
+    // SAFETY: a transaction statement runs without an active snapshot; SPI's read-only
+    // queries need one. Pushed and popped around the one query.
+    let pushed = unsafe {
+        if pg_sys::ActiveSnapshotSet() {
+            false
+        } else {
+            pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+            true
+        }
+    };
+    let xid = Spi::get_one_with_args::<i64>(
+        "SELECT transaction::text::bigint FROM pg_catalog.pg_prepared_xacts WHERE gid = $1",
+        &[gid.into()],
+    );
+    if pushed {
+        // SAFETY: pairs the push above (the query cannot leave another snapshot pushed).
+        unsafe { pg_sys::PopActiveSnapshot() };
+    }
+    xid.ok().flatten().map(|x| x as u32)
+}
+
+/// COMMIT / ROLLBACK PREPARED of a validated 2PC participant finished in this session: its
+/// shadows follow before the statement returns, so the transaction's coordinator (and its
+/// client) sees COMMIT only once the destination has the writes. Never raises.
+pub(crate) fn prepared_finished(xid: u32, commit: bool) {
+    let shadows = take_prepared_shadows(xid);
+    if shadows.is_empty() {
+        return;
+    }
+    // SAFETY: plain reads: the next xid's epoch (to rebuild the full xid the gid carries), the
+    // commit timestamp of a transaction that just committed, and the WAL insert position.
+    let (fxid, commit_time_us, lsn) = unsafe {
+        let next = pg_sys::ReadNextFullTransactionId().value;
+        let mut epoch = next >> 32;
+        if xid > next as u32 {
+            epoch -= 1;
+        }
+        let mut ts: pg_sys::TimestampTz = 0;
+        if commit {
+            pg_sys::TransactionIdGetCommitTsData(pg_sys::TransactionId::from(xid), &mut ts, std::ptr::null_mut());
+        }
+        ((epoch << 32) | u64::from(xid), ts, pg_sys::GetXLogInsertRecPtr())
+    };
+    // SAFETY: the prepared transaction is finished; like the post-commit path, the wait for the
+    // destination must not be turned into an ERROR by a cancel (the statement succeeded).
+    unsafe { pg_sys::InterruptHoldoffCount += 1 };
+    for (migration_id, endpoint) in shadows {
+        let v = Validated { migration_id, gid: shadow_gid(migration_id, fxid), endpoint, xid };
+        resolve(&v, commit, commit_time_us, lsn);
+    }
+    // SAFETY: pairs the increment above.
+    unsafe { pg_sys::InterruptHoldoffCount -= 1 };
+}
+
+fn resolve(v: &Validated, commit: bool, commit_time_us: i64, commit_lsn: u64) {
+    let endpoint = v.endpoint.clone();
+    let request = ResolveRequest {
+        migration_id: v.migration_id as u64,
+        gid: v.gid.clone(),
+        commit,
+        commit_time_us,
+        commit_lsn,
+    };
+    // Interrupts are held here (the transaction is over): a bounded wait, never an ERROR.
+    let outcome = block_on(async move {
+        let mut client = client_for(&endpoint)?;
+        Ok::<_, RemusError>(tokio::time::timeout(RESOLVE_TIMEOUT, client.resolve(request)).await)
+    });
+    let failure = match outcome {
+        Ok(Ok(Ok(Ok(_)))) => None,
+        Ok(Ok(Ok(Err(status)))) => Some(status.message().to_string()),
+        Ok(Ok(Err(_))) => Some(format!("no answer within {} s", RESOLVE_TIMEOUT.as_secs())),
+        Ok(Err(e)) | Err(e) => Some(e.to_string()),
+    };
+    if let Some(why) = failure {
+        forget_client(&v.endpoint);
+        let what = if commit { "committed" } else { "rolled back" };
+        warning!(
+            "pg_remus: shadow transaction {} of shard migration {} could not be {what} on the destination yet ({why}); the migration resolves it",
+            v.gid,
+            v.migration_id
+        );
+    }
+}

@@ -1,0 +1,34 @@
+//! `List` and `Node` helpers: iterating pointer lists and checking node tags.
+
+use pgrx::pg_sys;
+
+/// Iterates a PostgreSQL `List` of pointers.
+///
+/// # Safety
+/// `list` must be NIL or a valid pointer List whose cells point at `T`.
+pub unsafe fn list_ptrs<T>(list: *mut pg_sys::List) -> Vec<*mut T> {
+    if list.is_null() {
+        return Vec::new();
+    }
+    let n = (*list).length as usize;
+    (0..n).map(|i| (*(*list).elements.add(i)).ptr_value as *mut T).collect()
+}
+
+/// Is `node` a non-NULL node of type `tag`?
+///
+/// # Safety
+/// `node` must be NULL or point at a valid `Node`.
+pub(crate) unsafe fn is_tag(node: *const pg_sys::Node, tag: pg_sys::NodeTag) -> bool {
+    !node.is_null() && (*node).type_ == tag
+}
+
+/// `node` with any `RelabelType` wrappers (binary-compatible casts) taken off.
+///
+/// # Safety
+/// `node` must be NULL or a valid expression node.
+pub(crate) unsafe fn strip_relabel(mut node: *mut pg_sys::Node) -> *mut pg_sys::Node {
+    while is_tag(node, pg_sys::NodeTag::T_RelabelType) {
+        node = (*(node as *mut pg_sys::RelabelType)).arg as *mut _;
+    }
+    node
+}

@@ -1,0 +1,18 @@
+//! PostgreSQL glue: thin wrappers over `pg_sys` that the feature modules share, so the raw
+//! pointer work behind them is written (and justified) once.
+//!
+//! - [`list`]: walking `List`s and checking node tags.
+//! - [`datum`]: datums to and from text, copying them between memory contexts.
+//! - [`spi`]: read-only catalog queries.
+//! - [`sql`]: quoting for SQL text sent to this or another node.
+//! - [`extension`]: is pg_remus created in this database?
+//! - [`latch`]: the interruptible sleep of every wait loop.
+//! - [`ffi`]: the C functions pgrx does not bind.
+
+pub(crate) mod datum;
+pub(crate) mod extension;
+pub(crate) mod ffi;
+pub(crate) mod latch;
+pub(crate) mod list;
+pub(crate) mod spi;
+pub(crate) mod sql;

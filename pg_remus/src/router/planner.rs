@@ -1,0 +1,62 @@
+//! The planner hook's decision (the hook itself is `hooks::planner`): a marked statement is pinned
+//! to its local shard, INSERT / UPDATE / DELETE on a shell become a `RemusRouter` plan
+//! ([`super::modify`]), a SELECT over co-located tables tied to one key value runs as one
+//! statement on its shard group, and the forms the router cannot run correctly are refused.
+//! Everything else is planned by PostgreSQL (scans of shells then become `RemusShardScan`s).
+
+use pgrx::pg_sys;
+
+use crate::cluster::shard_marker;
+use crate::error::RemusError;
+use crate::pg::extension::extension_present;
+use crate::router::marker::{marker_honoured, pin_to_local_shard};
+use crate::router::placement::shells_in;
+use crate::router::{colocated, modify};
+
+/// Decides how a statement is planned. `Ok(None)`: by PostgreSQL (the scan hook may still
+/// replace shell scans).
+///
+/// # Safety
+/// `parse` must be the planner's Query and `query_string` its NUL-terminated text (or NULL).
+pub(crate) unsafe fn route(
+    parse: *mut pg_sys::Query,
+    query_string: *const std::ffi::c_char,
+) -> Result<Option<*mut pg_sys::PlannedStmt>, RemusError> {
+    if parse.is_null() || (*parse).commandType == pg_sys::CmdType::CMD_UTILITY || !extension_present() {
+        return Ok(None);
+    }
+    if marker_honoured() {
+        if let Some(shard_id) = shard_marker::parse(query_string) {
+            pin_to_local_shard(parse, shard_id)?;
+            return Ok(None);
+        }
+    }
+    let cmd = (*parse).commandType;
+    if cmd == pg_sys::CmdType::CMD_INSERT || cmd == pg_sys::CmdType::CMD_UPDATE || cmd == pg_sys::CmdType::CMD_DELETE {
+        let rt = (*parse).resultRelation as usize;
+        let shells = shells_in(parse)?;
+        if let Some((_, t)) = shells.iter().find(|(i, _)| *i == rt) {
+            return modify::plan(parse, t).map(Some);
+        }
+        if !shells.is_empty() {
+            return Err(RemusError::FeatureNotSupported(
+                "a statement that modifies a local table cannot read distributed tables yet".into(),
+            ));
+        }
+        return Ok(None);
+    }
+    if cmd == pg_sys::CmdType::CMD_MERGE && !shells_in(parse)?.is_empty() {
+        return Err(RemusError::FeatureNotSupported("MERGE on distributed tables is not supported".into()));
+    }
+    if cmd == pg_sys::CmdType::CMD_SELECT && !(*parse).rowMarks.is_null() && !shells_in(parse)?.is_empty() {
+        return Err(RemusError::FeatureNotSupported(
+            "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet".into(),
+        ));
+    }
+    if cmd == pg_sys::CmdType::CMD_SELECT {
+        if let Some((anchor_table, anchor_value)) = colocated::colocated_anchor(parse)? {
+            return modify::plan_single_shard_select(parse, &anchor_table, anchor_value).map(Some);
+        }
+    }
+    Ok(None)
+}
