@@ -9,7 +9,7 @@
 //! - [`process`]: starting, probing and stopping the daemons that `local_cluster` owns.
 //! - [`plan`]: checking a migration request and resolving co-location, or refusing it.
 //! - [`driver`]: running one migration through its phases and handover, or rolling it back.
-//! - [`recovery`]: a starting coordinator resumes the migrations its predecessor was running.
+//! - [`resume`]: a starting coordinator resumes the migrations its predecessor was running.
 //! - [`propagator`]: the slot's pgoutput stream shipped to the replay worker over gRPC.
 //! - [`node_conn`]: conninfo and sessions of the migration machinery on the nodes.
 //! - [`failpoint`]: named places where a test can stop a running migration.
@@ -25,5 +25,5 @@ pub mod node_registry;
 pub mod plan;
 pub mod process;
 pub mod propagator;
-pub mod recovery;
+pub mod resume;
 pub mod service;

@@ -586,7 +586,7 @@ fn start_replay_worker(state: &mut ClusterState, bin: &Path) -> Result<()> {
 
 /// Starts the coordinator of the cluster in `dir` again (after it stopped or crashed), with the
 /// rest of the cluster left as it is; the new coordinator resumes the migrations its
-/// predecessor was running (`coordinator::recovery`).
+/// predecessor was running (`coordinator::resume`).
 pub async fn start_coordinator_again(dir: &Path) -> Result<ClusterState> {
     let mut state = ClusterState::load(dir)?;
     if let Some(pid) = state.coordinator.live_pid() {

@@ -14,7 +14,7 @@ use crate::node_registry::{NodeRecord, NodeRegistry};
 
 /// Where the extension keeps the physical shard tables (`remus_shards.<table>_<shard_id>`).
 pub use remus_proto::names::SHARD_SCHEMA;
-use remus_proto::names;
+use remus_proto::{names, SqlState};
 
 /// One shard table to move: the physical table `schema.name` on the source, created with the
 /// same name on the target from the shell `shell`.
@@ -55,33 +55,139 @@ pub fn parse_requested_by(s: &str) -> Option<(String, i32)> {
     Some((node.to_string(), pid.parse().ok()?))
 }
 
-/// A refused request.
+/// A refused request: the gRPC code and the SQLSTATE (sent as [`names::SQLSTATE_METADATA_KEY`])
+/// the SQL functions raise. One constructor per reason.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
 pub struct Refusal {
     pub code: Code,
-    pub sqlstate: &'static str,
+    pub sqlstate: SqlState,
     pub message: String,
 }
 
 impl Refusal {
-    pub fn new(code: Code, sqlstate: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: Code, sqlstate: SqlState, message: impl Into<String>) -> Self {
         Self { code, sqlstate, message: message.into() }
     }
 
     pub fn into_status(self) -> tonic::Status {
         let mut status = tonic::Status::new(self.code, self.message);
-        if let Ok(v) = self.sqlstate.parse() {
+        if let Ok(v) = self.sqlstate.code().parse() {
             status.metadata_mut().insert(names::SQLSTATE_METADATA_KEY, v);
         }
         status
+    }
+
+    /// The mode is none of the known ones.
+    pub fn unknown_mode(e: impl ToString) -> Self {
+        Self::new(Code::InvalidArgument, SqlState::INVALID_PARAMETER_VALUE, e.to_string())
+    }
+
+    pub fn no_shard_given() -> Self {
+        Self::new(Code::InvalidArgument, SqlState::INVALID_PARAMETER_VALUE, "no shard given")
+    }
+
+    /// etcd did not answer with the node list.
+    pub fn registry_unavailable(e: impl std::fmt::Display) -> Self {
+        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("node registry: {e}"))
+    }
+
+    pub fn unknown_node(target: &str, nodes: &[NodeRecord]) -> Self {
+        Self::new(
+            Code::NotFound,
+            SqlState::UNDEFINED_OBJECT,
+            format!(
+                "node \"{target}\" does not exist (nodes: {})",
+                nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        )
+    }
+
+    pub fn target_unreachable(e: impl std::fmt::Display) -> Self {
+        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("target node is unreachable: {e}"))
+    }
+
+    pub fn source_unreachable(e: impl std::fmt::Display) -> Self {
+        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("source node is unreachable: {e}"))
+    }
+
+    /// Reading the catalog on `node` failed.
+    pub fn catalog_unreadable(node: &str, e: impl std::fmt::Display) -> Self {
+        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("reading the catalog on {node}: {e}"))
+    }
+
+    pub fn unknown_shard(shard_id: i64) -> Self {
+        Self::new(Code::NotFound, SqlState::UNDEFINED_OBJECT, format!("shard {shard_id} does not exist"))
+    }
+
+    pub fn reference_table_shard(shard_id: i64) -> Self {
+        Self::new(
+            Code::InvalidArgument,
+            SqlState::INVALID_PARAMETER_VALUE,
+            format!("shard {shard_id} belongs to a reference table, which is on every node and is not migrated"),
+        )
+    }
+
+    pub fn shard_without_owner(shard_id: i64) -> Self {
+        Self::new(
+            Code::FailedPrecondition,
+            SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("shard {shard_id} has no owner"),
+        )
+    }
+
+    /// `shard_id` is on `owner`, the shards before it on `others`.
+    pub fn shards_on_several_nodes(shard_id: i64, owner: &str, others: &str) -> Self {
+        Self::new(
+            Code::InvalidArgument,
+            SqlState::INVALID_PARAMETER_VALUE,
+            format!("shards of one migration must be on one node: shard {shard_id} is on {owner}, others on {others}"),
+        )
+    }
+
+    pub fn already_on_target(shard_id: i64, target: &str) -> Self {
+        Self::new(
+            Code::InvalidArgument,
+            SqlState::INVALID_PARAMETER_VALUE,
+            format!("shard {shard_id} is already on node {target}"),
+        )
+    }
+
+    pub fn owner_not_registered(owner: &str) -> Self {
+        Self::new(
+            Code::FailedPrecondition,
+            SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("owner node {owner} is not registered"),
+        )
+    }
+
+    /// `shell` (a distributed table) has no primary key.
+    pub fn no_primary_key(shell: &str) -> Self {
+        Self::new(
+            Code::InvalidArgument,
+            SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("table {shell} has no primary key; a shard is replayed on its target by primary key"),
+        )
+    }
+
+    /// A coordinator that restarted takes no new migration until it has resumed the old ones.
+    pub fn resuming() -> Self {
+        Self::new(
+            Code::Unavailable,
+            SqlState::CANNOT_CONNECT_NOW,
+            "the coordinator restarted and is resuming the migrations it was running; try again once they have ended (see remus_migrations)",
+        )
+    }
+
+    /// A shard of the request is already being migrated (`e` says which, by which migration).
+    pub fn shard_busy(e: impl ToString) -> Self {
+        Self::new(Code::AlreadyExists, SqlState::OBJECT_IN_USE, e.to_string())
     }
 }
 
 pub fn parse_mode(mode: &str) -> Result<Mode, Refusal> {
     let mode = if mode.is_empty() { "remus" } else { mode };
-    mode.parse::<Mode>()
-        .map_err(|e| Refusal::new(Code::InvalidArgument, "22023", e.to_string()))
+    mode.parse::<Mode>().map_err(Refusal::unknown_mode)
 }
 
 /// Checks the request against the registry and the target's catalog and resolves co-location.
@@ -93,28 +199,13 @@ pub async fn plan(
     mode: Mode,
 ) -> Result<MigrationPlan, Refusal> {
     if requested.is_empty() {
-        return Err(Refusal::new(Code::InvalidArgument, "22023", "no shard given"));
+        return Err(Refusal::no_shard_given());
     }
-    let nodes = registry
-        .list()
-        .await
-        .map_err(|e| Refusal::new(Code::Unavailable, "08006", format!("node registry: {e}")))?;
-    let target_node = nodes.iter().find(|n| n.name == target).cloned().ok_or_else(|| {
-        Refusal::new(
-            Code::NotFound,
-            "42704",
-            format!(
-                "node \"{target}\" does not exist (nodes: {})",
-                nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
-            ),
-        )
-    })?;
-    let client = connector.connect(&target_node).await.map_err(|e| {
-        Refusal::new(Code::Unavailable, "08006", format!("target node is unreachable: {e}"))
-    })?;
-    let catalog = |e: tokio_postgres::Error| {
-        Refusal::new(Code::Unavailable, "08006", format!("reading the catalog on {target}: {e}"))
-    };
+    let nodes = registry.list().await.map_err(Refusal::registry_unavailable)?;
+    let target_node =
+        nodes.iter().find(|n| n.name == target).cloned().ok_or_else(|| Refusal::unknown_node(target, &nodes))?;
+    let client = connector.connect(&target_node).await.map_err(Refusal::target_unreachable)?;
+    let catalog = |e: tokio_postgres::Error| Refusal::catalog_unreadable(target, e);
 
     // The requested shards, then their whole co-location groups (same colocation_id and index).
     let rows = client
@@ -130,17 +221,10 @@ pub async fn plan(
         .map_err(catalog)?;
     let found: BTreeSet<i64> = rows.iter().map(|r| r.get::<_, i64>(0)).collect();
     if let Some(missing) = requested.iter().find(|s| !found.contains(s)) {
-        return Err(Refusal::new(Code::NotFound, "42704", format!("shard {missing} does not exist")));
+        return Err(Refusal::unknown_shard(*missing));
     }
     if let Some(r) = rows.iter().find(|r| r.get::<_, String>(1) != "h") {
-        return Err(Refusal::new(
-            Code::InvalidArgument,
-            "22023",
-            format!(
-                "shard {} belongs to a reference table, which is on every node and is not migrated",
-                r.get::<_, i64>(0)
-            ),
-        ));
+        return Err(Refusal::reference_table_shard(r.get(0)));
     }
     let groups: Vec<(i32, i32)> = rows.iter().map(|r| (r.get(2), r.get(3))).collect();
     let colocation_ids: Vec<i32> = groups.iter().map(|g| g.0).collect();
@@ -167,20 +251,10 @@ pub async fn plan(
     for r in &members {
         let shard_id: i64 = r.get(0);
         let owner: Option<String> = r.get(1);
-        let owner = owner.ok_or_else(|| {
-            Refusal::new(Code::FailedPrecondition, "55000", format!("shard {shard_id} has no owner"))
-        })?;
+        let owner = owner.ok_or_else(|| Refusal::shard_without_owner(shard_id))?;
         match &source {
             None => source = Some(owner),
-            Some(s) if *s != owner => {
-                return Err(Refusal::new(
-                    Code::InvalidArgument,
-                    "22023",
-                    format!(
-                        "shards of one migration must be on one node: shard {shard_id} is on {owner}, others on {s}"
-                    ),
-                ))
-            }
+            Some(s) if *s != owner => return Err(Refusal::shards_on_several_nodes(shard_id, &owner, s)),
             Some(_) => {}
         }
         let relname: String = r.get(3);
@@ -193,15 +267,10 @@ pub async fn plan(
     }
     let source = source.expect("at least the requested shards are members");
     if source == target {
-        return Err(Refusal::new(
-            Code::InvalidArgument,
-            "22023",
-            format!("shard {} is already on node {target}", requested[0]),
-        ));
+        return Err(Refusal::already_on_target(requested[0], target));
     }
-    let source_node = nodes.iter().find(|n| n.name == source).cloned().ok_or_else(|| {
-        Refusal::new(Code::FailedPrecondition, "55000", format!("owner node {source} is not registered"))
-    })?;
+    let source_node =
+        nodes.iter().find(|n| n.name == source).cloned().ok_or_else(|| Refusal::owner_not_registered(&source))?;
 
     // Apply by primary key needs one on every table (and pgoutput's replica identity is it).
     let shells: BTreeSet<&str> = tables.iter().map(|t| t.shell.as_str()).collect();
@@ -215,17 +284,11 @@ pub async fn plan(
             .map_err(catalog)?
             .get(0);
         if !has_pk {
-            return Err(Refusal::new(
-                Code::InvalidArgument,
-                "55000",
-                format!("table {shell} has no primary key; a shard is replayed on its target by primary key"),
-            ));
+            return Err(Refusal::no_primary_key(shell));
         }
     }
     // The source must answer too: a migration that cannot read its source only fails later.
-    connector.connect(&source_node).await.map_err(|e| {
-        Refusal::new(Code::Unavailable, "08006", format!("source node is unreachable: {e}"))
-    })?;
+    connector.connect(&source_node).await.map_err(Refusal::source_unreachable)?;
     let shard_ids = tables.iter().map(|t| t.shard_id).collect();
     Ok(MigrationPlan { mode, shard_ids, tables, source: source_node, target: target_node, nodes, requested_by: None })
 }
@@ -233,7 +296,7 @@ pub async fn plan(
 /// The plan of a migration that a coordinator was running when it stopped, rebuilt from its
 /// record (which lists every shard, co-located ones included) and the catalog, which every
 /// node holds alike: the target's is asked first, then the source's, then any other's.
-pub async fn plan_for_recovery(
+pub async fn plan_for_resume(
     registry: &NodeRegistry,
     connector: &NodeConnector,
     record: &MigrationRecord,
@@ -299,4 +362,53 @@ pub async fn plan_for_recovery(
         });
     }
     Err(format!("no node's catalog could be read ({last_error})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_carry_their_grpc_code_and_sqlstate() {
+        let cases = [
+            (Refusal::unknown_mode("bad mode"), Code::InvalidArgument, "22023"),
+            (Refusal::no_shard_given(), Code::InvalidArgument, "22023"),
+            (Refusal::registry_unavailable("down"), Code::Unavailable, "08006"),
+            (Refusal::unknown_node("n9", &[]), Code::NotFound, "42704"),
+            (Refusal::target_unreachable("refused"), Code::Unavailable, "08006"),
+            (Refusal::source_unreachable("refused"), Code::Unavailable, "08006"),
+            (Refusal::catalog_unreadable("n2", "gone"), Code::Unavailable, "08006"),
+            (Refusal::unknown_shard(7), Code::NotFound, "42704"),
+            (Refusal::reference_table_shard(7), Code::InvalidArgument, "22023"),
+            (Refusal::shard_without_owner(7), Code::FailedPrecondition, "55000"),
+            (Refusal::shards_on_several_nodes(7, "n1", "n2"), Code::InvalidArgument, "22023"),
+            (Refusal::already_on_target(7, "n2"), Code::InvalidArgument, "22023"),
+            (Refusal::owner_not_registered("n1"), Code::FailedPrecondition, "55000"),
+            (Refusal::no_primary_key("public.t"), Code::InvalidArgument, "55000"),
+            (Refusal::resuming(), Code::Unavailable, "57P03"),
+            (Refusal::shard_busy("busy"), Code::AlreadyExists, "55006"),
+        ];
+        for (refusal, code, sqlstate) in cases {
+            assert_eq!((refusal.code, refusal.sqlstate.code()), (code, sqlstate), "{refusal}");
+            let status = refusal.clone().into_status();
+            assert_eq!(status.code(), code);
+            assert_eq!(status.message(), refusal.message);
+            let sent = status.metadata().get(names::SQLSTATE_METADATA_KEY).and_then(|v| v.to_str().ok());
+            assert_eq!(sent, Some(sqlstate));
+        }
+    }
+
+    #[test]
+    fn refusal_messages() {
+        let nodes = [("n1", 6001), ("n2", 6002)]
+            .map(|(name, port)| NodeRecord { name: name.into(), host: "127.0.0.1".into(), port })
+            .to_vec();
+        assert_eq!(Refusal::unknown_node("n9", &nodes).message, "node \"n9\" does not exist (nodes: n1, n2)");
+        assert_eq!(
+            Refusal::shards_on_several_nodes(7, "n1", "n2").message,
+            "shards of one migration must be on one node: shard 7 is on n1, others on n2"
+        );
+        assert_eq!(parse_mode("").unwrap(), Mode::Remus);
+        assert_eq!(parse_mode("nope").unwrap_err().sqlstate, SqlState::INVALID_PARAMETER_VALUE);
+    }
 }

@@ -10,12 +10,11 @@ use tonic::{Request, Response, Status};
 use std::sync::Arc;
 
 use tokio_stream::StreamExt;
-use tonic::Code;
 
 use crate::driver::{self, DriverConfig};
 use crate::migration::{MigrationError, MigrationRecord, MigrationStore};
 use crate::plan::{self, Refusal};
-use crate::recovery::Recovering;
+use crate::resume::Resuming;
 use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
 
 pub struct CoordinatorService {
@@ -28,7 +27,7 @@ pub struct CoordinatorService {
     /// Migrations run on their own runtime ("migration-driver"), apart from the gRPC server's.
     pub runtime: MigrationRuntime,
     /// On while the migrations of a previous coordinator are resumed: new ones are refused.
-    pub recovering: Recovering,
+    pub resuming: Resuming,
 }
 
 /// The named runtime the migration drivers run on.
@@ -184,13 +183,8 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<Self::MigrateShardsStream>, Status> {
         let req = req.into_inner();
         let mode = plan::parse_mode(&req.mode).map_err(Refusal::into_status)?;
-        if self.recovering.is_on() {
-            return Err(Refusal::new(
-                Code::Unavailable,
-                "57P03",
-                "the coordinator restarted and is resuming the migrations it was running; try again once they have ended (see remus_migrations)",
-            )
-            .into_status());
+        if self.resuming.is_on() {
+            return Err(Refusal::resuming().into_status());
         }
         let mut plan = plan::plan(&self.nodes, &self.driver.connector, &req.shard_ids, &req.target, mode)
             .await
@@ -202,7 +196,7 @@ impl Coordinator for CoordinatorService {
             .await
             .map_err(|e| match e {
                 MigrationError::ShardBusy { .. } => {
-                    Refusal::new(Code::AlreadyExists, "55006", e.to_string()).into_status()
+                    Refusal::shard_busy(e).into_status()
                 }
                 other => Status::from(other),
             })?;

@@ -678,7 +678,7 @@ async fn grpc_list_migrations_mirrors_the_records() {
             failpoints: coordinator::failpoint::Failpoints::disabled(),
         }),
         runtime: coordinator::service::MigrationRuntime(tokio::runtime::Handle::current()),
-        recovering: coordinator::recovery::Recovering::default(),
+        resuming: coordinator::resume::Resuming::default(),
     };
     let store = &service.migrations;
     let a = store

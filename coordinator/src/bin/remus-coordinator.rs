@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use coordinator::driver::DriverConfig;
 use coordinator::failpoint::Failpoints;
-use coordinator::recovery::{self, Recovering};
+use coordinator::resume::{self, Resuming};
 use coordinator::node_conn::NodeConnector;
 use coordinator::service::{CoordinatorService, MigrationRuntime};
 use remus_proto::v1::coordinator_server::CoordinatorServer;
@@ -85,7 +85,7 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
     let etcd = etcd_client::Client::connect([args.etcd.as_str()], None)
         .await
         .with_context(|| format!("connecting to etcd at {}", args.etcd))?;
-    let recovering = Recovering::starting();
+    let resuming = Resuming::starting();
     let service = CoordinatorService {
         nodes: NodeRegistry::new(etcd.clone(), &args.cluster),
         migrations: MigrationStore::new(etcd.clone(), &args.cluster),
@@ -102,14 +102,14 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
             failpoints: args.failpoint_dir.clone().map(Failpoints::in_dir).unwrap_or_else(Failpoints::disabled),
         }),
         runtime: MigrationRuntime(migrations.clone()),
-        recovering: recovering.clone(),
+        resuming: resuming.clone(),
     };
     // Migrations the previous coordinator was running are resumed before new ones are taken.
-    migrations.spawn(recovery::resume_all(
+    migrations.spawn(resume::resume_all(
         service.driver.clone(),
         service.migrations.clone(),
         service.nodes.clone(),
-        recovering,
+        resuming,
     ));
     tracing::info!(listen = %args.listen, etcd = %args.etcd, cluster = %args.cluster, "coordinator serving");
     tonic::transport::Server::builder()

@@ -213,7 +213,7 @@ pub fn spawn(
 
 /// Resumes `record`, a migration that a coordinator was running when it stopped, and returns
 /// once it has ended: past the Tm decision (phase `cleanup`) it completes, before it rolls
-/// back. See [`crate::recovery`].
+/// back. See [`crate::resume`].
 pub async fn resume(config: Arc<DriverConfig>, store: MigrationStore, plan: MigrationPlan, record: MigrationRecord) {
     let span = info_span!("migration", migration_id = record.id.0, mode = %plan.mode);
     let phase = record.phase;

@@ -23,7 +23,7 @@ impl Run {
         self.state.gate_closed = self.plan.mode == Mode::WaitRemaster;
         self.state.capturing = self.plan.mode == Mode::Remus;
         // Read-through is one counter per node for all migrations, and whether the previous
-        // run ended its share is not known: `recovery` ends it on every node once every
+        // run ended its share is not known: `crate::resume` ends it on every node once every
         // resumed migration has settled its Tm.
         self.state.read_through = false;
         if phase == Phase::Cleanup {

@@ -29,12 +29,12 @@ const PLAN_WAIT: Duration = Duration::from_secs(300);
 
 /// Set while a starting coordinator resumes migrations; new migrations are refused meanwhile.
 #[derive(Clone, Default)]
-pub struct Recovering(Arc<AtomicBool>);
+pub struct Resuming(Arc<AtomicBool>);
 
-impl Recovering {
+impl Resuming {
     /// On from the start, so that no migration slips in before [`resume_all`] has begun.
     pub fn starting() -> Self {
-        Recovering(Arc::new(AtomicBool::new(true)))
+        Resuming(Arc::new(AtomicBool::new(true)))
     }
 
     pub fn is_on(&self) -> bool {
@@ -46,19 +46,19 @@ impl Recovering {
     }
 }
 
-/// Resumes every running migration in the store, then turns `recovering` off.
+/// Resumes every running migration in the store, then turns `resuming` off.
 /// Returns how many were resumed.
 pub async fn resume_all(
     config: Arc<DriverConfig>,
     store: MigrationStore,
     registry: NodeRegistry,
-    recovering: Recovering,
+    resuming: Resuming,
 ) -> usize {
     let resumed = resume_each(&config, &store, &registry).await;
     if resumed > 0 {
         end_read_through_everywhere(&config, &registry).await;
     }
-    recovering.set(false);
+    resuming.set(false);
     resumed
 }
 
@@ -66,7 +66,7 @@ async fn resume_each(config: &Arc<DriverConfig>, store: &MigrationStore, registr
     let running = match store.running().await {
         Ok(r) => r,
         Err(e) => {
-            warn!(phase = "recovery", error = %e, "cannot list the running migrations; none resumed");
+            warn!(phase = "resume", error = %e, "cannot list the running migrations; none resumed");
             return 0;
         }
     };
@@ -76,7 +76,7 @@ async fn resume_each(config: &Arc<DriverConfig>, store: &MigrationStore, registr
         info!(migration_id = id, phase = %record.phase, "resuming a migration the previous coordinator was running");
         let started = Instant::now();
         let plan = loop {
-            match plan::plan_for_recovery(registry, &config.connector, &record).await {
+            match plan::plan_for_resume(registry, &config.connector, &record).await {
                 Ok(p) => break Some(p),
                 Err(e) if started.elapsed() < PLAN_WAIT => {
                     warn!(migration_id = id, phase = %record.phase, error = %e, "cannot plan the resumed migration yet; retrying");
@@ -105,7 +105,7 @@ async fn end_read_through_everywhere(config: &DriverConfig, registry: &NodeRegis
     let nodes = match registry.list().await {
         Ok(n) => n,
         Err(e) => {
-            warn!(phase = "recovery", error = %e, "cannot list the nodes; read-through left as it is");
+            warn!(phase = "resume", error = %e, "cannot list the nodes; read-through left as it is");
             return;
         }
     };
@@ -118,7 +118,7 @@ async fn end_read_through_everywhere(config: &DriverConfig, registry: &NodeRegis
         }
         .await;
         if let Err(e) = ended {
-            warn!(phase = "recovery", node = %node.name, error = %e, "read-through not ended on this node");
+            warn!(phase = "resume", node = %node.name, error = %e, "read-through not ended on this node");
         }
     }
 }
