@@ -80,7 +80,8 @@ check rustfmt rustfmt_check
 check module-cycles module_cycles
 check shellcheck shell_scripts
 # --workspace takes pg_remus too (it is not a default member); its default feature is pg15.
-# --keep-going: the findings of every crate, not only of the first that fails.
+# --keep-going (clippy and rustdoc): the findings of every crate, not only of the first that
+# fails.
 check clippy cargo clippy --workspace --all-targets --keep-going -- -D warnings
-check rustdoc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --document-private-items
+check rustdoc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --document-private-items --keep-going
 finish
