@@ -1,0 +1,318 @@
+//! [`ShadowApplier`]: one migration's shadow transactions scheduled over parallel destination
+//! sessions, with the applied position they reach.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use remus_proto::v1::{ApplyProgress, ShadowTxn};
+use tokio::task::JoinSet;
+use tracing::{debug, info, warn, Instrument};
+
+use super::session::Session;
+use super::sql::{format_lsn, prepare, quote_literal, Prepared};
+use super::{origin_name, pg_message, ApplyConfig, ApplyError};
+use crate::progress::{AppliedLsnWatcher, AppliedWatermark};
+use crate::scheduler::{DependencyScheduler, SubmitError, TxnSpec};
+
+/// Transactions accepted but not yet committed, per apply session, before `submit` waits.
+const PENDING_PER_SESSION: usize = 64;
+
+type Completion = (Session, u64, Result<(), ApplyError>);
+
+/// Applies one migration's shadow transactions over parallel destination sessions.
+///
+/// Drive it from one task: [`submit`](Self::submit) transactions in source commit order,
+/// [`idle`](Self::idle) on keepalives, and poll [`next_completion`](Self::next_completion)
+/// (cancel-safe, for `select!`) to learn when the applied position advances. End with
+/// [`finish`](Self::finish) (drops the origins) or [`abort`](Self::abort) (leaves them).
+pub struct ShadowApplier {
+    cfg: ApplyConfig,
+    idle_sessions: Vec<Session>,
+    running: JoinSet<Completion>,
+    scheduler: DependencyScheduler,
+    watermark: AppliedWatermark,
+    jobs: HashMap<u64, Arc<Prepared>>,
+    next_seq: u64,
+    txns_applied: u64,
+    /// An idle LSN received while transactions were outstanding.
+    idle_lsn: Option<u64>,
+    failed: Option<String>,
+}
+
+impl std::fmt::Debug for ShadowApplier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShadowApplier")
+            .field("cfg", &self.cfg)
+            .field("idle_sessions", &self.idle_sessions.len())
+            .field("running", &self.running.len())
+            .field("applied_lsn", &self.watermark.applied_lsn())
+            .field("txns_applied", &self.txns_applied)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShadowApplier {
+    /// Opens `cfg.parallelism` sessions to the destination, each with its replication origin
+    /// (created if missing) set up.
+    pub async fn connect(cfg: ApplyConfig) -> Result<ShadowApplier, ApplyError> {
+        let parallelism = cfg.parallelism.max(1);
+        let mut sessions = Vec::with_capacity(parallelism);
+        for worker in 0..parallelism {
+            sessions.push(Session::open(&cfg, worker).await?);
+        }
+        info!(
+            migration_id = cfg.migration_id,
+            parallelism,
+            start_lsn = %format_lsn(cfg.start_lsn),
+            "apply sessions connected"
+        );
+        // Pop order = worker order, which keeps logs readable.
+        sessions.reverse();
+        Ok(ShadowApplier {
+            scheduler: DependencyScheduler::new(parallelism * PENDING_PER_SESSION),
+            watermark: AppliedWatermark::new(cfg.start_lsn),
+            cfg,
+            idle_sessions: sessions,
+            running: JoinSet::new(),
+            jobs: HashMap::new(),
+            next_seq: 1,
+            txns_applied: 0,
+            idle_lsn: None,
+            failed: None,
+        })
+    }
+
+    pub fn migration_id(&self) -> u64 {
+        self.cfg.migration_id
+    }
+
+    /// Every transaction submitted whose end LSN is at most this is committed on the destination.
+    pub fn applied_lsn(&self) -> u64 {
+        self.watermark.applied_lsn()
+    }
+
+    /// Shadow transactions committed so far (empty transactions count as applied).
+    pub fn txns_applied(&self) -> u64 {
+        self.txns_applied
+    }
+
+    pub fn progress(&self) -> ApplyProgress {
+        ApplyProgress {
+            applied_lsn: self.applied_lsn(),
+            txns_applied: self.txns_applied,
+        }
+    }
+
+    /// Observes the applied position from other tasks.
+    pub fn watcher(&self) -> AppliedLsnWatcher {
+        self.watermark.watcher()
+    }
+
+    fn check_failed(&self) -> Result<(), ApplyError> {
+        match &self.failed {
+            Some(e) => Err(ApplyError::Failed(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Accepts the next source transaction (in source commit order) and starts it as soon as it
+    /// does not depend on anything outstanding. Waits for completions while too many are
+    /// pending; a failure of any transaction is returned from here or from
+    /// [`next_completion`](Self::next_completion).
+    pub async fn submit(&mut self, txn: ShadowTxn) -> Result<(), ApplyError> {
+        self.check_failed()?;
+        let prepared = prepare(&txn)?;
+        let seq = self.next_seq;
+        self.watermark.register(seq, prepared.end_lsn)?;
+        self.next_seq += 1;
+        if prepared.stmts.is_empty() && prepared.shadow_gid.is_none() {
+            // Nothing to write: it is applied as soon as it is its turn in the watermark.
+            self.txns_applied += 1;
+            self.watermark.complete(seq)?;
+            self.fold_idle();
+            return Ok(());
+        }
+        let mut spec = TxnSpec::new(
+            seq,
+            prepared.commit_lsn,
+            prepared.end_lsn,
+            prepared.keys.clone(),
+        );
+        spec.barrier = prepared.barrier;
+        self.jobs.insert(seq, Arc::new(prepared));
+        loop {
+            match self.scheduler.submit(spec) {
+                Ok(()) => break,
+                Err(SubmitError::Full { txn, .. }) => {
+                    spec = *txn;
+                    self.dispatch();
+                    self.next_completion().await?;
+                }
+                Err(e @ SubmitError::OutOfOrder { .. }) => {
+                    unreachable!("seqs are assigned in increasing order: {e}")
+                }
+            }
+        }
+        self.dispatch();
+        Ok(())
+    }
+
+    /// The source has nothing in flight up to `lsn`: the applied position moves there once
+    /// everything submitted so far is applied. Returns the new position if it moved now.
+    pub fn idle(&mut self, lsn: u64) -> Option<u64> {
+        if self.watermark.pending() == 0 {
+            self.watermark.advance_idle(lsn)
+        } else {
+            self.idle_lsn = Some(self.idle_lsn.map_or(lsn, |l| l.max(lsn)));
+            None
+        }
+    }
+
+    /// Applies a deferred idle LSN once nothing is outstanding.
+    fn fold_idle(&mut self) -> Option<u64> {
+        if self.watermark.pending() > 0 {
+            return None;
+        }
+        self.idle_lsn
+            .take()
+            .and_then(|lsn| self.watermark.advance_idle(lsn))
+    }
+
+    /// Transactions submitted and not yet committed.
+    pub fn outstanding(&self) -> usize {
+        self.watermark.pending()
+    }
+
+    fn dispatch(&mut self) {
+        while !self.idle_sessions.is_empty() {
+            let Some(spec) = self.scheduler.next_ready() else {
+                break;
+            };
+            let job = self
+                .jobs
+                .remove(&spec.seq)
+                .expect("every scheduled seq has a prepared job");
+            let session = self.idle_sessions.pop().expect("checked non-empty");
+            debug!(
+                migration_id = self.cfg.migration_id,
+                worker = session.worker,
+                xid = job.xid,
+                seq = spec.seq,
+                "applying"
+            );
+            self.running.spawn(
+                async move {
+                    let result = session.apply(&job).await;
+                    (session, spec.seq, result)
+                }
+                .in_current_span(),
+            );
+        }
+    }
+
+    /// Waits for the next shadow transaction to commit (or fail) and returns the new applied
+    /// position if it advanced. Pends forever while nothing is running. Cancel-safe.
+    pub async fn next_completion(&mut self) -> Result<Option<u64>, ApplyError> {
+        self.check_failed()?;
+        let Some(joined) = self.running.join_next().await else {
+            return std::future::pending().await;
+        };
+        let (session, seq, result) = match joined {
+            Ok(c) => c,
+            Err(e) => {
+                let err = ApplyError::SessionLost(e.to_string());
+                self.failed = Some(err.to_string());
+                return Err(err);
+            }
+        };
+        self.idle_sessions.push(session);
+        if let Err(e) = result {
+            warn!(migration_id = self.cfg.migration_id, seq, error = %e, "shadow transaction failed");
+            self.failed = Some(e.to_string());
+            return Err(e);
+        }
+        self.scheduler
+            .complete(seq)
+            .expect("a transaction handed out by the scheduler completes once");
+        self.txns_applied += 1;
+        let advanced = self.watermark.complete(seq)?;
+        let advanced = self.fold_idle().or(advanced);
+        self.dispatch();
+        Ok(advanced)
+    }
+
+    /// Waits until everything submitted is committed.
+    pub async fn drain(&mut self) -> Result<(), ApplyError> {
+        self.dispatch();
+        while !self.running.is_empty() {
+            self.next_completion().await?;
+        }
+        self.check_failed()?;
+        if !self.scheduler.is_idle() {
+            // Cannot happen: with every session idle, a pending transaction is always ready.
+            return Err(ApplyError::SessionLost(format!(
+                "{} transactions pending with nothing running",
+                self.scheduler.pending()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Applies everything outstanding, detaches the sessions from their origins and drops the
+    /// migration's origins. Returns the final progress.
+    pub async fn finish(mut self) -> Result<ApplyProgress, ApplyError> {
+        self.drain().await?;
+        let teardown = |e: tokio_postgres::Error| ApplyError::Teardown(pg_message(&e));
+        for s in &self.idle_sessions {
+            s.reset().await.map_err(teardown)?;
+        }
+        let names: Vec<String> = (0..self.cfg.parallelism.max(1))
+            .map(|w| quote_literal(&origin_name(self.cfg.migration_id, w)))
+            .collect();
+        let drop_sql = format!(
+            "SELECT pg_catalog.pg_replication_origin_drop(n) FROM unnest(ARRAY[{}]::text[]) n \
+             WHERE pg_catalog.pg_replication_origin_oid(n) IS NOT NULL",
+            names.join(", ")
+        );
+        let first = self
+            .idle_sessions
+            .first()
+            .ok_or_else(|| ApplyError::Teardown("no apply session left".into()))?;
+        first
+            .client
+            .batch_execute(&drop_sql)
+            .await
+            .map_err(teardown)?;
+        let progress = self.progress();
+        info!(
+            migration_id = self.cfg.migration_id,
+            applied_lsn = %format_lsn(progress.applied_lsn),
+            txns_applied = progress.txns_applied,
+            "apply finished, origins dropped"
+        );
+        Ok(progress)
+    }
+
+    /// Stops: cancels running transactions (uncommitted ones roll back when their connection
+    /// closes), detaches idle sessions from their origins and closes everything. The origins
+    /// are left in place; the coordinator drops `remus_m<id>_%` origins when it rolls the
+    /// migration back.
+    pub async fn abort(mut self) {
+        self.running.abort_all();
+        while let Some(joined) = self.running.join_next().await {
+            if let Ok((session, _, _)) = joined {
+                self.idle_sessions.push(session);
+            }
+        }
+        for s in &self.idle_sessions {
+            if let Err(e) = s.reset().await {
+                debug!(migration_id = self.cfg.migration_id, worker = s.worker, error = %pg_message(&e), "origin session reset on abort failed");
+            }
+        }
+        info!(
+            migration_id = self.cfg.migration_id,
+            applied_lsn = %format_lsn(self.applied_lsn()),
+            "apply stopped; replication origins left for the coordinator to drop"
+        );
+    }
+}

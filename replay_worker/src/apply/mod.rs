@@ -1,0 +1,146 @@
+//! Applying shipped source transactions on the destination node as shadow transactions.
+//!
+//! Every source transaction becomes exactly one destination transaction, sent in one round trip
+//! (`BEGIN; …; SELECT pg_replication_origin_xact_setup(…); COMMIT`), so a transaction is either
+//! wholly applied or not at all, and the commit costs one network latency, not one per row.
+//! Each apply session is bound to its own replication origin; `pg_replication_origin_xact_setup`
+//! stamps the destination commit with the source's commit LSN and commit time, so the
+//! destination's commit timestamps (`pg_xact_commit_timestamp`) equal the source's and the
+//! origin's progress records what was applied.
+//!
+//! Divergence between source and destination must never be silent: every INSERT, UPDATE and
+//! DELETE is wrapped in a guard (`WITH w AS (<dml> RETURNING 1) SELECT 1/(count(*) = 1)::int FROM
+//! w`) that raises `division_by_zero` unless the statement touched exactly one row. The error
+//! aborts the transaction on the server before its COMMIT is reached, and the index of the
+//! failing statement (from the CommandComplete messages that preceded the error) names the table,
+//! key and source xid in an [`ApplyError::Divergence`]. The CommandComplete counts of a
+//! successful round trip are checked as well.
+//!
+//! Transactions are applied in parallel over N sessions: [`DependencyScheduler`] orders those
+//! that write a common row (keys are the relation name hash and the encoded key values) and
+//! TRUNCATE is a barrier; [`AppliedWatermark`] turns out-of-order commits into the applied
+//! position reported to the source.
+
+//!
+//! The module is cut by concern: [`sql`] turns a shipped transaction into the SQL text of its
+//! round trip (quoting, key encoding, the guard), `session` runs it on one destination session
+//! bound to its origin, and `applier` ([`ShadowApplier`]) schedules transactions over the
+//! sessions and tracks the applied position.
+
+use std::fmt::Write as _;
+
+use remus_proto::v1::ApplyStart;
+use thiserror::Error;
+
+use crate::progress::WatermarkError;
+
+mod applier;
+mod session;
+pub(crate) mod sql;
+
+pub use applier::ShadowApplier;
+pub(crate) use session::{commit_prepared_with_origin, finish_prepared};
+pub(crate) use sql::{change_sql, key_condition, key_values, row_values};
+pub use sql::{format_lsn, quote_ident, quote_literal};
+
+/// Apply sessions when [`ApplyStart::parallelism`] is 0.
+pub const DEFAULT_PARALLELISM: usize = 4;
+/// The replication origin of apply session `worker` of a migration. The coordinator drops
+/// `remus_m<id>_%` origins when it rolls a migration back.
+pub fn origin_name(migration_id: u64, worker: usize) -> String {
+    format!("remus_m{migration_id}_w{worker}")
+}
+
+/// Where and how to apply one migration's transactions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApplyConfig {
+    pub migration_id: u64,
+    /// libpq-style conninfo of the destination (`host=… port=… user=… dbname=…`).
+    pub destination_conninfo: String,
+    /// Concurrent apply sessions, at least 1.
+    pub parallelism: usize,
+    /// Applied position to start from (the slot's consistent point).
+    pub start_lsn: u64,
+}
+
+impl ApplyConfig {
+    pub fn from_start(start: &ApplyStart) -> Self {
+        Self {
+            migration_id: start.migration_id,
+            destination_conninfo: start.destination_conninfo.clone(),
+            parallelism: match start.parallelism {
+                0 => DEFAULT_PARALLELISM,
+                n => n as usize,
+            },
+            start_lsn: start.start_lsn,
+        }
+    }
+}
+
+/// Why applying failed. Every variant names what it was doing; nothing after the applied
+/// position is committed when one is returned.
+#[derive(Debug, Error)]
+pub enum ApplyError {
+    #[error("apply session {worker}: cannot connect to the destination: {message}")]
+    Connect { worker: usize, message: String },
+    #[error("apply session {worker}: setting up the session (origin {origin}) failed: {message}")]
+    Setup {
+        worker: usize,
+        origin: String,
+        message: String,
+    },
+    /// The destination does not hold the row the source changed (or already holds the row the
+    /// source inserted). The shadow transaction was rolled back.
+    #[error(
+        "divergence: {op} on {table} with key ({key}) of source xid {xid} {problem}; \
+         the shadow transaction was rolled back"
+    )]
+    Divergence {
+        xid: u32,
+        table: String,
+        op: &'static str,
+        key: String,
+        problem: String,
+    },
+    /// Any other failure of a shadow transaction; it was rolled back.
+    #[error("source xid {xid} (commit {commit_lsn}) failed at {context}: {message}")]
+    Statement {
+        xid: u32,
+        commit_lsn: String,
+        context: String,
+        sqlstate: Option<String>,
+        message: String,
+    },
+    #[error("source xid {xid}: malformed shadow transaction: {reason}")]
+    Malformed { xid: u32, reason: String },
+    #[error("shadow transaction out of order: {0}")]
+    Order(#[from] WatermarkError),
+    #[error("an apply session task was lost: {0}")]
+    SessionLost(String),
+    #[error("finishing the apply sessions failed: {0}")]
+    Teardown(String),
+    #[error("the applier already failed: {0}")]
+    Failed(String),
+}
+
+/// `message (SQLSTATE xxxxx): detail` for server errors, the client error otherwise.
+pub(crate) fn pg_message(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => {
+            let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+            if let Some(detail) = db.detail() {
+                let _ = write!(s, ": {detail}");
+            }
+            s
+        }
+        None => {
+            let mut s = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(cause) = source {
+                let _ = write!(s, ": {cause}");
+                source = cause.source();
+            }
+            s
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! One destination session bound to a replication origin, and what runs a shadow transaction's
+//! round trip on it (plus COMMIT/ROLLBACK PREPARED of validated shadows).
+
+use tokio::task::JoinHandle;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+use tracing::{debug, warn, Instrument};
+
+use super::sql::{format_lsn, quote_literal, Prepared};
+use super::{origin_name, pg_message, ApplyConfig, ApplyError};
+
+/// Commits prepared transaction `gid` with the source's commit LSN and time recorded under the
+/// session's replication origin. Ok(false) when it does not exist (already resolved). A
+/// concurrent resolver holding it ("busy") is waited out.
+pub(crate) async fn commit_prepared_with_origin(
+    client: &Client,
+    gid: &str,
+    commit_lsn: u64,
+    commit_time_us: i64,
+) -> Result<bool, tokio_postgres::Error> {
+    let setup = format!(
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('{}'::pg_catalog.pg_lsn, \
+         '2000-01-01 00:00:00+00'::timestamptz + interval '{} microseconds')",
+        format_lsn(commit_lsn),
+        commit_time_us
+    );
+    let result = finish_prepared(
+        client,
+        &format!("COMMIT PREPARED {}", quote_literal(gid)),
+        Some(&setup),
+    )
+    .await;
+    // The values are session globals that the next transaction would reuse.
+    let reset = client
+        .batch_execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
+        .await;
+    let found = result?;
+    reset?;
+    Ok(found)
+}
+
+/// Runs COMMIT/ROLLBACK PREPARED (alone: it refuses to share a query string), after `before`.
+/// Ok(false) when no such prepared transaction exists (SQLSTATE 42704: already finished).
+pub(crate) async fn finish_prepared(
+    client: &Client,
+    statement: &str,
+    before: Option<&str>,
+) -> Result<bool, tokio_postgres::Error> {
+    // Up to ~10 s: a concurrent COMMIT PREPARED only has to write and flush its commit record.
+    const BUSY_RETRIES: u32 = 2000;
+    let mut attempt = 0;
+    loop {
+        if let Some(before) = before {
+            client.batch_execute(before).await?;
+        }
+        match client.batch_execute(statement).await {
+            Ok(()) => return Ok(true),
+            Err(e) if e.code() == Some(&SqlState::UNDEFINED_OBJECT) => return Ok(false),
+            // Another session is finishing it right now (the stream and the source's
+            // post-commit call race): wait until it is gone.
+            Err(e)
+                if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE)
+                    && attempt < BUSY_RETRIES =>
+            {
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// One destination connection bound to a replication origin.
+pub(super) struct Session {
+    pub(super) worker: usize,
+    pub(super) migration_id: u64,
+    pub(super) origin: String,
+    pub(super) client: Client,
+    connection: JoinHandle<()>,
+}
+
+impl Session {
+    pub(super) async fn open(cfg: &ApplyConfig, worker: usize) -> Result<Session, ApplyError> {
+        let origin = origin_name(cfg.migration_id, worker);
+        let (client, connection) = tokio_postgres::connect(&cfg.destination_conninfo, NoTls)
+            .await
+            .map_err(|e| ApplyError::Connect {
+                worker,
+                message: pg_message(&e),
+            })?;
+        let migration_id = cfg.migration_id;
+        let connection = tokio::spawn(
+            async move {
+                if let Err(e) = connection.await {
+                    warn!(migration_id, worker, error = %pg_message(&e), "destination connection ended");
+                }
+            }
+            .in_current_span(),
+        );
+        let session = Session {
+            worker,
+            migration_id,
+            origin,
+            client,
+            connection,
+        };
+        let o = quote_literal(&session.origin);
+        let setup = format!(
+            "SET remus.migration_session = on;
+             SET session_replication_role = replica;
+             SET standard_conforming_strings = on;
+             SET application_name = {app};
+             SELECT pg_catalog.pg_replication_origin_create({o})
+               WHERE pg_catalog.pg_replication_origin_oid({o}) IS NULL;
+             SELECT pg_catalog.pg_replication_origin_session_setup({o});",
+            app = quote_literal(&format!("remus-replay m{migration_id} w{worker}")),
+        );
+        session
+            .client
+            .batch_execute(&setup)
+            .await
+            .map_err(|e| ApplyError::Setup {
+                worker,
+                origin: session.origin.clone(),
+                message: pg_message(&e),
+            })?;
+        debug!(migration_id, worker, origin = %session.origin, "apply session ready");
+        Ok(session)
+    }
+
+    /// Runs the shadow transaction in one round trip; on any error it is rolled back.
+    pub(super) async fn apply(&self, p: &Prepared) -> Result<(), ApplyError> {
+        if let Some(gid) = &p.shadow_gid {
+            return commit_prepared_with_origin(&self.client, gid, p.commit_lsn, p.commit_time_us)
+                .await
+                .map(|_| ())
+                .map_err(|e| ApplyError::Statement {
+                    xid: p.xid,
+                    commit_lsn: format_lsn(p.commit_lsn),
+                    context: format!("COMMIT PREPARED {gid}"),
+                    sqlstate: e.code().map(|c| c.code().to_string()),
+                    message: pg_message(&e),
+                });
+        }
+        // Statement indexes: 0 BEGIN, 1..=n changes, n+1 origin setup, n+2 COMMIT.
+        let n = p.stmts.len();
+        let mut completes: Vec<u64> = Vec::with_capacity(n + 3);
+        let mut bad_guard_row = None;
+        let result: Result<(), tokio_postgres::Error> = async {
+            let stream = self.client.simple_query_raw(&p.sql).await?;
+            let mut stream = std::pin::pin!(stream);
+            while let Some(msg) = tokio_stream::StreamExt::next(&mut stream)
+                .await
+                .transpose()?
+            {
+                match msg {
+                    SimpleQueryMessage::CommandComplete(rows) => completes.push(rows),
+                    SimpleQueryMessage::Row(row) => {
+                        let idx = completes.len();
+                        let guarded = (1..=n).contains(&idx) && p.stmts[idx - 1].guarded;
+                        if guarded && row.get(0) != Some("1") {
+                            bad_guard_row = Some(idx);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Ok(())
+        }
+        .await;
+
+        let failed_at = completes.len();
+        let stmt = |idx: usize| (1..=n).contains(&idx).then(|| &p.stmts[idx - 1]);
+        match result {
+            Ok(()) => {
+                // The guards make a wrong row count fail on the server, before COMMIT; this only
+                // catches a server that answered something else than what was sent.
+                let counts_ok = completes.len() == n + 3
+                    && p.stmts
+                        .iter()
+                        .zip(&completes[1..=n])
+                        .all(|(s, &rows)| !s.guarded || rows == 1);
+                if counts_ok && bad_guard_row.is_none() {
+                    return Ok(());
+                }
+                Err(ApplyError::Statement {
+                    xid: p.xid,
+                    commit_lsn: format_lsn(p.commit_lsn),
+                    context: "checking the statement results".into(),
+                    sqlstate: None,
+                    message: format!(
+                        "unexpected CommandComplete counts {completes:?} for {n} changes \
+                         (guard row check at statement {bad_guard_row:?}); the transaction was \
+                         already committed"
+                    ),
+                })
+            }
+            Err(e) => {
+                if let Err(rb) = self.client.batch_execute("ROLLBACK").await {
+                    warn!(migration_id = self.migration_id, worker = self.worker, error = %pg_message(&rb), "ROLLBACK after a failed shadow transaction failed");
+                }
+                let code = e.code();
+                if let Some(s) = stmt(failed_at) {
+                    let divergence = if s.guarded && code == Some(&SqlState::DIVISION_BY_ZERO) {
+                        Some("did not affect exactly one row on the destination (row missing)")
+                    } else if s.op == "INSERT" && code == Some(&SqlState::UNIQUE_VIOLATION) {
+                        Some("found the row already present on the destination")
+                    } else {
+                        None
+                    };
+                    if let Some(problem) = divergence {
+                        return Err(ApplyError::Divergence {
+                            xid: p.xid,
+                            table: s.table.clone(),
+                            op: s.op,
+                            key: s.key.clone(),
+                            problem: problem.into(),
+                        });
+                    }
+                }
+                let context = match stmt(failed_at) {
+                    Some(s) if s.key.is_empty() => format!("{} {}", s.op, s.table),
+                    Some(s) => format!("{} on {} with key ({})", s.op, s.table, s.key),
+                    None if failed_at == 0 => "BEGIN".into(),
+                    None if failed_at == n + 1 => "pg_replication_origin_xact_setup".into(),
+                    None => "COMMIT".into(),
+                };
+                Err(ApplyError::Statement {
+                    xid: p.xid,
+                    commit_lsn: format_lsn(p.commit_lsn),
+                    context,
+                    sqlstate: code.map(|c| c.code().to_string()),
+                    message: pg_message(&e),
+                })
+            }
+        }
+    }
+
+    pub(super) async fn reset(&self) -> Result<(), tokio_postgres::Error> {
+        self.client
+            .batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
+            .await
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Dropping the client ends the connection task by itself; this only hurries it up.
+        self.connection.abort();
+    }
+}

@@ -1,0 +1,542 @@
+//! The SQL text of a shadow transaction: identifier and literal quoting, the exactly-one-row
+//! guard around every change, the encoding of row keys for the scheduler, and the whole round
+//! trip of a transaction ([`prepare`]).
+
+use std::collections::hash_map::DefaultHasher;
+use std::fmt::Write as _;
+use std::hash::{Hash, Hasher};
+
+use remus_proto::v1::{column_value, row_change, RowChange, ShadowTxn};
+
+use super::ApplyError;
+use crate::scheduler::RowKey;
+
+/// `"ident"` with embedded quotes doubled.
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// `'literal'` with embedded quotes doubled (sessions run with standard_conforming_strings).
+pub fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// `X/Y` as PostgreSQL prints an LSN.
+pub fn format_lsn(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF)
+}
+
+/// Checks that `s` is a sequence of one or two double-quoted identifiers separated by a dot,
+/// as the protocol promises for TRUNCATE table names, so it can be spliced into SQL.
+fn is_quoted_qualified_name(s: &str) -> bool {
+    let mut parts = 0;
+    let mut chars = s.chars().peekable();
+    loop {
+        if chars.next() != Some('"') {
+            return false;
+        }
+        let mut empty = true;
+        loop {
+            match chars.next() {
+                None | Some('\0') => return false,
+                Some('"') if chars.peek() == Some(&'"') => {
+                    chars.next();
+                    empty = false;
+                }
+                Some('"') => break,
+                Some(_) => empty = false,
+            }
+        }
+        parts += 1;
+        if empty || parts > 2 {
+            return false;
+        }
+        match chars.next() {
+            None => return true,
+            Some('.') => continue,
+            Some(_) => return false,
+        }
+    }
+}
+
+/// What a statement of the round trip was, for error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StmtInfo {
+    pub(crate) op: &'static str,
+    pub(crate) table: String,
+    pub(crate) key: String,
+    /// Wrapped in the exactly-one-row guard.
+    pub(super) guarded: bool,
+}
+
+/// A shadow transaction turned into SQL and scheduling keys.
+#[derive(Debug)]
+pub(super) struct Prepared {
+    pub(super) xid: u32,
+    pub(super) commit_lsn: u64,
+    pub(super) end_lsn: u64,
+    pub(super) sql: String,
+    pub(super) stmts: Vec<StmtInfo>,
+    pub(super) keys: Vec<RowKey>,
+    pub(super) barrier: bool,
+    /// A transaction the source validated (MOCC): committing its prepared shadow is its apply.
+    pub(super) shadow_gid: Option<String>,
+    pub(super) commit_time_us: i64,
+}
+
+pub(crate) type Value = column_value::Value;
+
+fn value_of(v: &remus_proto::v1::ColumnValue) -> Option<&Value> {
+    v.value.as_ref()
+}
+
+fn sql_value(v: &Value) -> String {
+    match v {
+        Value::Text(t) => quote_literal(t),
+        Value::Null(_) => "NULL".into(),
+        Value::UnchangedToast(_) => unreachable!("callers filter unchanged TOAST values"),
+    }
+}
+
+/// Encodes the key values of a row the same way for every change of that row.
+fn encode_key(values: &[(&str, &Value)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (_, v) in values {
+        match v {
+            Value::Text(t) => {
+                out.push(1);
+                out.extend_from_slice(&(t.len() as u32).to_be_bytes());
+                out.extend_from_slice(t.as_bytes());
+            }
+            _ => out.push(0),
+        }
+    }
+    out
+}
+
+fn relation_id(schema: &str, table: &str) -> u32 {
+    let mut h = DefaultHasher::new();
+    (schema, table).hash(&mut h);
+    h.finish() as u32
+}
+
+/// `a = 'x' AND b IS NULL` over the key columns, plus the same as `a=x, b=NULL` for messages.
+pub(crate) fn key_condition(values: &[(&str, &Value)]) -> (String, String) {
+    let mut cond = String::new();
+    let mut shown = String::new();
+    for (i, (col, v)) in values.iter().enumerate() {
+        if i > 0 {
+            cond.push_str(" AND ");
+            shown.push_str(", ");
+        }
+        match v {
+            Value::Null(_) => {
+                let _ = write!(cond, "{} IS NULL", quote_ident(col));
+                let _ = write!(shown, "{col}=NULL");
+            }
+            other => {
+                let _ = write!(cond, "{} = {}", quote_ident(col), sql_value(other));
+                let _ = write!(shown, "{col}={}", sql_value(other));
+            }
+        }
+    }
+    (cond, shown)
+}
+
+/// Wraps a statement so that it fails with `division_by_zero` unless it touched exactly one row.
+fn guard(dml: &str) -> String {
+    let returning = if dml.starts_with("SELECT") {
+        ""
+    } else {
+        " RETURNING 1"
+    };
+    format!("WITH w AS ({dml}{returning}) SELECT 1/(count(*) = 1)::int FROM w")
+}
+
+pub(crate) type Row<'a> = Vec<(&'a str, &'a Value)>;
+
+/// The values of one row, paired with their column names; every value must be set.
+pub(crate) fn row_values<'a>(
+    xid: u32,
+    table: &str,
+    c: &'a RowChange,
+    vals: &'a [remus_proto::v1::ColumnValue],
+    what: &str,
+) -> Result<Row<'a>, ApplyError> {
+    let malformed = |reason: String| ApplyError::Malformed { xid, reason };
+    if vals.len() != c.columns.len() {
+        return Err(malformed(format!(
+            "{table}: {what} has {} values for {} columns",
+            vals.len(),
+            c.columns.len()
+        )));
+    }
+    vals.iter()
+        .zip(&c.columns)
+        .map(|(v, col)| {
+            value_of(v)
+                .map(|v| (col.as_str(), v))
+                .ok_or_else(|| malformed(format!("{table}: {what} value of {col} is unset")))
+        })
+        .collect()
+}
+
+/// The key columns of a row; there must be some, and none may be an unchanged TOAST value.
+pub(crate) fn key_values<'a>(
+    xid: u32,
+    table: &str,
+    c: &RowChange,
+    vals: &Row<'a>,
+    what: &str,
+) -> Result<Row<'a>, ApplyError> {
+    let malformed = |reason: String| ApplyError::Malformed { xid, reason };
+    let key: Row<'a> = vals
+        .iter()
+        .zip(&c.key)
+        .filter(|(_, k)| **k)
+        .map(|(v, _)| *v)
+        .collect();
+    if key.is_empty() {
+        return Err(malformed(format!("{table} has no key columns")));
+    }
+    if key
+        .iter()
+        .any(|(_, v)| matches!(v, Value::UnchangedToast(_)))
+    {
+        return Err(malformed(format!(
+            "{table}: {what} key has an unchanged TOAST value"
+        )));
+    }
+    Ok(key)
+}
+
+pub(crate) struct ChangeSql {
+    pub(crate) sql: String,
+    pub(crate) info: StmtInfo,
+    keys: Vec<RowKey>,
+}
+
+pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
+    let malformed = |reason: String| ApplyError::Malformed { xid, reason };
+    let kind = row_change::Kind::try_from(c.kind)
+        .map_err(|_| malformed(format!("unknown change kind {}", c.kind)))?;
+    if kind == row_change::Kind::Truncate {
+        if c.truncate_tables.is_empty() {
+            return Err(malformed("TRUNCATE without tables".into()));
+        }
+        if let Some(bad) = c
+            .truncate_tables
+            .iter()
+            .find(|t| !is_quoted_qualified_name(t))
+        {
+            return Err(malformed(format!(
+                "TRUNCATE table name {bad:?} is not a quoted qualified name"
+            )));
+        }
+        let list = c.truncate_tables.join(", ");
+        return Ok(ChangeSql {
+            sql: format!("TRUNCATE {list}"),
+            info: StmtInfo {
+                op: "TRUNCATE",
+                table: list,
+                key: String::new(),
+                guarded: false,
+            },
+            keys: Vec::new(),
+        });
+    }
+
+    if c.table.is_empty() || c.columns.is_empty() || c.key.len() != c.columns.len() {
+        return Err(malformed(format!(
+            "change on {:?}.{:?} has {} columns and {} key flags",
+            c.schema,
+            c.table,
+            c.columns.len(),
+            c.key.len()
+        )));
+    }
+    let table = if c.schema.is_empty() {
+        quote_ident(&c.table)
+    } else {
+        format!("{}.{}", quote_ident(&c.schema), quote_ident(&c.table))
+    };
+    let relid = relation_id(&c.schema, &c.table);
+    let row = |vals, what| row_values(xid, &table, c, vals, what);
+    let key_of = |vals, what| key_values(xid, &table, c, vals, what);
+
+    let (op, sql, shown_key, keys) = match kind {
+        row_change::Kind::Insert => {
+            let new = row(&c.new_values, "new row")?;
+            if new
+                .iter()
+                .any(|(_, v)| matches!(v, Value::UnchangedToast(_)))
+            {
+                return Err(malformed(format!(
+                    "{table}: INSERT with an unchanged TOAST value"
+                )));
+            }
+            let key = key_of(&new, "new")?;
+            let cols: Vec<String> = new.iter().map(|(c, _)| quote_ident(c)).collect();
+            let vals: Vec<String> = new.iter().map(|(_, v)| sql_value(v)).collect();
+            let sql = format!(
+                "INSERT INTO {table} ({}) OVERRIDING SYSTEM VALUE VALUES ({})",
+                cols.join(", "),
+                vals.join(", ")
+            );
+            let (_, shown) = key_condition(&key);
+            let keys = vec![RowKey::new(relid, encode_key(&key))];
+            ("INSERT", sql, shown, keys)
+        }
+        row_change::Kind::Update => {
+            let new = row(&c.new_values, "new row")?;
+            let new_key = key_of(&new, "new")?;
+            let old = if c.old_values.is_empty() {
+                None
+            } else {
+                Some(row(&c.old_values, "old row")?)
+            };
+            let old_key = match &old {
+                Some(old) => key_of(old, "old")?,
+                None => new_key.clone(),
+            };
+            let old_encoded = encode_key(&old_key);
+            let new_encoded = encode_key(&new_key);
+            // An unchanged key is not SET: a GENERATED ALWAYS identity key refuses any value.
+            let key_changed = old_encoded != new_encoded;
+            let set: Vec<String> = new
+                .iter()
+                .zip(&c.key)
+                .filter(|((_, v), is_key)| {
+                    !matches!(v, Value::UnchangedToast(_)) && (key_changed || !**is_key)
+                })
+                .map(|((c, v), _)| format!("{} = {}", quote_ident(c), sql_value(v)))
+                .collect();
+            let (cond, shown) = key_condition(&old_key);
+            let sql = if set.is_empty() {
+                // Nothing to write (only unchanged TOAST values besides the key): the row must
+                // still exist.
+                format!("SELECT 1 FROM {table} WHERE {cond} FOR UPDATE")
+            } else {
+                format!("UPDATE {table} SET {} WHERE {cond}", set.join(", "))
+            };
+            let mut keys = vec![RowKey::new(relid, old_encoded)];
+            if key_changed {
+                keys.push(RowKey::new(relid, new_encoded));
+            }
+            ("UPDATE", sql, shown, keys)
+        }
+        row_change::Kind::Delete => {
+            let old = row(&c.old_values, "old row")?;
+            let key = key_of(&old, "old")?;
+            let (cond, shown) = key_condition(&key);
+            let sql = format!("DELETE FROM {table} WHERE {cond}");
+            (
+                "DELETE",
+                sql,
+                shown,
+                vec![RowKey::new(relid, encode_key(&key))],
+            )
+        }
+        row_change::Kind::Truncate => unreachable!("handled above"),
+    };
+    Ok(ChangeSql {
+        sql: guard(&sql),
+        info: StmtInfo {
+            op,
+            table,
+            key: shown_key,
+            guarded: true,
+        },
+        keys,
+    })
+}
+
+pub(super) fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
+    if !txn.shadow_gid.is_empty() {
+        // Its changes are in the prepared shadow already; they still give its key set, so
+        // dependent transactions wait for the commit.
+        let mut keys = Vec::new();
+        for c in &txn.changes {
+            keys.extend(change_sql(txn.xid, c)?.keys);
+        }
+        return Ok(Prepared {
+            xid: txn.xid,
+            commit_lsn: txn.commit_lsn,
+            end_lsn: txn.end_lsn,
+            sql: String::new(),
+            stmts: Vec::new(),
+            keys,
+            barrier: false,
+            shadow_gid: Some(txn.shadow_gid.clone()),
+            commit_time_us: txn.commit_time_us,
+        });
+    }
+    let mut sql = String::from("BEGIN;\n");
+    let mut stmts = Vec::with_capacity(txn.changes.len());
+    let mut keys = Vec::new();
+    let mut barrier = false;
+    for c in &txn.changes {
+        let cs = change_sql(txn.xid, c)?;
+        sql.push_str(&cs.sql);
+        sql.push_str(";\n");
+        barrier |= cs.info.op == "TRUNCATE";
+        stmts.push(cs.info);
+        keys.extend(cs.keys);
+    }
+    let _ = write!(
+        sql,
+        "SELECT pg_catalog.pg_replication_origin_xact_setup('{}'::pg_catalog.pg_lsn, \
+         '2000-01-01 00:00:00+00'::timestamptz + interval '{} microseconds');\nCOMMIT",
+        format_lsn(txn.commit_lsn),
+        txn.commit_time_us
+    );
+    Ok(Prepared {
+        xid: txn.xid,
+        commit_lsn: txn.commit_lsn,
+        end_lsn: txn.end_lsn,
+        sql,
+        stmts,
+        keys,
+        barrier,
+        shadow_gid: None,
+        commit_time_us: txn.commit_time_us,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use remus_proto::v1::ColumnValue as PbValue;
+
+    fn text(s: &str) -> PbValue {
+        PbValue {
+            value: Some(Value::Text(s.into())),
+        }
+    }
+    fn null() -> PbValue {
+        PbValue {
+            value: Some(Value::Null(true)),
+        }
+    }
+    fn toast() -> PbValue {
+        PbValue {
+            value: Some(Value::UnchangedToast(true)),
+        }
+    }
+
+    fn change(kind: row_change::Kind, old: Vec<PbValue>, new: Vec<PbValue>) -> RowChange {
+        RowChange {
+            kind: kind as i32,
+            schema: "s".into(),
+            table: "t\"x".into(),
+            columns: vec!["id".into(), "v".into()],
+            key: vec![true, false],
+            old_values: old,
+            new_values: new,
+            truncate_tables: vec![],
+        }
+    }
+
+    fn txn(changes: Vec<RowChange>) -> ShadowTxn {
+        ShadowTxn {
+            xid: 7,
+            commit_lsn: 0x1_0000_0010,
+            end_lsn: 0x1_0000_0040,
+            commit_time_us: 123,
+            changes,
+            shadow_gid: String::new(),
+        }
+    }
+
+    #[test]
+    fn quoting() {
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
+        assert_eq!(quote_literal("it's \\"), "'it''s \\'");
+        assert_eq!(format_lsn(0x1_0000_0010), "1/10");
+        assert!(is_quoted_qualified_name("\"a\".\"b\"\"c\""));
+        assert!(is_quoted_qualified_name("\"t\""));
+        for bad in [
+            "a.b",
+            "\"a\".b",
+            "\"a\"; DROP",
+            "\"a\".\"b\".\"c\"",
+            "\"\"",
+            "\"a",
+        ] {
+            assert!(!is_quoted_qualified_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn statements_are_guarded_and_quoted() {
+        use row_change::Kind::*;
+        let p = prepare(&txn(vec![
+            change(Insert, vec![], vec![text("1"), text("o'k")]),
+            change(Update, vec![], vec![text("1"), toast()]),
+            change(Update, vec![text("1"), null()], vec![text("2"), null()]),
+            change(Delete, vec![text("2"), null()], vec![]),
+        ]))
+        .unwrap();
+        let lines: Vec<&str> = p.sql.lines().collect();
+        assert_eq!(lines[0], "BEGIN;");
+        assert_eq!(
+            lines[1],
+            "WITH w AS (INSERT INTO \"s\".\"t\"\"x\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE \
+             VALUES ('1', 'o''k') RETURNING 1) SELECT 1/(count(*) = 1)::int FROM w;"
+        );
+        assert!(
+            lines[2].contains(
+                "WITH w AS (SELECT 1 FROM \"s\".\"t\"\"x\" WHERE \"id\" = '1' FOR UPDATE) SELECT"
+            ),
+            "{}",
+            lines[2]
+        );
+        assert!(lines[3].contains("SET \"id\" = '2', \"v\" = NULL WHERE \"id\" = '1' RETURNING"));
+        assert!(lines[4].contains("DELETE FROM \"s\".\"t\"\"x\" WHERE \"id\" = '2' RETURNING"));
+        assert!(lines[5].starts_with(
+            "SELECT pg_catalog.pg_replication_origin_xact_setup('1/10'::pg_catalog.pg_lsn, \
+             '2000-01-01 00:00:00+00'::timestamptz + interval '123 microseconds')"
+        ));
+        assert_eq!(lines[6], "COMMIT");
+        assert!(!p.barrier);
+        // Key 1 (insert, update, update-old) and key 2 (update-new, delete).
+        let distinct: std::collections::BTreeSet<_> = p.keys.iter().collect();
+        assert_eq!(distinct.len(), 2);
+        assert_eq!(p.keys.len(), 5);
+    }
+
+    #[test]
+    fn truncate_is_a_barrier_and_names_are_validated() {
+        let mut c = change(row_change::Kind::Truncate, vec![], vec![]);
+        c.truncate_tables = vec!["\"s\".\"a\"".into(), "\"s\".\"b\"".into()];
+        let p = prepare(&txn(vec![c.clone()])).unwrap();
+        assert!(p.barrier && p.keys.is_empty());
+        assert!(p.sql.contains("\nTRUNCATE \"s\".\"a\", \"s\".\"b\";\n"));
+        c.truncate_tables = vec!["s.a; DROP TABLE x".into()];
+        assert!(matches!(
+            prepare(&txn(vec![c])),
+            Err(ApplyError::Malformed { xid: 7, .. })
+        ));
+    }
+
+    #[test]
+    fn malformed_changes_are_refused() {
+        use row_change::Kind::*;
+        let cases = [
+            change(Insert, vec![], vec![text("1")]),
+            change(Insert, vec![], vec![text("1"), toast()]),
+            change(Update, vec![], vec![toast(), text("x")]),
+            change(Delete, vec![], vec![]),
+            change(Insert, vec![], vec![PbValue { value: None }, text("x")]),
+        ];
+        for c in cases {
+            assert!(
+                matches!(
+                    prepare(&txn(vec![c.clone()])),
+                    Err(ApplyError::Malformed { .. })
+                ),
+                "{c:?}"
+            );
+        }
+    }
+}
