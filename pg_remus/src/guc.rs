@@ -24,7 +24,7 @@ pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> = GucSetting::<Optio
 pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
 
 /// Longest wait of a write on a draining shard's new owner for the row's older writers on the
-/// source (`router::drain_fence`); 0 turns the wait off.
+/// source (`migration::handover::remus`); 0 turns the wait off.
 pub static DRAIN_WAIT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 
 /// The database the background workers connect to (where pg_remus is created).

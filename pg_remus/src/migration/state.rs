@@ -141,9 +141,12 @@ impl Default for HandoverState {
 // SAFETY: plain-old-data (integers and bools), no pointers: valid in every process.
 unsafe impl PGRXSharedMemory for HandoverState {}
 
+// SAFETY: set up by `init_shmem` (pg_shmem_init!) while the library is preloaded, before any
+// backend takes the lock.
 pub(crate) static STATE: PgLwLock<HandoverState> = unsafe { PgLwLock::new(c"remus_handover_state") };
 /// Non-zero while anything above is in use: the per-statement checks then take the lock; when
 /// zero (the normal case) they cost one atomic load.
+// SAFETY: as STATE: set up by `init_shmem` before any backend reads it.
 static ACTIVE: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_handover_active") };
 
 pub(crate) fn init_shmem() {

@@ -17,7 +17,11 @@ use crate::router::execute::Params;
 use crate::catalog::{DistTable, ShardPlacement};
 use crate::error::RemusError;
 
+// SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
+// at preload, before PostgreSQL can see it.
 static mut SCAN_METHODS: pg_sys::CustomScanMethods = unsafe { std::mem::zeroed() };
+// SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
+// at preload, before PostgreSQL can see it.
 static mut EXEC_METHODS: pg_sys::CustomExecMethods = unsafe { std::mem::zeroed() };
 const NAME: &CStr = c"RemusRouter";
 

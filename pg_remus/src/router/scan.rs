@@ -16,8 +16,14 @@ use crate::router::execute::Params;
 use crate::error::RemusError;
 
 /// Method tables must have stable addresses for PostgreSQL; they are filled once at preload.
+// SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
+// at preload, before PostgreSQL can see it.
 static mut PATH_METHODS: pg_sys::CustomPathMethods = unsafe { std::mem::zeroed() };
+// SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
+// at preload, before PostgreSQL can see it.
 static mut SCAN_METHODS: pg_sys::CustomScanMethods = unsafe { std::mem::zeroed() };
+// SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
+// at preload, before PostgreSQL can see it.
 static mut EXEC_METHODS: pg_sys::CustomExecMethods = unsafe { std::mem::zeroed() };
 const NAME: &CStr = c"RemusShardScan";
 
