@@ -18,7 +18,8 @@ pub static FORWARDED: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static MIGRATION_SESSION: GucSetting<bool> = GucSetting::<bool>::new(false);
 
 /// gRPC address of the coordinator, for `remus_migrate_shard(s)` and `remus_migrations`.
-pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(None);
 
 /// How often the recovery worker looks for in-doubt prepared transactions.
 pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
@@ -28,7 +29,8 @@ pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
 pub static DRAIN_WAIT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 
 /// The database the background workers connect to (where pg_remus is created).
-pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+pub static DATABASE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
 pub fn database() -> String {
     DATABASE

@@ -46,18 +46,26 @@ fn status_error(address: &str, status: tonic::Status) -> RemusError {
     }
 }
 
-async fn connect(address: &str) -> Result<CoordinatorClient<tonic::transport::Channel>, RemusError> {
+async fn connect(
+    address: &str,
+) -> Result<CoordinatorClient<tonic::transport::Channel>, RemusError> {
     let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())
-        .map_err(|e| RemusError::InvalidArgument(format!("remus.coordinator_address {address:?}: {e}")))?
+        .map_err(|e| {
+            RemusError::InvalidArgument(format!("remus.coordinator_address {address:?}: {e}"))
+        })?
         .connect_timeout(Duration::from_secs(5));
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| coordinator_error(format!("cannot reach the coordinator at {address}: {e}")))?;
+    let channel = endpoint.connect().await.map_err(|e| {
+        coordinator_error(format!("cannot reach the coordinator at {address}: {e}"))
+    })?;
     Ok(CoordinatorClient::new(channel))
 }
 
-fn migrate(shard_ids: Vec<i64>, target: &str, mode: &str, what: &std::ffi::CStr) -> Result<Migration, RemusError> {
+fn migrate(
+    shard_ids: Vec<i64>,
+    target: &str,
+    mode: &str,
+    what: &std::ffi::CStr,
+) -> Result<Migration, RemusError> {
     let address = address()?;
     // The migration runs its own cross-node transactions; waiting for it inside a transaction
     // block would hold this transaction's snapshot and locks across the whole move.
@@ -66,10 +74,19 @@ fn migrate(shard_ids: Vec<i64>, target: &str, mode: &str, what: &std::ffi::CStr)
     // SAFETY: process global.
     let pid = unsafe { pg_sys::MyProcPid };
     let requested_by = format!("{}:{pid}", crate::guc::node_name().unwrap_or_default());
-    let request = MigrateShardsRequest { shard_ids, target: target.to_string(), mode: mode.to_string(), requested_by };
+    let request = MigrateShardsRequest {
+        shard_ids,
+        target: target.to_string(),
+        mode: mode.to_string(),
+        requested_by,
+    };
     let last = block_on(async {
         let mut client = connect(&address).await?;
-        let mut events = client.migrate_shards(request).await.map_err(|s| status_error(&address, s))?.into_inner();
+        let mut events = client
+            .migrate_shards(request)
+            .await
+            .map_err(|s| status_error(&address, s))?
+            .into_inner();
         let mut last = None;
         loop {
             match events.message().await {
@@ -80,13 +97,18 @@ fn migrate(shard_ids: Vec<i64>, target: &str, mode: &str, what: &std::ffi::CStr)
         }
         Ok::<_, RemusError>(last)
     })??;
-    let m = last.ok_or_else(|| coordinator_error("the coordinator ended the call without a migration".into()))?;
+    let m = last.ok_or_else(|| {
+        coordinator_error("the coordinator ended the call without a migration".into())
+    })?;
     match m.status.as_str() {
         "succeeded" => Ok(m),
         _ => Err(RemusError::MigrationFailed {
             migration_id: m.id as i64,
             status: m.status.clone(),
-            error: m.error.clone().unwrap_or_else(|| "no reason recorded".into()),
+            error: m
+                .error
+                .clone()
+                .unwrap_or_else(|| "no reason recorded".into()),
         }),
     }
 }
@@ -111,7 +133,10 @@ type MigrationRow = (
 
 fn summary(m: Migration) -> MigrationRow {
     let ms = |p: &str| m.phase_ms.get(p).copied().unwrap_or(0) as i64;
-    let total = m.finished_at_ms.unwrap_or(m.started_at_ms).saturating_sub(m.started_at_ms) as i64;
+    let total = m
+        .finished_at_ms
+        .unwrap_or(m.started_at_ms)
+        .saturating_sub(m.started_at_ms) as i64;
     (
         m.id as i64,
         m.shard_ids.clone(),
@@ -139,7 +164,9 @@ fn remus_migrate_shard(
     shard_id: i64,
     target_node: &str,
     mode: default!(&str, "'remus'"),
-) -> TableIterator<'static, (
+) -> TableIterator<
+    'static,
+    (
         name!(migration_id, i64),
         name!(shard_ids, Vec<i64>),
         name!(source, String),
@@ -155,8 +182,10 @@ fn remus_migrate_shard(
         name!(bytes_copied, i64),
         name!(txns_replayed, i64),
         name!(aborted_by_migration, i64),
-    )> {
-    let m = migrate(vec![shard_id], target_node, mode, c"remus_migrate_shard()").unwrap_or_else(|e| e.raise());
+    ),
+> {
+    let m = migrate(vec![shard_id], target_node, mode, c"remus_migrate_shard()")
+        .unwrap_or_else(|e| e.raise());
     TableIterator::once(summary(m))
 }
 
@@ -167,7 +196,9 @@ fn remus_migrate_shards(
     shard_ids: Vec<i64>,
     target_node: &str,
     mode: default!(&str, "'remus'"),
-) -> TableIterator<'static, (
+) -> TableIterator<
+    'static,
+    (
         name!(migration_id, i64),
         name!(shard_ids, Vec<i64>),
         name!(source, String),
@@ -183,8 +214,10 @@ fn remus_migrate_shards(
         name!(bytes_copied, i64),
         name!(txns_replayed, i64),
         name!(aborted_by_migration, i64),
-    )> {
-    let m = migrate(shard_ids, target_node, mode, c"remus_migrate_shards()").unwrap_or_else(|e| e.raise());
+    ),
+> {
+    let m = migrate(shard_ids, target_node, mode, c"remus_migrate_shards()")
+        .unwrap_or_else(|e| e.raise());
     TableIterator::once(summary(m))
 }
 
@@ -234,7 +267,11 @@ mod remus {
             .map(|m| {
                 let phase_ms = format!(
                     "{{{}}}",
-                    m.phase_ms.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect::<Vec<_>>().join(", ")
+                    m.phase_ms
+                        .iter()
+                        .map(|(k, v)| format!("\"{k}\": {v}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
                 (
                     m.id as i64,

@@ -67,7 +67,10 @@ fn remove_node(name: &str) -> Result<(), RemusError> {
         return Err(RemusError::UnknownNode(name.to_string()));
     }
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
-    let sql = format!("DELETE FROM remus.nodes WHERE name = {}", crate::pg::sql::quote_literal(name));
+    let sql = format!(
+        "DELETE FROM remus.nodes WHERE name = {}",
+        crate::pg::sql::quote_literal(name)
+    );
     // Every remaining node forgets it, in one 2PC transaction. The leaving node is not asked:
     // it may well be down, which is a common reason to remove it.
     for n in nodes.iter().filter(|n| n.name != me && n.name != name) {

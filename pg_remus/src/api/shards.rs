@@ -21,9 +21,14 @@ fn remus_shard_size(shard_id: i64) -> Option<i64> {
                 return Ok::<_, pgrx::spi::Error>(None);
             }
             let r = r.first();
-            Ok(Some((r.get::<String>(1)?.unwrap_or_default(), r.get::<String>(2)?.unwrap_or_default())))
+            Ok(Some((
+                r.get::<String>(1)?.unwrap_or_default(),
+                r.get::<String>(2)?.unwrap_or_default(),
+            )))
         })?;
-        let Some((rel, owner)) = row else { return Ok(None) };
+        let Some((rel, owner)) = row else {
+            return Ok(None);
+        };
         let sql = format!(
             "SELECT pg_total_relation_size(to_regclass({}))",
             crate::pg::sql::quote_literal(&shard_table_name(&rel, shard_id))
@@ -33,7 +38,10 @@ fn remus_shard_size(shard_id: i64) -> Option<i64> {
         }
         let addr = crate::cluster::nodes::lookup(&owner)?;
         let r = crate::twophase::exec_in_transaction(&addr, &sql, false)?;
-        Ok(r.rows.first().and_then(|row| row[0].as_ref()).and_then(|v| v.parse().ok()))
+        Ok(r.rows
+            .first()
+            .and_then(|row| row[0].as_ref())
+            .and_then(|v| v.parse().ok()))
     };
     crate::error::OrRaise::or_raise(run())
 }

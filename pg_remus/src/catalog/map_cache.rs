@@ -50,7 +50,12 @@ pub fn get(relid: u32) -> Option<Vec<ShardPlacement>> {
         return None;
     }
     let gen = generation();
-    CACHE.with(|c| c.borrow().get(&relid).filter(|(g, _)| *g == gen).map(|(_, p)| p.clone()))
+    CACHE.with(|c| {
+        c.borrow()
+            .get(&relid)
+            .filter(|(g, _)| *g == gen)
+            .map(|(_, p)| p.clone())
+    })
 }
 
 /// Remembers placements read under generation `gen` (taken before the read, so a bump that
@@ -96,7 +101,9 @@ mod remus {
     fn end_read_through() -> i32 {
         let prev = super::READ_THROUGH
             .get()
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(1)))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some(v.saturating_sub(1))
+            })
             .unwrap_or(0);
         prev.saturating_sub(1) as i32
     }

@@ -39,7 +39,6 @@ CREATE TABLE remus.commit_decisions (
     bootstrap
 );
 
-
 pgrx::extension_sql!(
     r#"
 CREATE SCHEMA remus_shards;
@@ -109,7 +108,10 @@ pub struct ShardPlacement {
 
 /// `remus_shards.<table>_<shard_id>`, quoted.
 pub fn shard_table_name(rel_name: &str, shard_id: i64) -> String {
-    format!("remus_shards.{}", crate::pg::sql::quote_ident(&format!("{rel_name}_{shard_id}")))
+    format!(
+        "remus_shards.{}",
+        crate::pg::sql::quote_ident(&format!("{rel_name}_{shard_id}"))
+    )
 }
 
 pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
@@ -132,7 +134,10 @@ pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
             relid,
             shard_key: r.get::<String>(1)?,
             key_type: r.get::<pg_sys::Oid>(2)?.unwrap_or(pg_sys::InvalidOid),
-            kind: r.get::<String>(3)?.and_then(|s| s.chars().next()).unwrap_or('h'),
+            kind: r
+                .get::<String>(3)?
+                .and_then(|s| s.chars().next())
+                .unwrap_or('h'),
             shard_count: r.get::<i32>(4)?.unwrap_or(0),
             colocation_id: r.get::<i32>(5)?.unwrap_or(0),
             qualified_name: r.get::<String>(6)?.unwrap_or_default(),
@@ -168,8 +173,11 @@ pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError>
 
 /// The single shard of a reference table (present on every node).
 pub fn reference_shard(relid: pg_sys::Oid) -> Result<i64, RemusError> {
-    crate::pg::spi::read_one::<i64>("SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1", &[relid.into()])?
-        .ok_or_else(|| RemusError::InvalidArgument("reference table has no shard".into()))
+    crate::pg::spi::read_one::<i64>(
+        "SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1",
+        &[relid.into()],
+    )?
+    .ok_or_else(|| RemusError::InvalidArgument("reference table has no shard".into()))
 }
 
 /// A reference table's placements: its one shard, on every node.
@@ -177,6 +185,12 @@ pub fn reference_placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, R
     let shard_id = reference_shard(relid)?;
     Ok(crate::cluster::nodes::all_nodes()?
         .into_iter()
-        .map(|n| ShardPlacement { shard_id, shard_index: 0, hash_min: i32::MIN, hash_max: i32::MAX, node_name: n.name })
+        .map(|n| ShardPlacement {
+            shard_id,
+            shard_index: 0,
+            hash_min: i32::MIN,
+            hash_max: i32::MAX,
+            node_name: n.name,
+        })
         .collect())
 }

@@ -65,15 +65,19 @@ pub(crate) fn add_node(name: &str, host: &str, port: i32) -> Result<bool, RemusE
 /// Every node in this node's catalog.
 pub fn all_nodes() -> Result<Vec<NodeAddr>, RemusError> {
     Spi::connect(|c| {
-        c.select("SELECT name, host, port FROM remus.nodes ORDER BY name", None, &[])?
-            .map(|r| {
-                Ok(NodeAddr {
-                    name: r.get::<String>(1)?.unwrap_or_default(),
-                    host: r.get::<String>(2)?.unwrap_or_default(),
-                    port: r.get::<i32>(3)?.unwrap_or_default(),
-                })
+        c.select(
+            "SELECT name, host, port FROM remus.nodes ORDER BY name",
+            None,
+            &[],
+        )?
+        .map(|r| {
+            Ok(NodeAddr {
+                name: r.get::<String>(1)?.unwrap_or_default(),
+                host: r.get::<String>(2)?.unwrap_or_default(),
+                port: r.get::<i32>(3)?.unwrap_or_default(),
             })
-            .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+        })
+        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })
     .map_err(RemusError::from)
 }

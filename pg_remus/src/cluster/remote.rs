@@ -154,8 +154,14 @@ impl RemoteConnection {
             ("client_encoding", "UTF8".into()),
             ("connect_timeout", "10".into()),
         ];
-        let keys: Vec<CString> = params.iter().map(|(k, _)| cstring(k)).collect::<Result<_, _>>()?;
-        let vals: Vec<CString> = params.iter().map(|(_, v)| cstring(v)).collect::<Result<_, _>>()?;
+        let keys: Vec<CString> = params
+            .iter()
+            .map(|(k, _)| cstring(k))
+            .collect::<Result<_, _>>()?;
+        let vals: Vec<CString> = params
+            .iter()
+            .map(|(_, v)| cstring(v))
+            .collect::<Result<_, _>>()?;
         let mut kp: Vec<*const i8> = keys.iter().map(|k| k.as_ptr()).collect();
         let mut vp: Vec<*const i8> = vals.iter().map(|v| v.as_ptr()).collect();
         kp.push(std::ptr::null());
@@ -295,7 +301,11 @@ impl RemoteConnection {
         self.exec_inner(sql, Interrupts::Forward)
     }
 
-    fn exec_inner(&mut self, sql: &str, interrupts: Interrupts) -> Result<RemoteResult, RemusError> {
+    fn exec_inner(
+        &mut self,
+        sql: &str,
+        interrupts: Interrupts,
+    ) -> Result<RemoteResult, RemusError> {
         let c = cstring(sql)?;
         self.cancel_forwarded = false;
         // SAFETY: live PGconn, NUL-terminated query.
@@ -318,10 +328,14 @@ impl RemoteConnection {
             return self.exec(sql);
         }
         let c = cstring(sql)?;
-        let values: Vec<Option<CString>> =
-            params.iter().map(|p| p.as_deref().map(cstring).transpose()).collect::<Result<_, _>>()?;
-        let ptrs: Vec<*const i8> =
-            values.iter().map(|v| v.as_ref().map_or(std::ptr::null(), |v| v.as_ptr())).collect();
+        let values: Vec<Option<CString>> = params
+            .iter()
+            .map(|p| p.as_deref().map(cstring).transpose())
+            .collect::<Result<_, _>>()?;
+        let ptrs: Vec<*const i8> = values
+            .iter()
+            .map(|v| v.as_ref().map_or(std::ptr::null(), |v| v.as_ptr()))
+            .collect();
         let oids: Vec<pq::Oid> = types.iter().map(|t| *t as pq::Oid).collect();
         // SAFETY: arrays of `params.len()` entries that outlive the call; text format.
         let sent = unsafe {
@@ -425,7 +439,9 @@ impl RemoteConnection {
             let res = ResultGuard(res);
             match res.status() {
                 pq::ExecStatusType::PGRES_COPY_IN => break,
-                pq::ExecStatusType::PGRES_COMMAND_OK | pq::ExecStatusType::PGRES_TUPLES_OK => continue,
+                pq::ExecStatusType::PGRES_COMMAND_OK | pq::ExecStatusType::PGRES_TUPLES_OK => {
+                    continue
+                }
                 _ => {
                     let e = res.error(&self.addr.name);
                     drop(res);
@@ -438,7 +454,11 @@ impl RemoteConnection {
             loop {
                 // SAFETY: live PGconn in COPY IN state; chunk is valid for its length.
                 match unsafe {
-                    pq::PQputCopyData(self.conn.as_ptr(), chunk.as_ptr() as *const i8, chunk.len() as i32)
+                    pq::PQputCopyData(
+                        self.conn.as_ptr(),
+                        chunk.as_ptr() as *const i8,
+                        chunk.len() as i32,
+                    )
                 } {
                     1 => break,
                     0 => self.wait(pg_sys::WL_SOCKET_WRITEABLE as i32, Interrupts::Service),
@@ -462,7 +482,9 @@ impl RemoteConnection {
     /// Asks the remote backend to cancel what it is running, then drains its results.
     pub fn cancel_running(&mut self) {
         // SAFETY: live PGconn.
-        if unsafe { pq::PQtransactionStatus(self.conn.as_ptr()) } != pq::PGTransactionStatusType::PQTRANS_ACTIVE {
+        if unsafe { pq::PQtransactionStatus(self.conn.as_ptr()) }
+            != pq::PGTransactionStatusType::PQTRANS_ACTIVE
+        {
             return;
         }
         self.send_cancel();
@@ -473,7 +495,9 @@ impl RemoteConnection {
 
     pub fn transaction_idle(&self) -> bool {
         // SAFETY: live PGconn.
-        unsafe { pq::PQtransactionStatus(self.conn.as_ptr()) == pq::PGTransactionStatusType::PQTRANS_IDLE }
+        unsafe {
+            pq::PQtransactionStatus(self.conn.as_ptr()) == pq::PGTransactionStatusType::PQTRANS_IDLE
+        }
     }
 }
 
@@ -514,7 +538,9 @@ impl ResultGuard {
                     (0..f)
                         .map(|c| {
                             (pq::PQgetisnull(p, r, c) == 0).then(|| {
-                                CStr::from_ptr(pq::PQgetvalue(p, r, c)).to_string_lossy().into_owned()
+                                CStr::from_ptr(pq::PQgetvalue(p, r, c))
+                                    .to_string_lossy()
+                                    .into_owned()
                             })
                         })
                         .collect()

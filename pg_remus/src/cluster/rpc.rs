@@ -41,7 +41,9 @@ pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
-                    .map_err(|e| coordinator_error(format!("cannot start the gRPC runtime: {e}")))?;
+                    .map_err(|e| {
+                        coordinator_error(format!("cannot start the gRPC runtime: {e}"))
+                    })?;
                 let _ = cell.set(rt);
                 cell.get().expect("just set")
             }
@@ -60,12 +62,16 @@ pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
 }
 
 /// A client of the replay worker at `endpoint`, made once per backend and endpoint.
-pub(crate) fn client_for(endpoint: &str) -> Result<ReplayWorkerClient<tonic::transport::Channel>, RemusError> {
+pub(crate) fn client_for(
+    endpoint: &str,
+) -> Result<ReplayWorkerClient<tonic::transport::Channel>, RemusError> {
     if let Some(c) = CLIENTS.with(|c| c.borrow().get(endpoint).cloned()) {
         return Ok(c);
     }
     let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .map_err(|e| RemusError::InvalidArgument(format!("bad replay worker endpoint {endpoint}: {e}")))?
+        .map_err(|e| {
+            RemusError::InvalidArgument(format!("bad replay worker endpoint {endpoint}: {e}"))
+        })?
         .connect_timeout(Duration::from_secs(5))
         .connect_lazy();
     let client = ReplayWorkerClient::new(channel)

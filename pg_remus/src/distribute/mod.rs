@@ -30,13 +30,21 @@ const MAX_SHARDS: i32 = 4096;
 
 /// CREATE TABLE (columns, defaults, constraints) plus the table's other indexes, for shells on
 /// other nodes. Deparsed with search_path = pg_catalog so every name is schema-qualified.
-fn shell_ddl(client: &mut SpiClient<'_>, relid: pg_sys::Oid, qualified: &str) -> Result<String, RemusError> {
+fn shell_ddl(
+    client: &mut SpiClient<'_>,
+    relid: pg_sys::Oid,
+    qualified: &str,
+) -> Result<String, RemusError> {
     let saved = client
         .select("SELECT current_setting('search_path')", Some(1), &[])?
         .first()
         .get::<String>(1)?
         .unwrap_or_default();
-    client.update("SELECT set_config('search_path', 'pg_catalog', true)", None, &[])?;
+    client.update(
+        "SELECT set_config('search_path', 'pg_catalog', true)",
+        None,
+        &[],
+    )?;
     let body = client
         .select(
             "SELECT string_agg(def, ', ' ORDER BY ord) FROM (
@@ -76,7 +84,11 @@ fn shell_ddl(client: &mut SpiClient<'_>, relid: pg_sys::Oid, qualified: &str) ->
         )?
         .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
         .collect::<Result<Vec<_>, _>>()?;
-    client.update("SELECT set_config('search_path', $1, true)", None, &[saved.as_str().into()])?;
+    client.update(
+        "SELECT set_config('search_path', $1, true)",
+        None,
+        &[saved.as_str().into()],
+    )?;
     let mut ddl = format!("CREATE TABLE {qualified} ({body});\n");
     for i in indexes {
         ddl.push_str(&i);
@@ -106,7 +118,11 @@ fn create(
     Spi::connect_mut(|client| -> Result<(), RemusError> {
         let info = inspect(client, relid, key)?;
         // Serialise conversions on this node and keep writers off the table while rows move.
-        client.update(&format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", info.qualified), None, &[])?;
+        client.update(
+            &format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", info.qualified),
+            None,
+            &[],
+        )?;
         client.update("LOCK TABLE remus.shards IN EXCLUSIVE MODE", None, &[])?;
 
         let (colocation_id, owners): (i32, Option<Vec<String>>) = match colocate_with {
@@ -132,12 +148,19 @@ fn create(
                         info.qualified, other_t.qualified_name, other_t.shard_count, other_t.shard_count
                     )));
                 }
-                let owners = crate::catalog::placements(other)?.into_iter().map(|p| p.node_name).collect();
+                let owners = crate::catalog::placements(other)?
+                    .into_iter()
+                    .map(|p| p.node_name)
+                    .collect();
                 (other_t.colocation_id, Some(owners))
             }
             None => {
                 let next = client
-                    .select("SELECT coalesce(max(colocation_id), 0) + 1 FROM remus.distributed_tables", Some(1), &[])?
+                    .select(
+                        "SELECT coalesce(max(colocation_id), 0) + 1 FROM remus.distributed_tables",
+                        Some(1),
+                        &[],
+                    )?
                     .first()
                     .get::<i32>(1)?
                     .unwrap_or(1);
@@ -145,7 +168,11 @@ fn create(
             }
         };
         let first_id = client
-            .select("SELECT coalesce(max(shard_id), 0) + 1 FROM remus.shards", Some(1), &[])?
+            .select(
+                "SELECT coalesce(max(shard_id), 0) + 1 FROM remus.shards",
+                Some(1),
+                &[],
+            )?
             .first()
             .get::<i64>(1)?
             .unwrap_or(1);
@@ -173,12 +200,25 @@ fn create(
             );
             let vals: Vec<String> = shards
                 .iter()
-                .map(|p| format!("({}, {rel}::regclass, {}, {}, {})", p.shard_id, p.index, p.lo, p.hi))
+                .map(|p| {
+                    format!(
+                        "({}, {rel}::regclass, {}, {}, {})",
+                        p.shard_id, p.index, p.lo, p.hi
+                    )
+                })
                 .collect();
-            s.push_str(&format!("INSERT INTO remus.shards VALUES {};\n", vals.join(", ")));
-            let map: Vec<String> =
-                shards.iter().map(|p| format!("({}, {})", p.shard_id, quote_literal(&p.owner))).collect();
-            s.push_str(&format!("INSERT INTO remus.shard_map VALUES {};\n", map.join(", ")));
+            s.push_str(&format!(
+                "INSERT INTO remus.shards VALUES {};\n",
+                vals.join(", ")
+            ));
+            let map: Vec<String> = shards
+                .iter()
+                .map(|p| format!("({}, {})", p.shard_id, quote_literal(&p.owner)))
+                .collect();
+            s.push_str(&format!(
+                "INSERT INTO remus.shard_map VALUES {};\n",
+                map.join(", ")
+            ));
             s
         };
         let shard_ddl = |owner: &str| -> String {
@@ -201,7 +241,10 @@ fn create(
         for n in nodes.iter().filter(|n| n.name != me) {
             let exists = crate::twophase::exec_in_transaction(
                 n,
-                &format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(&info.qualified)),
+                &format!(
+                    "SELECT to_regclass({}) IS NOT NULL",
+                    quote_literal(&info.qualified)
+                ),
                 true,
             )?;
             if exists.rows.first().and_then(|r| r[0].as_deref()) == Some("t") {
@@ -252,13 +295,17 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
         let r = r.first();
         let qualified = r.get::<String>(2)?.unwrap_or_default();
         let rel_name = r.get::<String>(3)?.unwrap_or_default();
-        if r.get::<String>(1)?.as_deref() != Some("r") || r.get::<String>(4)?.as_deref() != Some("p") {
+        if r.get::<String>(1)?.as_deref() != Some("r")
+            || r.get::<String>(4)?.as_deref() != Some("p")
+        {
             return Err(RemusError::FeatureNotSupported(format!(
                 "{qualified} is not an ordinary permanent table"
             )));
         }
         if r.get::<bool>(5)? == Some(true) {
-            return Err(RemusError::DuplicateObject(format!("table {qualified} is already distributed")));
+            return Err(RemusError::DuplicateObject(format!(
+                "table {qualified} is already distributed"
+            )));
         }
         if r.get::<bool>(6)? == Some(true) {
             return Err(RemusError::FeatureNotSupported(format!(
@@ -270,10 +317,18 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
                 "{qualified} has dropped columns; recreate the table before distributing it"
             )));
         }
-        client.update(&format!("LOCK TABLE {qualified} IN ACCESS EXCLUSIVE MODE"), None, &[])?;
+        client.update(
+            &format!("LOCK TABLE {qualified} IN ACCESS EXCLUSIVE MODE"),
+            None,
+            &[],
+        )?;
         client.update("LOCK TABLE remus.shards IN EXCLUSIVE MODE", None, &[])?;
         let shard_id = client
-            .select("SELECT coalesce(max(shard_id), 0) + 1 FROM remus.shards", Some(1), &[])?
+            .select(
+                "SELECT coalesce(max(shard_id), 0) + 1 FROM remus.shards",
+                Some(1),
+                &[],
+            )?
             .first()
             .get::<i64>(1)?
             .unwrap_or(1);
@@ -300,7 +355,10 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
         // The rows as COPY text, once, for every other node.
         let text_cols: Vec<String> = copy_columns.iter().map(|c| format!("{c}::text")).collect();
         let mut data = String::new();
-        let mut cursor = client.open_cursor(&format!("SELECT {} FROM ONLY {qualified}", text_cols.join(", ")), &[]);
+        let mut cursor = client.open_cursor(
+            &format!("SELECT {} FROM ONLY {qualified}", text_cols.join(", ")),
+            &[],
+        );
         loop {
             let batch = cursor.fetch(10_000)?;
             if batch.is_empty() {
@@ -323,7 +381,10 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
         for n in nodes.iter().filter(|n| n.name != me) {
             let exists = crate::twophase::exec_in_transaction(
                 n,
-                &format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(&qualified)),
+                &format!(
+                    "SELECT to_regclass({}) IS NOT NULL",
+                    quote_literal(&qualified)
+                ),
                 true,
             )?;
             if exists.rows.first().and_then(|r| r[0].as_deref()) == Some("t") {
@@ -338,11 +399,19 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
             );
             crate::twophase::exec_in_transaction(n, &sql, true)?;
             if !data.is_empty() {
-                crate::twophase::copy_in_transaction(n, &format!("COPY {shard} ({cols}) FROM STDIN"), data.as_bytes())?;
+                crate::twophase::copy_in_transaction(
+                    n,
+                    &format!("COPY {shard} ({cols}) FROM STDIN"),
+                    data.as_bytes(),
+                )?;
             }
         }
         client.update(&shard_ddl, None, &[])?;
-        client.update(&format!("INSERT INTO {shard} ({cols}) SELECT {cols} FROM ONLY {qualified}"), None, &[])?;
+        client.update(
+            &format!("INSERT INTO {shard} ({cols}) SELECT {cols} FROM ONLY {qualified}"),
+            None,
+            &[],
+        )?;
         client.update(&catalog_sql, None, &[])?;
         client.update(&format!("TRUNCATE ONLY {qualified}"), None, &[])?;
         client.update(&guard_ddl(&qualified), None, &[])?;
@@ -376,7 +445,10 @@ mod remus {
     #[pg_extern(immutable, strict, parallel_safe)]
     fn key_hash(value: AnyElement) -> i32 {
         // SAFETY: AnyElement carries a valid datum of the type it names.
-        unsafe { crate::catalog::hashing::hash_datum(value.datum(), value.oid(), pg_sys::InvalidOid) }.or_raise()
+        unsafe {
+            crate::catalog::hashing::hash_datum(value.datum(), value.oid(), pg_sys::InvalidOid)
+        }
+        .or_raise()
     }
 
     /// The shard id a value of the table's shard key maps to.
@@ -384,7 +456,10 @@ mod remus {
     fn shard_id_for(relid: pg_sys::Oid, value: AnyElement) -> i64 {
         let run = || -> Result<i64, RemusError> {
             let t = crate::catalog::dist_table(relid)?.ok_or_else(|| {
-                RemusError::InvalidArgument(format!("relation with oid {} is not a distributed table", relid.to_u32()))
+                RemusError::InvalidArgument(format!(
+                    "relation with oid {} is not a distributed table",
+                    relid.to_u32()
+                ))
             })?;
             if t.kind != 'h' {
                 return Err(RemusError::InvalidArgument(format!(
@@ -431,4 +506,12 @@ LANGUAGE sql STABLE STRICT AS $$ SELECT remus.shard_id_for(table_name::oid, valu
     requires = ["distribution_catalog", "remus_schema_fns"]
 );
 
-pgrx::extension_sql!("", name = "remus_schema_fns", requires = [create_distributed_table, shard_id_for, create_reference_table]);
+pgrx::extension_sql!(
+    "",
+    name = "remus_schema_fns",
+    requires = [
+        create_distributed_table,
+        shard_id_for,
+        create_reference_table
+    ]
+);

@@ -51,7 +51,11 @@ pub(crate) fn move_rows(
     if shards.iter().all(|p| p.owner == me) {
         return Ok(());
     }
-    let text_cols: Vec<String> = info.copy_columns.iter().map(|c| format!("{c}::text")).collect();
+    let text_cols: Vec<String> = info
+        .copy_columns
+        .iter()
+        .map(|c| format!("{c}::text"))
+        .collect();
     let query = format!(
         "SELECT remus.key_hash({qkey}), {} FROM ONLY {}",
         text_cols.join(", "),
@@ -60,8 +64,14 @@ pub(crate) fn move_rows(
     let by_index: BTreeMap<i32, &ShardPlan> = shards.iter().map(|p| (p.index, p)).collect();
     let mut buffers: BTreeMap<i64, String> = BTreeMap::new();
     let flush = |shard: &ShardPlan, data: &str| -> Result<(), RemusError> {
-        let addr = nodes.iter().find(|n| n.name == shard.owner).expect("owner is a known node");
-        let sql = format!("COPY {} ({cols}) FROM STDIN", shard_table_name(&info.rel_name, shard.shard_id));
+        let addr = nodes
+            .iter()
+            .find(|n| n.name == shard.owner)
+            .expect("owner is a known node");
+        let sql = format!(
+            "COPY {} ({cols}) FROM STDIN",
+            shard_table_name(&info.rel_name, shard.shard_id)
+        );
         crate::cluster::remote::with_connection(addr, |c| c.copy_in(&sql, data.as_bytes()))?;
         Ok(())
     };

@@ -15,7 +15,11 @@ pub(crate) struct TableInfo {
     pub(crate) copy_columns: Vec<String>,
 }
 
-pub(crate) fn inspect(client: &SpiClient<'_>, relid: pg_sys::Oid, key: &str) -> Result<TableInfo, RemusError> {
+pub(crate) fn inspect(
+    client: &SpiClient<'_>,
+    relid: pg_sys::Oid,
+    key: &str,
+) -> Result<TableInfo, RemusError> {
     let r = client.select(
         "SELECT c.relkind::text, format('%I.%I', n.nspname, c.relname), c.relname::text,
                 c.relpersistence::text
@@ -24,7 +28,10 @@ pub(crate) fn inspect(client: &SpiClient<'_>, relid: pg_sys::Oid, key: &str) -> 
         &[relid.into()],
     )?;
     if r.is_empty() {
-        return Err(RemusError::InvalidArgument(format!("relation with oid {} does not exist", relid.to_u32())));
+        return Err(RemusError::InvalidArgument(format!(
+            "relation with oid {} does not exist",
+            relid.to_u32()
+        )));
     }
     let r = r.first();
     let relkind = r.get::<String>(1)?.unwrap_or_default();
@@ -41,10 +48,16 @@ pub(crate) fn inspect(client: &SpiClient<'_>, relid: pg_sys::Oid, key: &str) -> 
         )));
     }
     let already = client
-        .select("SELECT 1 FROM remus.distributed_tables WHERE logicalrelid = $1", Some(1), &[relid.into()])?
+        .select(
+            "SELECT 1 FROM remus.distributed_tables WHERE logicalrelid = $1",
+            Some(1),
+            &[relid.into()],
+        )?
         .len();
     if already > 0 {
-        return Err(RemusError::DuplicateObject(format!("table {qualified} is already distributed")));
+        return Err(RemusError::DuplicateObject(format!(
+            "table {qualified} is already distributed"
+        )));
     }
     let k = client.select(
         "SELECT a.attnum, a.atttypid, format_type(a.atttypid, NULL)
@@ -72,7 +85,11 @@ pub(crate) fn inspect(client: &SpiClient<'_>, relid: pg_sys::Oid, key: &str) -> 
         Some(1),
         &[relid.into(), key_attnum.into()],
     )?;
-    let pk_has_key = if pk.is_empty() { None } else { pk.first().get::<bool>(1)? };
+    let pk_has_key = if pk.is_empty() {
+        None
+    } else {
+        pk.first().get::<bool>(1)?
+    };
     match pk_has_key {
         None => {
             return Err(RemusError::InvalidTableDefinition(format!(
@@ -147,5 +164,11 @@ pub(crate) fn inspect(client: &SpiClient<'_>, relid: pg_sys::Oid, key: &str) -> 
         )?
         .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(TableInfo { qualified, rel_name, key_type, key_type_name, copy_columns })
+    Ok(TableInfo {
+        qualified,
+        rel_name,
+        key_type,
+        key_type_name,
+        copy_columns,
+    })
 }

@@ -21,7 +21,11 @@ pub enum RemusError {
     #[error("host must not be empty")]
     EmptyHost,
     #[error("node {name} already exists with address {host}:{port}")]
-    NodeExists { name: String, host: String, port: i32 },
+    NodeExists {
+        name: String,
+        host: String,
+        port: i32,
+    },
     #[error("node {0} was removed concurrently")]
     NodeVanished(String),
     #[error("remus.node_name is not set on this node")]
@@ -54,7 +58,9 @@ pub enum RemusError {
     ObjectInUse(String),
     #[error("{0}")]
     InsufficientPrivilege(String),
-    #[error("transaction aborted by shard migration {migration_id} (lock_abort); retry the transaction")]
+    #[error(
+        "transaction aborted by shard migration {migration_id} (lock_abort); retry the transaction"
+    )]
     AbortedByMigration { migration_id: i64 },
     #[error("shard {shard_id} was moved by shard migration {migration_id}; retry the transaction")]
     ShardMoved { shard_id: i64, migration_id: i64 },
@@ -63,14 +69,20 @@ pub enum RemusError {
     #[error("commit could not be validated on the destination of shard migration {migration_id}: {message}")]
     SyncValidation { migration_id: i64, message: String },
     #[error("shard migration {migration_id} {status}: {error}")]
-    MigrationFailed { migration_id: i64, status: String, error: String },
+    MigrationFailed {
+        migration_id: i64,
+        status: String,
+        error: String,
+    },
     #[error("remus.coordinator_address is not set; set it to the coordinator's gRPC address (e.g. http://127.0.0.1:6102)")]
     CoordinatorUnset,
     #[error("shard {shard_id} is not owned by node {node} for this transaction")]
     NotShardOwner { shard_id: i64, node: String },
     #[error("null value in column \"{column}\" of relation {table} violates not-null constraint")]
     NullShardKey { column: String, table: String },
-    #[error("a node of this transaction could not follow a savepoint; the transaction cannot commit")]
+    #[error(
+        "a node of this transaction could not follow a savepoint; the transaction cannot commit"
+    )]
     TransactionDoomed,
     #[error("catalog access failed: {0}")]
     Spi(#[from] pgrx::spi::Error),
@@ -86,12 +98,14 @@ impl RemusError {
             Self::NodeExists { .. } => ERRCODE_DUPLICATE_OBJECT,
             Self::NodeNameUnset => ERRCODE_CONFIG_FILE_ERROR,
             Self::NodeVanished(_) => ERRCODE_T_R_SERIALIZATION_FAILURE,
-            Self::AbortedByMigration { .. } | Self::ShardMoved { .. } | Self::MigrationConflict { .. } => {
-                ERRCODE_T_R_SERIALIZATION_FAILURE
-            }
+            Self::AbortedByMigration { .. }
+            | Self::ShardMoved { .. }
+            | Self::MigrationConflict { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
             // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.
             Self::SyncValidation { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
-            Self::CoordinatorUnset | Self::MigrationFailed { .. } => ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            Self::CoordinatorUnset | Self::MigrationFailed { .. } => {
+                ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE
+            }
             Self::Spi(_) => ERRCODE_INTERNAL_ERROR,
             Self::InvalidArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             Self::NoHashFunction(_) => ERRCODE_UNDEFINED_FUNCTION,
@@ -105,10 +119,10 @@ impl RemusError {
             Self::Connection { .. } => ERRCODE_CONNECTION_FAILURE,
             Self::NullShardKey { .. } => ERRCODE_NOT_NULL_VIOLATION,
             Self::TransactionDoomed => ERRCODE_IN_FAILED_SQL_TRANSACTION,
-            Self::NotShardOwner { .. } => PgSqlErrorCode::from(report::sqlstate_code(NOT_SHARD_OWNER)),
-            Self::Remote { sqlstate, .. } => {
-                PgSqlErrorCode::from(report::sqlstate_code(sqlstate))
+            Self::NotShardOwner { .. } => {
+                PgSqlErrorCode::from(report::sqlstate_code(NOT_SHARD_OWNER))
             }
+            Self::Remote { sqlstate, .. } => PgSqlErrorCode::from(report::sqlstate_code(sqlstate)),
         }
     }
 

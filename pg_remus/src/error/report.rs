@@ -43,9 +43,9 @@ pub(crate) fn sqlstate_code(s: &str) -> i32 {
     if b.len() != 5 {
         return pgrx::PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32;
     }
-    b.iter()
-        .enumerate()
-        .fold(0i32, |acc, (i, c)| acc | ((((*c as i32) - ('0' as i32)) & 0x3F) << (6 * i)))
+    b.iter().enumerate().fold(0i32, |acc, (i, c)| {
+        acc | ((((*c as i32) - ('0' as i32)) & 0x3F) << (6 * i))
+    })
 }
 
 #[cfg(test)]
@@ -54,8 +54,17 @@ mod tests {
 
     #[test]
     fn sqlstate_codes_match_pgrx() {
-        assert_eq!(sqlstate_code("40001"), pgrx::PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE as i32);
-        assert_eq!(sqlstate_code("23505"), pgrx::PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION as i32);
-        assert_eq!(sqlstate_code("0A000"), pgrx::PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED as i32);
+        assert_eq!(
+            sqlstate_code("40001"),
+            pgrx::PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE as i32
+        );
+        assert_eq!(
+            sqlstate_code("23505"),
+            pgrx::PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION as i32
+        );
+        assert_eq!(
+            sqlstate_code("0A000"),
+            pgrx::PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED as i32
+        );
     }
 }

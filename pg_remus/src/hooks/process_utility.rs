@@ -35,8 +35,26 @@ unsafe extern "C-unwind" fn process_utility(
     }
     let finishing = dual::finishing_prepared(pstmt);
     match PREV_UTILITY {
-        Some(prev) => prev(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
-        None => pg_sys::standard_ProcessUtility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
+        Some(prev) => prev(
+            pstmt,
+            query_string,
+            read_only_tree,
+            context,
+            params,
+            query_env,
+            dest,
+            qc,
+        ),
+        None => pg_sys::standard_ProcessUtility(
+            pstmt,
+            query_string,
+            read_only_tree,
+            context,
+            params,
+            query_env,
+            dest,
+            qc,
+        ),
     }
     if let Some((xid, commit)) = finishing {
         dual::prepared_finished(xid, commit);

@@ -45,7 +45,10 @@ unsafe extern "C-unwind" fn subxact_callback(
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+unsafe extern "C-unwind" fn xact_callback(
+    event: pg_sys::XactEvent::Type,
+    _arg: *mut std::ffi::c_void,
+) {
     use pg_sys::XactEvent::*;
     // Dual execution first: a write set refused by the destination fails the transaction
     // before any remote participant is prepared.
@@ -62,7 +65,11 @@ unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: 
     }
     if matches!(
         event,
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE
+        XACT_EVENT_COMMIT
+            | XACT_EVENT_PARALLEL_COMMIT
+            | XACT_EVENT_ABORT
+            | XACT_EVENT_PARALLEL_ABORT
+            | XACT_EVENT_PREPARE
     ) {
         crate::router::placement::end_of_transaction();
         crate::migration::handover::lock_abort::end_of_transaction();

@@ -3,8 +3,8 @@
 //! which mark themselves "in async commit" at pre-commit ([`enter_commit`]) until they end
 //! ([`leave_commit`]).
 
-use pgrx::prelude::*;
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 
 use crate::error::RemusError;
 use crate::migration::state::{require_superuser, MAX_PROCS, STATE};
@@ -23,7 +23,13 @@ pub enum CommitMode {
 /// This backend's pgprocno (index of its PGPROC), for the barrier marks.
 fn my_procno() -> Option<usize> {
     // SAFETY: MyProc is this backend's own PGPROC once it runs transactions.
-    let procno = unsafe { if pg_sys::MyProc.is_null() { return None } else { (*pg_sys::MyProc).pgprocno } };
+    let procno = unsafe {
+        if pg_sys::MyProc.is_null() {
+            return None;
+        } else {
+            (*pg_sys::MyProc).pgprocno
+        }
+    };
     usize::try_from(procno).ok().filter(|&p| p < MAX_PROCS)
 }
 
@@ -41,9 +47,15 @@ pub(crate) fn enter_commit(migrations: &[i64]) -> Vec<(i64, CommitMode)> {
     let mut modes = Vec::with_capacity(migrations.len());
     let mut mark = false;
     for &migration_id in migrations {
-        let mode = match s.migrations.iter().find(|m| m.migration_id == migration_id && m.capture) {
+        let mode = match s
+            .migrations
+            .iter()
+            .find(|m| m.migration_id == migration_id && m.capture)
+        {
             None => CommitMode::Gone,
-            Some(m) if m.sync => CommitMode::Sync { endpoint: m.endpoint() },
+            Some(m) if m.sync => CommitMode::Sync {
+                endpoint: m.endpoint(),
+            },
             Some(_) => {
                 mark = true;
                 CommitMode::Async
@@ -87,14 +99,26 @@ mod remus {
         require_superuser("remus.sync_barrier");
         let marked: Vec<(usize, u64)> = {
             let mut s = STATE.exclusive();
-            match s.migrations.iter_mut().find(|m| m.migration_id == migration_id && m.capture) {
+            match s
+                .migrations
+                .iter_mut()
+                .find(|m| m.migration_id == migration_id && m.capture)
+            {
                 Some(m) => m.sync = true,
                 None => {
                     drop(s);
-                    RemusError::InvalidArgument(format!("migration {migration_id} does not capture writes on this node")).raise()
+                    RemusError::InvalidArgument(format!(
+                        "migration {migration_id} does not capture writes on this node"
+                    ))
+                    .raise()
                 }
             }
-            s.async_commit.iter().enumerate().filter(|(_, &v)| v != 0).map(|(i, &v)| (i, v)).collect()
+            s.async_commit
+                .iter()
+                .enumerate()
+                .filter(|(_, &v)| v != 0)
+                .map(|(i, &v)| (i, v))
+                .collect()
         };
         // TS_unsync: each marked backend clears (or renews) its mark when its commit is over.
         let mut waiting = marked;

@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::rc::Rc;
 
-use pgrx::prelude::*;
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 use remus_proto::v1::{column_value, row_change, ColumnValue, RowChange};
 
 use crate::error::RemusError;
@@ -73,9 +73,17 @@ fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
         .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })?;
     let Some((schema, table, ..)) = rows.first().cloned() else {
-        return Err(RemusError::InvalidArgument(format!("relation {relid:?} has no columns")));
+        return Err(RemusError::InvalidArgument(format!(
+            "relation {relid:?} has no columns"
+        )));
     };
-    let mut meta = RelMeta { schema, table, columns: Vec::new(), key: Vec::new(), attrs: Vec::new() };
+    let mut meta = RelMeta {
+        schema,
+        table,
+        columns: Vec::new(),
+        key: Vec::new(),
+        attrs: Vec::new(),
+    };
     for (_, _, column, attnum, key, typid) in rows {
         let mut output = pg_sys::InvalidOid;
         let mut varlena = false;
@@ -94,15 +102,23 @@ fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
 ///
 /// # Safety
 /// `tuple` and `tupdesc` must be the trigger's valid tuple and its relation's descriptor.
-unsafe fn row_values(meta: &RelMeta, tuple: pg_sys::HeapTuple, tupdesc: pg_sys::TupleDesc) -> Vec<ColumnValue> {
+unsafe fn row_values(
+    meta: &RelMeta,
+    tuple: pg_sys::HeapTuple,
+    tupdesc: pg_sys::TupleDesc,
+) -> Vec<ColumnValue> {
     meta.attrs
         .iter()
         .map(|&(attnum, output)| {
-            let value = match NonZeroUsize::new(attnum).and_then(|a| pgrx::heap_getattr_raw(tuple, a, tupdesc)) {
+            let value = match NonZeroUsize::new(attnum)
+                .and_then(|a| pgrx::heap_getattr_raw(tuple, a, tupdesc))
+            {
                 None => column_value::Value::Null(true),
                 Some(datum) => {
                     let text = pg_sys::OidOutputFunctionCall(output, datum);
-                    let s = std::ffi::CStr::from_ptr(text).to_string_lossy().into_owned();
+                    let s = std::ffi::CStr::from_ptr(text)
+                        .to_string_lossy()
+                        .into_owned();
                     pg_sys::pfree(text.cast());
                     column_value::Value::Text(s)
                 }
@@ -127,7 +143,11 @@ fn capture(trigger: &PgTrigger<'_>, migration_id: i64) -> Result<(), RemusError>
     let (kind, old, new) = if op == pg_sys::TRIGGER_EVENT_INSERT {
         (row_change::Kind::Insert, None, Some(data.tg_trigtuple))
     } else if op == pg_sys::TRIGGER_EVENT_UPDATE {
-        (row_change::Kind::Update, Some(data.tg_trigtuple), Some(data.tg_newtuple))
+        (
+            row_change::Kind::Update,
+            Some(data.tg_trigtuple),
+            Some(data.tg_newtuple),
+        )
     } else if op == pg_sys::TRIGGER_EVENT_DELETE {
         (row_change::Kind::Delete, Some(data.tg_trigtuple), None)
     } else {
@@ -136,8 +156,10 @@ fn capture(trigger: &PgTrigger<'_>, migration_id: i64) -> Result<(), RemusError>
     // SAFETY: row triggers get valid tuples for their event (checked above).
     let (old_values, new_values) = unsafe {
         (
-            old.map(|t| row_values(&meta, t, tupdesc)).unwrap_or_default(),
-            new.map(|t| row_values(&meta, t, tupdesc)).unwrap_or_default(),
+            old.map(|t| row_values(&meta, t, tupdesc))
+                .unwrap_or_default(),
+            new.map(|t| row_values(&meta, t, tupdesc))
+                .unwrap_or_default(),
         )
     };
     let change = RowChange {
@@ -152,7 +174,13 @@ fn capture(trigger: &PgTrigger<'_>, migration_id: i64) -> Result<(), RemusError>
     };
     // SAFETY: plain read of the current subtransaction id.
     let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
-    WRITE_SET.with(|w| w.borrow_mut().push(Captured { migration_id, subxact, change }));
+    WRITE_SET.with(|w| {
+        w.borrow_mut().push(Captured {
+            migration_id,
+            subxact,
+            change,
+        })
+    });
     Ok(())
 }
 
@@ -163,7 +191,10 @@ pub(crate) fn capturing_migration(shard_id: i64) -> Option<i64> {
     }
     let s = STATE.share();
     let migration_id = migration_of(&s, shard_id)?;
-    s.migrations.iter().any(|m| m.migration_id == migration_id && m.capture).then_some(migration_id)
+    s.migrations
+        .iter()
+        .any(|m| m.migration_id == migration_id && m.capture)
+        .then_some(migration_id)
 }
 
 /// Row changes captured so far in this transaction (for the tests).
@@ -179,7 +210,12 @@ pub(crate) fn subxact_aborted(subxact: pg_sys::SubTransactionId) {
 
 /// Takes this transaction's write set: (migration, row change), in capture order.
 pub(crate) fn take_write_set() -> Vec<(i64, RowChange)> {
-    WRITE_SET.with(|w| w.borrow_mut().drain(..).map(|c| (c.migration_id, c.change)).collect())
+    WRITE_SET.with(|w| {
+        w.borrow_mut()
+            .drain(..)
+            .map(|c| (c.migration_id, c.change))
+            .collect()
+    })
 }
 
 /// The transaction ended: its write set goes.
@@ -222,10 +258,18 @@ mod remus {
     fn migration_capture(migration_id: i64, endpoint: &str) {
         require_superuser("remus.migration_capture");
         if endpoint.is_empty() || endpoint.len() >= ENDPOINT_BYTES {
-            RemusError::InvalidArgument(format!("replay worker endpoint must be 1..{} bytes", ENDPOINT_BYTES - 1)).raise();
+            RemusError::InvalidArgument(format!(
+                "replay worker endpoint must be 1..{} bytes",
+                ENDPOINT_BYTES - 1
+            ))
+            .raise();
         }
         let mut s = STATE.exclusive();
-        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+        match s
+            .migrations
+            .iter_mut()
+            .find(|m| m.migration_id == migration_id)
+        {
             Some(m) => {
                 m.capture = true;
                 m.endpoint = [0; ENDPOINT_BYTES];
@@ -233,7 +277,10 @@ mod remus {
             }
             None => {
                 drop(s);
-                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+                RemusError::InvalidArgument(format!(
+                    "migration {migration_id} is not registered on this node"
+                ))
+                .raise()
             }
         }
     }

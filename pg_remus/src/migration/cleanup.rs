@@ -3,7 +3,9 @@
 
 use pgrx::prelude::*;
 
-use crate::migration::state::{recount, require_superuser, Gate, MigrationEntry, PreparedShadow, ShardEntry, Victim, STATE};
+use crate::migration::state::{
+    recount, require_superuser, Gate, MigrationEntry, PreparedShadow, ShardEntry, Victim, STATE,
+};
 
 #[pg_schema]
 mod remus {
@@ -30,17 +32,33 @@ mod remus {
         require_superuser("remus.migration_end");
         let mut s = STATE.exclusive();
         let mut aborts = 0;
-        for m in s.migrations.iter_mut().filter(|m| m.migration_id == migration_id) {
+        for m in s
+            .migrations
+            .iter_mut()
+            .filter(|m| m.migration_id == migration_id)
+        {
             aborts += m.aborts as i64;
             *m = MigrationEntry::default();
         }
-        for e in s.shards.iter_mut().filter(|e| e.migration_id == migration_id) {
+        for e in s
+            .shards
+            .iter_mut()
+            .filter(|e| e.migration_id == migration_id)
+        {
             *e = ShardEntry::default();
         }
-        for v in s.victims.iter_mut().filter(|v| v.migration_id == migration_id) {
+        for v in s
+            .victims
+            .iter_mut()
+            .filter(|v| v.migration_id == migration_id)
+        {
             *v = Victim::default();
         }
-        for p in s.prepared_shadows.iter_mut().filter(|p| p.migration_id == migration_id) {
+        for p in s
+            .prepared_shadows
+            .iter_mut()
+            .filter(|p| p.migration_id == migration_id)
+        {
             *p = PreparedShadow::default();
         }
         if s.gate.migration_id == migration_id {

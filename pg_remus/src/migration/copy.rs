@@ -7,8 +7,8 @@ use pgrx::prelude::*;
 
 use crate::error::RemusError;
 use crate::migration::state::{
-    active, exempt, migration_of, recount, require_superuser, MigrationEntry, ShardEntry, MAX_MIGRATIONS, MAX_SHARDS,
-    STATE,
+    active, exempt, migration_of, recount, require_superuser, MigrationEntry, ShardEntry,
+    MAX_MIGRATIONS, MAX_SHARDS, STATE,
 };
 
 /// Before DDL on a relation: `shard_ids` are the shards the relation is (a shard table) or has
@@ -44,19 +44,29 @@ mod remus {
         }
         let mut s = STATE.exclusive();
         // Refuse before changing anything.
-        if let Some((shard_id, other)) = shard_ids
-            .iter()
-            .find_map(|&id| migration_of(&s, id).filter(|&m| m != migration_id).map(|m| (id, m)))
-        {
+        if let Some((shard_id, other)) = shard_ids.iter().find_map(|&id| {
+            migration_of(&s, id)
+                .filter(|&m| m != migration_id)
+                .map(|m| (id, m))
+        }) {
             drop(s);
-            RemusError::ObjectInUse(format!("shard {shard_id} is already registered by migration {other}")).raise();
+            RemusError::ObjectInUse(format!(
+                "shard {shard_id} is already registered by migration {other}"
+            ))
+            .raise();
         }
         if !s.migrations.iter().any(|m| m.migration_id == migration_id) {
             let Some(slot) = s.migrations.iter_mut().find(|m| m.migration_id == 0) else {
                 drop(s);
-                RemusError::ObjectInUse(format!("too many concurrent migrations on this node (at most {MAX_MIGRATIONS})")).raise()
+                RemusError::ObjectInUse(format!(
+                    "too many concurrent migrations on this node (at most {MAX_MIGRATIONS})"
+                ))
+                .raise()
             };
-            *slot = MigrationEntry { migration_id, ..MigrationEntry::default() };
+            *slot = MigrationEntry {
+                migration_id,
+                ..MigrationEntry::default()
+            };
         }
         for shard_id in shard_ids {
             if migration_of(&s, shard_id).is_some() {
@@ -64,9 +74,15 @@ mod remus {
             }
             let Some(slot) = s.shards.iter_mut().find(|e| e.migration_id == 0) else {
                 drop(s);
-                RemusError::ObjectInUse(format!("too many migrating shards on this node (at most {MAX_SHARDS})")).raise()
+                RemusError::ObjectInUse(format!(
+                    "too many migrating shards on this node (at most {MAX_SHARDS})"
+                ))
+                .raise()
             };
-            *slot = ShardEntry { migration_id, shard_id };
+            *slot = ShardEntry {
+                migration_id,
+                shard_id,
+            };
         }
         recount(&s);
     }

@@ -22,20 +22,21 @@
 //!   another session: noted in shared memory under its xid, they are resolved by that session
 //!   before the statement returns.
 
-
 use std::cell::{Cell, RefCell};
 use std::ffi::CString;
 use std::time::Duration;
 
-use pgrx::prelude::*;
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 use remus_proto::v1::{ResolveRequest, RowChange, ValidateRequest};
 
 use crate::cluster::rpc::{block_on, client_for, forget_client};
 use crate::error::RemusError;
 use crate::migration::barrier::{enter_commit, leave_commit, CommitMode};
 use crate::migration::catchup::{clear_write_set, take_write_set};
-use crate::migration::state::{active, count_migration_abort, PreparedShadow, MAX_PREPARED_SHADOWS, STATE};
+use crate::migration::state::{
+    active, count_migration_abort, PreparedShadow, MAX_PREPARED_SHADOWS, STATE,
+};
 use crate::pg::ffi::LogLogicalMessage;
 
 /// Logical message prefix marking a validated transaction in the WAL stream (the propagator's
@@ -128,15 +129,28 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
     };
     if !reply.ok {
         count_migration_abort(migration_id);
-        return Err(RemusError::MigrationConflict { migration_id, conflict: reply.conflict });
+        return Err(RemusError::MigrationConflict {
+            migration_id,
+            conflict: reply.conflict,
+        });
     }
     VALIDATED.with(|v| {
-        v.borrow_mut().push(Validated { migration_id, gid: gid.clone(), endpoint: endpoint.to_string(), xid: fxid as u32 })
+        v.borrow_mut().push(Validated {
+            migration_id,
+            gid: gid.clone(),
+            endpoint: endpoint.to_string(),
+            xid: fxid as u32,
+        })
     });
     let content = CString::new(gid).expect("gid has no NUL");
     // SAFETY: transactional message inside this transaction; the strings outlive the call.
     unsafe {
-        LogLogicalMessage(MESSAGE_PREFIX.as_ptr(), content.as_ptr(), content.as_bytes().len(), true);
+        LogLogicalMessage(
+            MESSAGE_PREFIX.as_ptr(),
+            content.as_ptr(),
+            content.as_bytes().len(),
+            true,
+        );
     }
     force_synchronous_commit();
     Ok(())
@@ -189,7 +203,12 @@ pub(crate) fn end_of_transaction(committed: bool) {
         return;
     }
     // SAFETY: plain reads of this (ended) transaction's commit time and end of commit record.
-    let (commit_time_us, commit_lsn) = unsafe { (pg_sys::GetCurrentTransactionStopTimestamp(), pg_sys::XactLastCommitEnd) };
+    let (commit_time_us, commit_lsn) = unsafe {
+        (
+            pg_sys::GetCurrentTransactionStopTimestamp(),
+            pg_sys::XactLastCommitEnd,
+        )
+    };
     for v in validated {
         resolve(&v, committed, commit_time_us, commit_lsn);
     }
@@ -225,7 +244,12 @@ fn note_prepared_shadows(xid: u32, migrations: &[i64]) {
 /// Is any prepared transaction noted by [`note_prepared_shadows`]? (Cheap enough per COMMIT
 /// PREPARED: only taken while a migration is registered here.)
 fn any_prepared_shadows() -> bool {
-    active() && STATE.share().prepared_shadows.iter().any(|p| p.migration_id != 0)
+    active()
+        && STATE
+            .share()
+            .prepared_shadows
+            .iter()
+            .any(|p| p.migration_id != 0)
 }
 
 /// Removes the notes of prepared transaction `xid`; returns, per migration still in sync mode,
@@ -239,7 +263,11 @@ fn take_prepared_shadows(xid: u32) -> Vec<(i64, String)> {
             continue;
         }
         s.prepared_shadows[i] = PreparedShadow::default();
-        if let Some(m) = s.migrations.iter().find(|m| m.migration_id == p.migration_id && m.capture) {
+        if let Some(m) = s
+            .migrations
+            .iter()
+            .find(|m| m.migration_id == p.migration_id && m.capture)
+        {
             taken.push((p.migration_id, m.endpoint()));
         }
     }
@@ -315,15 +343,28 @@ pub(crate) fn prepared_finished(xid: u32, commit: bool) {
         }
         let mut ts: pg_sys::TimestampTz = 0;
         if commit {
-            pg_sys::TransactionIdGetCommitTsData(pg_sys::TransactionId::from(xid), &mut ts, std::ptr::null_mut());
+            pg_sys::TransactionIdGetCommitTsData(
+                pg_sys::TransactionId::from(xid),
+                &mut ts,
+                std::ptr::null_mut(),
+            );
         }
-        ((epoch << 32) | u64::from(xid), ts, pg_sys::GetXLogInsertRecPtr())
+        (
+            (epoch << 32) | u64::from(xid),
+            ts,
+            pg_sys::GetXLogInsertRecPtr(),
+        )
     };
     // SAFETY: the prepared transaction is finished; like the post-commit path, the wait for the
     // destination must not be turned into an ERROR by a cancel (the statement succeeded).
     unsafe { pg_sys::InterruptHoldoffCount += 1 };
     for (migration_id, endpoint) in shadows {
-        let v = Validated { migration_id, gid: shadow_gid(migration_id, fxid), endpoint, xid };
+        let v = Validated {
+            migration_id,
+            gid: shadow_gid(migration_id, fxid),
+            endpoint,
+            xid,
+        };
         resolve(&v, commit, commit_time_us, lsn);
     }
     // SAFETY: pairs the increment above.

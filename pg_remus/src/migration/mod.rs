@@ -51,11 +51,15 @@ mod tests {
              EXCEPTION WHEN OTHERS THEN RETURN SQLSTATE || ': ' || SQLERRM; END $$",
         )
         .unwrap();
-        Spi::get_one_with_args::<String>("SELECT pg_temp.outcome($1)", &[sql.into()]).unwrap().unwrap()
+        Spi::get_one_with_args::<String>("SELECT pg_temp.outcome($1)", &[sql.into()])
+            .unwrap()
+            .unwrap()
     }
 
     fn aborts(migration_id: i64) -> i64 {
-        Spi::get_one_with_args::<i64>("SELECT remus.migration_aborts($1)", &[migration_id.into()]).unwrap().unwrap()
+        Spi::get_one_with_args::<i64>("SELECT remus.migration_aborts($1)", &[migration_id.into()])
+            .unwrap()
+            .unwrap()
     }
 
     #[pg_test]
@@ -63,47 +67,89 @@ mod tests {
         Spi::run("SELECT remus.migration_begin(9001, ARRAY[900101, 900102])").unwrap();
         Spi::run("SELECT remus.migration_begin(9001, ARRAY[900101, 900102])").unwrap();
         assert_eq!(aborts(9001), 0);
-        assert!(outcome("SELECT remus.migration_begin(9011, ARRAY[900102])").starts_with("55006: shard 900102 is already registered by migration 9001"));
-        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9001)").unwrap(), Some(0));
-        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9001)").unwrap(), Some(0));
-        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9999)").unwrap(), Some(0));
+        assert!(outcome("SELECT remus.migration_begin(9011, ARRAY[900102])")
+            .starts_with("55006: shard 900102 is already registered by migration 9001"));
+        assert_eq!(
+            Spi::get_one::<i64>("SELECT remus.migration_end(9001)").unwrap(),
+            Some(0)
+        );
+        assert_eq!(
+            Spi::get_one::<i64>("SELECT remus.migration_end(9001)").unwrap(),
+            Some(0)
+        );
+        assert_eq!(
+            Spi::get_one::<i64>("SELECT remus.migration_end(9999)").unwrap(),
+            Some(0)
+        );
         // The shards are free again.
-        assert_eq!(outcome("SELECT remus.migration_begin(9011, ARRAY[900102])"), "ok");
+        assert_eq!(
+            outcome("SELECT remus.migration_begin(9011, ARRAY[900102])"),
+            "ok"
+        );
         Spi::run("SELECT remus.migration_end(9011)").unwrap();
-        assert!(outcome("SELECT remus.migration_fence(9001)").starts_with("22023: migration 9001 is not registered"));
+        assert!(outcome("SELECT remus.migration_fence(9001)")
+            .starts_with("22023: migration 9001 is not registered"));
     }
 
     #[pg_test]
     fn capture_needs_registration_and_the_barrier_needs_capture() {
-        assert!(outcome("SELECT remus.migration_capture(9101, 'http://127.0.0.1:1')").starts_with("22023: migration 9101 is not registered"));
+        assert!(
+            outcome("SELECT remus.migration_capture(9101, 'http://127.0.0.1:1')")
+                .starts_with("22023: migration 9101 is not registered")
+        );
         Spi::run("SELECT remus.migration_begin(9101, ARRAY[910101])").unwrap();
-        assert!(outcome("SELECT remus.sync_barrier(9101)").starts_with("22023: migration 9101 does not capture writes"));
-        assert!(outcome("SELECT remus.migration_capture(9101, '')").starts_with("22023: replay worker endpoint must be"));
+        assert!(outcome("SELECT remus.sync_barrier(9101)")
+            .starts_with("22023: migration 9101 does not capture writes"));
+        assert!(outcome("SELECT remus.migration_capture(9101, '')")
+            .starts_with("22023: replay worker endpoint must be"));
         Spi::run("SELECT remus.migration_capture(9101, 'http://127.0.0.1:1')").unwrap();
         // Nobody is committing in async mode: the barrier returns the insert position at once.
-        let lsn = Spi::get_one::<i64>("SELECT remus.sync_barrier(9101)").unwrap().unwrap();
-        let now = Spi::get_one::<i64>("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint").unwrap();
+        let lsn = Spi::get_one::<i64>("SELECT remus.sync_barrier(9101)")
+            .unwrap()
+            .unwrap();
+        let now =
+            Spi::get_one::<i64>("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+                .unwrap();
         assert!(lsn > 0 && Some(lsn) <= now, "{lsn} vs {now:?}");
         Spi::run("SELECT remus.migration_end(9101)").unwrap();
     }
 
     #[pg_test]
     fn drain_source_needs_registration_and_ends_with_the_migration() {
-        assert!(outcome("SELECT remus.migration_drain_source(9201, 'n1')").starts_with("22023: migration 9201 is not registered"));
+        assert!(outcome("SELECT remus.migration_drain_source(9201, 'n1')")
+            .starts_with("22023: migration 9201 is not registered"));
         Spi::run("SELECT remus.migration_begin(9201, ARRAY[920101])").unwrap();
-        assert_eq!(crate::migration::handover::remus::drain_source_of(920101), None);
-        assert!(outcome("SELECT remus.migration_drain_source(9201, '')").starts_with("22023: node name must be"));
+        assert_eq!(
+            crate::migration::handover::remus::drain_source_of(920101),
+            None
+        );
+        assert!(outcome("SELECT remus.migration_drain_source(9201, '')")
+            .starts_with("22023: node name must be"));
         Spi::run("SELECT remus.migration_drain_source(9201, 'n1')").unwrap();
-        assert_eq!(crate::migration::handover::remus::drain_source_of(920101).as_deref(), Some("n1"));
-        assert_eq!(crate::migration::handover::remus::drain_source_of(920102), None, "another shard is not draining");
+        assert_eq!(
+            crate::migration::handover::remus::drain_source_of(920101).as_deref(),
+            Some("n1")
+        );
+        assert_eq!(
+            crate::migration::handover::remus::drain_source_of(920102),
+            None,
+            "another shard is not draining"
+        );
         Spi::run("SELECT remus.migration_end(9201)").unwrap();
-        assert_eq!(crate::migration::handover::remus::drain_source_of(920101), None);
+        assert_eq!(
+            crate::migration::handover::remus::drain_source_of(920101),
+            None
+        );
     }
 
     #[pg_test]
     fn capture_trigger_is_inert_without_a_capturing_migration() {
         Spi::run("CREATE TABLE remus_shards.cap_910201 (id int PRIMARY KEY, v text)").unwrap();
-        Spi::run(&crate::catalog::shard_ddl::capture_trigger_ddl("remus_shards.cap_910201", 910201)).unwrap();
+        Spi::run(&crate::catalog::shard_ddl::capture_trigger_ddl(
+            "remus_shards.cap_910201",
+            910201,
+        ))
+        .unwrap();
         Spi::run("INSERT INTO remus_shards.cap_910201 VALUES (1, 'a')").unwrap();
         Spi::run("UPDATE remus_shards.cap_910201 SET v = 'b'").unwrap();
         Spi::run("DELETE FROM remus_shards.cap_910201").unwrap();
@@ -126,16 +172,28 @@ mod tests {
         assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 2"), "ok");
         Spi::run("SELECT remus.migration_fence(9002)").unwrap();
         let moved = "40001: shard 900201 was moved by shard migration 9002; retry the transaction";
-        assert_eq!(outcome("INSERT INTO remus_shards.fenced_900201 VALUES (2, 2)"), moved);
-        assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 3"), moved);
+        assert_eq!(
+            outcome("INSERT INTO remus_shards.fenced_900201 VALUES (2, 2)"),
+            moved
+        );
+        assert_eq!(
+            outcome("UPDATE remus_shards.fenced_900201 SET v = 3"),
+            moved
+        );
         assert_eq!(outcome("DELETE FROM remus_shards.fenced_900201"), moved);
         // Reads are not fenced, and the migration's own sessions are exempt.
-        assert_eq!(Spi::get_one::<i32>("SELECT v FROM remus_shards.fenced_900201").unwrap(), Some(2));
+        assert_eq!(
+            Spi::get_one::<i32>("SELECT v FROM remus_shards.fenced_900201").unwrap(),
+            Some(2)
+        );
         assert_eq!(aborts(9002), 3);
         Spi::run("SET LOCAL remus.migration_session = on").unwrap();
         assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 4"), "ok");
         Spi::run("SET LOCAL remus.migration_session = off").unwrap();
-        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9002)").unwrap(), Some(3));
+        assert_eq!(
+            Spi::get_one::<i64>("SELECT remus.migration_end(9002)").unwrap(),
+            Some(3)
+        );
         assert_eq!(aborts(9002), 0);
         assert_eq!(outcome("UPDATE remus_shards.fenced_900201 SET v = 5"), "ok");
     }
@@ -158,16 +216,21 @@ mod tests {
             );
         }
         Spi::run("SELECT remus.migration_end(9003)").unwrap();
-        assert_eq!(outcome("ALTER TABLE remus_shards.ddl_900301 ADD COLUMN z int"), "ok");
+        assert_eq!(
+            outcome("ALTER TABLE remus_shards.ddl_900301 ADD COLUMN z int"),
+            "ok"
+        );
     }
 
     #[pg_test]
     fn gate_is_held_by_one_migration_and_spares_running_transactions() {
-        let closed_after_start = Spi::get_one::<bool>("SELECT remus.close_gate(9004, 60000) >= now()").unwrap();
+        let closed_after_start =
+            Spi::get_one::<bool>("SELECT remus.close_gate(9004, 60000) >= now()").unwrap();
         assert_eq!(closed_after_start, Some(true));
         // This transaction started before the gate closed: it is in flight and goes on.
         assert_eq!(Spi::get_one::<i32>("SELECT 1").unwrap(), Some(1));
-        assert!(outcome("SELECT remus.close_gate(9005, 1000)").starts_with("55006: the admission gate is held by migration 9004"));
+        assert!(outcome("SELECT remus.close_gate(9005, 1000)")
+            .starts_with("55006: the admission gate is held by migration 9004"));
         // Opening it is the holder's business; closing it again is idempotent.
         Spi::run("SELECT remus.open_gate(9005)").unwrap();
         assert!(outcome("SELECT remus.close_gate(9005, 1000)").starts_with("55006"));
@@ -181,9 +244,15 @@ mod tests {
     fn abort_shard_writers_leaves_its_own_backend_alone() {
         Spi::run("CREATE TABLE remus_shards.own_900601 (id int)").unwrap();
         Spi::run("INSERT INTO remus_shards.own_900601 VALUES (1)").unwrap();
-        let n = Spi::get_one::<i32>("SELECT remus.abort_shard_writers(9006, ARRAY['remus_shards.own_900601'::regclass])").unwrap();
+        let n = Spi::get_one::<i32>(
+            "SELECT remus.abort_shard_writers(9006, ARRAY['remus_shards.own_900601'::regclass])",
+        )
+        .unwrap();
         assert_eq!(n, Some(0));
-        assert_eq!(Spi::get_one::<i64>("SELECT remus.migration_end(9006)").unwrap(), Some(0));
+        assert_eq!(
+            Spi::get_one::<i64>("SELECT remus.migration_end(9006)").unwrap(),
+            Some(0)
+        );
     }
 
     #[pg_test]
@@ -200,7 +269,10 @@ mod tests {
             "SELECT remus.migration_drain_source(9007, 'n1')",
         ] {
             let o = outcome(q);
-            assert!(o.starts_with("42501: permission denied for function remus."), "{q}: {o}");
+            assert!(
+                o.starts_with("42501: permission denied for function remus."),
+                "{q}: {o}"
+            );
         }
         assert!(outcome("SET remus.migration_session = on").starts_with("42501"));
         Spi::run("RESET ROLE").unwrap();
@@ -209,8 +281,14 @@ mod tests {
     #[pg_test]
     fn migrate_without_a_coordinator_address_is_refused() {
         let o = outcome("SELECT * FROM remus_migrate_shard(1, 'n2')");
-        assert!(o.starts_with("55000: remus.coordinator_address is not set"), "{o}");
+        assert!(
+            o.starts_with("55000: remus.coordinator_address is not set"),
+            "{o}"
+        );
         let o = outcome("SELECT * FROM remus_migrations");
-        assert!(o.starts_with("55000: remus.coordinator_address is not set"), "{o}");
+        assert!(
+            o.starts_with("55000: remus.coordinator_address is not set"),
+            "{o}"
+        );
     }
 }

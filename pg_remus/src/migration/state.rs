@@ -143,7 +143,8 @@ unsafe impl PGRXSharedMemory for HandoverState {}
 
 // SAFETY: set up by `init_shmem` (pg_shmem_init!) while the library is preloaded, before any
 // backend takes the lock.
-pub(crate) static STATE: PgLwLock<HandoverState> = unsafe { PgLwLock::new(c"remus_handover_state") };
+pub(crate) static STATE: PgLwLock<HandoverState> =
+    unsafe { PgLwLock::new(c"remus_handover_state") };
 /// Non-zero while anything above is in use: the per-statement checks then take the lock; when
 /// zero (the normal case) they cost one atomic load.
 // SAFETY: as STATE: set up by `init_shmem` before any backend reads it.
@@ -174,7 +175,11 @@ pub(crate) fn exempt() -> bool {
 
 /// Counts a transaction the migration aborted on this node.
 pub(crate) fn count_abort(s: &mut HandoverState, migration_id: i64) {
-    if let Some(m) = s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+    if let Some(m) = s
+        .migrations
+        .iter_mut()
+        .find(|m| m.migration_id == migration_id)
+    {
         m.aborts += 1;
     }
 }
@@ -205,11 +210,17 @@ pub(crate) fn my_pid() -> i32 {
 pub(crate) fn require_superuser(function: &str) {
     // SAFETY: catalog lookup for the current user, inside a transaction.
     if !unsafe { pg_sys::superuser() } {
-        RemusError::InsufficientPrivilege(format!("permission denied for function {function}: superuser required")).raise();
+        RemusError::InsufficientPrivilege(format!(
+            "permission denied for function {function}: superuser required"
+        ))
+        .raise();
     }
 }
 
 /// The registered migration of `shard_id`, if any.
 pub(crate) fn migration_of(s: &HandoverState, shard_id: i64) -> Option<i64> {
-    s.shards.iter().find(|e| e.migration_id != 0 && e.shard_id == shard_id).map(|e| e.migration_id)
+    s.shards
+        .iter()
+        .find(|e| e.migration_id != 0 && e.shard_id == shard_id)
+        .map(|e| e.migration_id)
 }

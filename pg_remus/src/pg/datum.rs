@@ -20,7 +20,11 @@ pub unsafe fn datum_to_text(value: pg_sys::Datum, ty: pg_sys::Oid) -> String {
 ///
 /// # Safety
 /// `value` must be a valid datum of type `from`.
-pub unsafe fn coerce_via_text(value: pg_sys::Datum, from: pg_sys::Oid, to: pg_sys::Oid) -> pg_sys::Datum {
+pub unsafe fn coerce_via_text(
+    value: pg_sys::Datum,
+    from: pg_sys::Oid,
+    to: pg_sys::Oid,
+) -> pg_sys::Datum {
     if from == to {
         return value;
     }

@@ -11,7 +11,9 @@ pub unsafe fn list_ptrs<T>(list: *mut pg_sys::List) -> Vec<*mut T> {
         return Vec::new();
     }
     let n = (*list).length as usize;
-    (0..n).map(|i| (*(*list).elements.add(i)).ptr_value as *mut T).collect()
+    (0..n)
+        .map(|i| (*(*list).elements.add(i)).ptr_value as *mut T)
+        .collect()
 }
 
 /// Is `node` a non-NULL node of type `tag`?

@@ -3,8 +3,11 @@
 /// Quotes an identifier for SQL text sent to this or another node.
 pub fn quote_ident(s: &str) -> String {
     if !s.is_empty()
-        && s.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && s.chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
     {
         s.to_string()
     } else {

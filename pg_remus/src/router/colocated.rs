@@ -48,7 +48,9 @@ unsafe fn flatten_and(node: *mut pg_sys::Node, out: &mut Vec<*mut pg_sys::Node>)
     if node.is_null() {
         return;
     }
-    if is_tag(node, pg_sys::NodeTag::T_BoolExpr) && (*(node as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR {
+    if is_tag(node, pg_sys::NodeTag::T_BoolExpr)
+        && (*(node as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
+    {
         for a in list_ptrs::<pg_sys::Node>((*(node as *mut pg_sys::BoolExpr)).args) {
             flatten_and(a, out);
         }
@@ -67,13 +69,18 @@ unsafe fn flatten_and(node: *mut pg_sys::Node, out: &mut Vec<*mut pg_sys::Node>)
 ///
 /// # Safety
 /// `parse` must be a valid rewritten Query.
-pub(crate) unsafe fn colocated_anchor(parse: *mut pg_sys::Query) -> Result<Option<(DistTable, *mut pg_sys::Expr)>, RemusError> {
+pub(crate) unsafe fn colocated_anchor(
+    parse: *mut pg_sys::Query,
+) -> Result<Option<(DistTable, *mut pg_sys::Expr)>, RemusError> {
     let q = &*parse;
     if !q.cteList.is_null() || q.hasSubLinks || !q.setOperations.is_null() || q.hasTargetSRFs {
         return Ok(None);
     }
     let mut rels = Vec::new();
-    for (i, rte) in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable).into_iter().enumerate() {
+    for (i, rte) in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable)
+        .into_iter()
+        .enumerate()
+    {
         match (*rte).rtekind {
             pg_sys::RTEKind::RTE_JOIN => {}
             pg_sys::RTEKind::RTE_RELATION => match dist_table((*rte).relid)? {
@@ -83,21 +90,36 @@ pub(crate) unsafe fn colocated_anchor(parse: *mut pg_sys::Query) -> Result<Optio
             _ => return Ok(None),
         }
     }
-    if rels.len() < 2 || rels.iter().any(|(_, t)| t.colocation_id != rels[0].1.colocation_id) {
+    if rels.len() < 2
+        || rels
+            .iter()
+            .any(|(_, t)| t.colocation_id != rels[0].1.colocation_id)
+    {
         return Ok(None);
     }
     let mut quals = Vec::new();
     if !inner_conjuncts(q.jointree as *mut pg_sys::Node, &mut quals) {
         return Ok(None);
     }
-    let keys: Vec<(usize, i16)> = rels.iter().map(|(rti, t)| Ok((*rti, key_attno(t)?))).collect::<Result<_, RemusError>>()?;
+    let keys: Vec<(usize, i16)> = rels
+        .iter()
+        .map(|(rti, t)| Ok((*rti, key_attno(t)?)))
+        .collect::<Result<_, RemusError>>()?;
     // Union-find over the tables' shard keys.
     let mut parent: Vec<usize> = (0..rels.len()).collect();
     fn find(p: &mut [usize], i: usize) -> usize {
-        if p[i] == i { i } else { let r = find(p, p[i]); p[i] = r; r }
+        if p[i] == i {
+            i
+        } else {
+            let r = find(p, p[i]);
+            p[i] = r;
+            r
+        }
     }
     let key_of = |var: *mut pg_sys::Var| -> Option<usize> {
-        keys.iter().position(|(rti, attno)| (*var).varno as usize == *rti && (*var).varattno == *attno && (*var).varlevelsup == 0)
+        keys.iter().position(|(rti, attno)| {
+            (*var).varno as usize == *rti && (*var).varattno == *attno && (*var).varlevelsup == 0
+        })
     };
     let mut anchor = None;
     for c in quals {
@@ -128,7 +150,9 @@ pub(crate) unsafe fn colocated_anchor(parse: *mut pg_sys::Query) -> Result<Optio
             }
         }
     }
-    let Some((i, value)) = anchor else { return Ok(None) };
+    let Some((i, value)) = anchor else {
+        return Ok(None);
+    };
     let root = find(&mut parent, 0);
     if (0..rels.len()).any(|k| find(&mut parent, k) != root) {
         return Ok(None);

@@ -27,7 +27,11 @@ pub struct Params {
 
 impl Params {
     pub fn none() -> Self {
-        Params { types: vec![], values: vec![], nulls: vec![] }
+        Params {
+            types: vec![],
+            values: vec![],
+            nulls: vec![],
+        }
     }
 
     /// Collects the executor's external parameters (fetching lazily supplied ones).
@@ -52,7 +56,11 @@ impl Params {
                 (*prm).ptype
             };
             p.types.push(ty);
-            p.values.push(if prm.is_null() { pg_sys::Datum::from(0usize) } else { (*prm).value });
+            p.values.push(if prm.is_null() {
+                pg_sys::Datum::from(0usize)
+            } else {
+                (*prm).value
+            });
             p.nulls.push(prm.is_null() || (*prm).isnull);
         }
         p
@@ -62,9 +70,17 @@ impl Params {
         let mut vals = Vec::with_capacity(self.values.len());
         let mut types = Vec::with_capacity(self.values.len());
         for i in 0..self.values.len() {
-            vals.push(if self.nulls[i] { None } else { Some(datum_to_text(self.values[i], self.types[i])) });
+            vals.push(if self.nulls[i] {
+                None
+            } else {
+                Some(datum_to_text(self.values[i], self.types[i]))
+            });
             // User types have a different OID on every node: let the remote infer them.
-            types.push(if self.types[i].to_u32() < pg_sys::FirstNormalObjectId { self.types[i].to_u32() } else { 0 });
+            types.push(if self.types[i].to_u32() < pg_sys::FirstNormalObjectId {
+                self.types[i].to_u32()
+            } else {
+                0
+            });
         }
         (vals, types)
     }
@@ -100,23 +116,42 @@ pub unsafe fn run_on_shard(
                     let mut in_fn = pg_sys::InvalidOid;
                     let mut ioparam = pg_sys::InvalidOid;
                     pg_sys::getTypeInputInfo(ty, &mut in_fn, &mut ioparam);
-                    let c = CString::new(text).map_err(|_| RemusError::InvalidArgument("NUL in remote value".into()))?;
-                    Some(pg_sys::OidInputFunctionCall(in_fn, c.as_ptr() as *mut _, ioparam, typmod))
+                    let c = CString::new(text)
+                        .map_err(|_| RemusError::InvalidArgument("NUL in remote value".into()))?;
+                    Some(pg_sys::OidInputFunctionCall(
+                        in_fn,
+                        c.as_ptr() as *mut _,
+                        ioparam,
+                        typmod,
+                    ))
                 }
             });
         }
         rows.push(out);
     }
-    Ok(ShardResult { rows, affected: r.affected })
+    Ok(ShardResult {
+        rows,
+        affected: r.affected,
+    })
 }
 
-unsafe fn run_local(sql: &str, params: &Params, ncols: usize, read_only: bool) -> Result<ShardResult, RemusError> {
-    let c = CString::new(sql).map_err(|_| RemusError::InvalidArgument("NUL in statement".into()))?;
+unsafe fn run_local(
+    sql: &str,
+    params: &Params,
+    ncols: usize,
+    read_only: bool,
+) -> Result<ShardResult, RemusError> {
+    let c =
+        CString::new(sql).map_err(|_| RemusError::InvalidArgument("NUL in statement".into()))?;
     // Datums copied out of SPI memory must survive SPI_finish: copy them in the caller's context.
     let caller_cxt = pg_sys::CurrentMemoryContext;
     pg_sys::SPI_connect();
     let _depth = LocalShard::enter();
-    let nulls: Vec<std::ffi::c_char> = params.nulls.iter().map(|n| if *n { b'n' as _ } else { b' ' as _ }).collect();
+    let nulls: Vec<std::ffi::c_char> = params
+        .nulls
+        .iter()
+        .map(|n| if *n { b'n' as _ } else { b' ' as _ })
+        .collect();
     let mut types = params.types.clone();
     let mut values = params.values.clone();
     let rc = pg_sys::SPI_execute_with_args(
@@ -124,13 +159,19 @@ unsafe fn run_local(sql: &str, params: &Params, ncols: usize, read_only: bool) -
         types.len() as i32,
         types.as_mut_ptr(),
         values.as_mut_ptr(),
-        if nulls.is_empty() { std::ptr::null() } else { nulls.as_ptr() },
+        if nulls.is_empty() {
+            std::ptr::null()
+        } else {
+            nulls.as_ptr()
+        },
         read_only,
         0,
     );
     if rc < 0 {
         pg_sys::SPI_finish();
-        return Err(RemusError::InvalidArgument(format!("local shard statement failed (SPI code {rc})")));
+        return Err(RemusError::InvalidArgument(format!(
+            "local shard statement failed (SPI code {rc})"
+        )));
     }
     let processed = pg_sys::SPI_processed;
     let mut rows = Vec::new();
@@ -157,7 +198,10 @@ unsafe fn run_local(sql: &str, params: &Params, ncols: usize, read_only: bool) -
         }
     }
     pg_sys::SPI_finish();
-    Ok(ShardResult { rows, affected: processed })
+    Ok(ShardResult {
+        rows,
+        affected: processed,
+    })
 }
 
 /// Next row of a tuplestore, in the scan slot. Expressions above a CustomScan are compiled for
@@ -176,7 +220,9 @@ pub unsafe fn next_from_store(
         return scan_slot;
     }
     // ExecCopySlot is a static inline in tuptable.h: call the slot type's copyslot directly.
-    let copy = (*(*scan_slot).tts_ops).copyslot.expect("every slot type can copy");
+    let copy = (*(*scan_slot).tts_ops)
+        .copyslot
+        .expect("every slot type can copy");
     copy(scan_slot, store_slot);
     scan_slot
 }
@@ -185,7 +231,10 @@ pub unsafe fn next_from_store(
 ///
 /// # Safety
 /// `expr` must be a valid expression; `ps` a live PlanState with an ExprContext.
-pub unsafe fn eval_expr(expr: *mut pg_sys::Expr, ps: *mut pg_sys::PlanState) -> (pg_sys::Datum, bool, pg_sys::Oid) {
+pub unsafe fn eval_expr(
+    expr: *mut pg_sys::Expr,
+    ps: *mut pg_sys::PlanState,
+) -> (pg_sys::Datum, bool, pg_sys::Oid) {
     let state = pg_sys::ExecInitExpr(expr, ps);
     let mut isnull = false;
     let econtext = (*ps).ps_ExprContext;

@@ -26,7 +26,12 @@ pub(crate) unsafe fn placement_for(
         .iter()
         .find(|p| p.shard_index == idx)
         .cloned()
-        .ok_or_else(|| RemusError::InvalidArgument(format!("no shard {idx} in the shard map of {}", table.qualified_name)))
+        .ok_or_else(|| {
+            RemusError::InvalidArgument(format!(
+                "no shard {idx} in the shard map of {}",
+                table.qualified_name
+            ))
+        })
 }
 
 /// A value usable for routing: constants, external parameters, and casts of those.
@@ -48,7 +53,8 @@ pub(crate) unsafe fn is_routable_value(node: *mut pg_sys::Node) -> bool {
             let args = list_ptrs::<pg_sys::Node>((*f).args);
             matches!(
                 (*f).funcformat,
-                pg_sys::CoercionForm::COERCE_IMPLICIT_CAST | pg_sys::CoercionForm::COERCE_EXPLICIT_CAST
+                pg_sys::CoercionForm::COERCE_IMPLICIT_CAST
+                    | pg_sys::CoercionForm::COERCE_EXPLICIT_CAST
             ) && args.len() == 1
                 && is_routable_value(args[0])
         }
@@ -81,7 +87,11 @@ pub(crate) unsafe fn key_equality_value(
         let v = strip_relabel(a);
         if is_tag(v, pg_sys::NodeTag::T_Var) {
             let var = v as *mut pg_sys::Var;
-            if (*var).varno == varno && (*var).varattno == key_attno && (*var).varlevelsup == 0 && is_routable_value(b) {
+            if (*var).varno == varno
+                && (*var).varattno == key_attno
+                && (*var).varlevelsup == 0
+                && is_routable_value(b)
+            {
                 return Some(b as *mut pg_sys::Expr);
             }
         }
@@ -96,7 +106,10 @@ pub(crate) fn key_attno(table: &DistTable) -> Result<i16, RemusError> {
     // SAFETY: catalog lookup of an attribute by name in an existing relation.
     let n = unsafe { pg_sys::get_attnum(table.relid, c.as_ptr()) };
     if n <= 0 {
-        return Err(RemusError::UndefinedColumn(format!("shard key \"{key}\" of {} is gone", table.qualified_name)));
+        return Err(RemusError::UndefinedColumn(format!(
+            "shard key \"{key}\" of {} is gone",
+            table.qualified_name
+        )));
     }
     Ok(n)
 }

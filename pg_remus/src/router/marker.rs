@@ -46,7 +46,10 @@ impl Drop for LocalShard {
 ///
 /// # Safety
 /// `parse` must be a valid Query.
-pub(crate) unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64) -> Result<(), RemusError> {
+pub(crate) unsafe fn pin_to_local_shard(
+    parse: *mut pg_sys::Query,
+    shard_id: i64,
+) -> Result<(), RemusError> {
     let shells = shells_in(parse)?;
     if shells.is_empty() {
         return Err(RemusError::FeatureNotSupported(format!(
@@ -57,7 +60,10 @@ pub(crate) unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64
     // the same index in the same co-location group (the same table twice for ON CONFLICT's
     // `excluded`).
     let index = looking_up(|| {
-        read_one::<i32>("SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1", &[shard_id.into()])
+        read_one::<i32>(
+            "SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1",
+            &[shard_id.into()],
+        )
     });
     let index = index?.ok_or_else(|| RemusError::NotShardOwner {
         shard_id,
@@ -65,7 +71,11 @@ pub(crate) unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64
     })?;
     let single_table = shells.iter().all(|(_, t)| t.relid == shells[0].1.relid);
     let colocation = shells[0].1.colocation_id;
-    if !single_table && shells.iter().any(|(_, t)| t.colocation_id != colocation || t.kind != 'h') {
+    if !single_table
+        && shells
+            .iter()
+            .any(|(_, t)| t.colocation_id != colocation || t.kind != 'h')
+    {
         return Err(RemusError::FeatureNotSupported(format!(
             "a statement for shard {shard_id} may only reference tables co-located with it"
         )));
@@ -84,7 +94,8 @@ pub(crate) unsafe fn pin_to_local_shard(parse: *mut pg_sys::Query, shard_id: i64
             });
             sid?.unwrap_or(shard_id)
         };
-        let shard_name = CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");
+        let shard_name =
+            CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");
         let shard_relid = pg_sys::get_relname_relid(shard_name.as_ptr(), nsp);
         if shard_relid == pg_sys::InvalidOid {
             return Err(RemusError::NotShardOwner {

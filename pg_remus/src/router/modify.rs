@@ -12,10 +12,10 @@ use std::ffi::CStr;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::pg::list::{is_tag, list_ptrs};
-use crate::router::execute::Params;
 use crate::catalog::{DistTable, ShardPlacement};
 use crate::error::RemusError;
+use crate::pg::list::{is_tag, list_ptrs};
+use crate::router::execute::Params;
 
 // SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
 // at preload, before PostgreSQL can see it.
@@ -57,7 +57,10 @@ fn unsupported(what: &str) -> RemusError {
 ///
 /// # Safety
 /// `parse` must be a valid rewritten Query whose result relation is `table`'s shell.
-pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
+pub unsafe fn plan(
+    parse: *mut pg_sys::Query,
+    table: &DistTable,
+) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
     let q = &*parse;
     if !q.cteList.is_null() {
         return Err(unsupported("WITH in INSERT/UPDATE/DELETE"));
@@ -66,10 +69,16 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
         return Err(unsupported("a subquery in INSERT/UPDATE/DELETE"));
     }
     if q.hasTargetSRFs {
-        return Err(unsupported("a set-returning function in INSERT/UPDATE/DELETE"));
+        return Err(unsupported(
+            "a set-returning function in INSERT/UPDATE/DELETE",
+        ));
     }
     // Reference tables have no key; 0 never matches a column.
-    let key_attno = if table.kind == 'r' { 0 } else { super::key::key_attno(table)? };
+    let key_attno = if table.kind == 'r' {
+        0
+    } else {
+        super::key::key_attno(table)?
+    };
     if table.kind == 'r' {
         // Every node evaluates the statement for its own copy: a volatile expression (now(),
         // random(), a gen_random_uuid() default) would give each copy a different value.
@@ -78,30 +87,49 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
             return Err(unsupported("a volatile expression (such as now(), random() or a gen_random_uuid() default) in a write to a reference table"));
         }
         exprs = q.returningList as *mut pg_sys::Node;
-        let quals = if q.jointree.is_null() { std::ptr::null_mut() } else { (*q.jointree).quals };
+        let quals = if q.jointree.is_null() {
+            std::ptr::null_mut()
+        } else {
+            (*q.jointree).quals
+        };
         if pg_sys::contain_volatile_functions(exprs) || pg_sys::contain_volatile_functions(quals) {
-            return Err(unsupported("a volatile expression in a write to a reference table"));
+            return Err(unsupported(
+                "a volatile expression in a write to a reference table",
+            ));
         }
         for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
-            if (*rte).rtekind == pg_sys::RTEKind::RTE_VALUES && pg_sys::contain_volatile_functions((*rte).values_lists as *mut pg_sys::Node) {
-                return Err(unsupported("a volatile expression in a write to a reference table"));
+            if (*rte).rtekind == pg_sys::RTEKind::RTE_VALUES
+                && pg_sys::contain_volatile_functions((*rte).values_lists as *mut pg_sys::Node)
+            {
+                return Err(unsupported(
+                    "a volatile expression in a write to a reference table",
+                ));
             }
         }
     }
     let rtes = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable);
     match q.commandType {
         pg_sys::CmdType::CMD_INSERT => {
-            let excluded = if q.onConflict.is_null() { 0 } else { (*q.onConflict).exclRelIndex as usize };
+            let excluded = if q.onConflict.is_null() {
+                0
+            } else {
+                (*q.onConflict).exclRelIndex as usize
+            };
             for (i, rte) in rtes.iter().enumerate() {
                 // ON CONFLICT DO UPDATE adds the `excluded` pseudo-relation.
-                if i + 1 != q.resultRelation as usize && i + 1 != excluded && (**rte).rtekind != pg_sys::RTEKind::RTE_VALUES {
+                if i + 1 != q.resultRelation as usize
+                    && i + 1 != excluded
+                    && (**rte).rtekind != pg_sys::RTEKind::RTE_VALUES
+                {
                     return Err(unsupported("INSERT … SELECT"));
                 }
             }
             if !q.onConflict.is_null() {
                 let oc = q.onConflict;
                 if (*oc).constraint != pg_sys::InvalidOid {
-                    return Err(unsupported("ON CONFLICT ON CONSTRAINT (name the conflict columns instead)"));
+                    return Err(unsupported(
+                        "ON CONFLICT ON CONSTRAINT (name the conflict columns instead)",
+                    ));
                 }
                 for te in list_ptrs::<pg_sys::TargetEntry>((*oc).onConflictSet) {
                     if (*te).resno == key_attno {
@@ -125,7 +153,10 @@ pub unsafe fn plan(parse: *mut pg_sys::Query, table: &DistTable) -> Result<*mut 
     }
 
     let returning = list_ptrs::<pg_sys::TargetEntry>(q.returningList);
-    let private = pg_sys::lappend(std::ptr::null_mut(), pg_sys::copyObjectImpl(parse as *const std::ffi::c_void));
+    let private = pg_sys::lappend(
+        std::ptr::null_mut(),
+        pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
+    );
     Ok(build_stmt(parse, &returning, &[table.relid], private))
 }
 
@@ -140,16 +171,24 @@ pub unsafe fn plan_single_shard_select(
     value: *mut pg_sys::Expr,
 ) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
     let q = &*parse;
-    let outputs: Vec<*mut pg_sys::TargetEntry> =
-        list_ptrs::<pg_sys::TargetEntry>(q.targetList).into_iter().filter(|te| !(**te).resjunk).collect();
+    let outputs: Vec<*mut pg_sys::TargetEntry> = list_ptrs::<pg_sys::TargetEntry>(q.targetList)
+        .into_iter()
+        .filter(|te| !(**te).resjunk)
+        .collect();
     let mut relids = Vec::new();
     for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
         if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
             relids.push((*rte).relid);
         }
     }
-    let mut private = pg_sys::lappend(std::ptr::null_mut(), pg_sys::copyObjectImpl(parse as *const std::ffi::c_void));
-    private = pg_sys::lappend(private, pg_sys::copyObjectImpl(value as *const std::ffi::c_void));
+    let mut private = pg_sys::lappend(
+        std::ptr::null_mut(),
+        pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
+    );
+    private = pg_sys::lappend(
+        private,
+        pg_sys::copyObjectImpl(value as *const std::ffi::c_void),
+    );
     let anchor_const = pg_sys::makeConst(
         pg_sys::OIDOID,
         -1,
@@ -171,7 +210,8 @@ unsafe fn build_stmt(
     private: *mut pg_sys::List,
 ) -> *mut pg_sys::PlannedStmt {
     let q = &*parse;
-    let cscan = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
+    let cscan =
+        pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
     (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
     (*cscan).scan.plan.plan_rows = 1.0;
     (*cscan).scan.scanrelid = 0;
@@ -200,7 +240,8 @@ unsafe fn build_stmt(
     (*cscan).scan.plan.targetlist = tlist;
     (*cscan).custom_private = private;
 
-    let stmt = pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannedStmt>()) as *mut pg_sys::PlannedStmt;
+    let stmt =
+        pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannedStmt>()) as *mut pg_sys::PlannedStmt;
     (*stmt).type_ = pg_sys::NodeTag::T_PlannedStmt;
     (*stmt).commandType = q.commandType;
     (*stmt).queryId = q.queryId;
@@ -227,14 +268,21 @@ unsafe extern "C-unwind" fn create_state(_cscan: *mut pg_sys::CustomScan) -> *mu
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn begin(node: *mut pg_sys::CustomScanState, estate: *mut pg_sys::EState, _eflags: i32) {
+unsafe extern "C-unwind" fn begin(
+    node: *mut pg_sys::CustomScanState,
+    estate: *mut pg_sys::EState,
+    _eflags: i32,
+) {
     let s = node as *mut ModifyState;
     let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
-    (*s).store_slot = pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+    (*s).store_slot =
+        pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn exec(node: *mut pg_sys::CustomScanState) -> *mut pg_sys::TupleTableSlot {
+unsafe extern "C-unwind" fn exec(
+    node: *mut pg_sys::CustomScanState,
+) -> *mut pg_sys::TupleTableSlot {
     let s = node as *mut ModifyState;
     if !(*s).done {
         (*s).done = true;
@@ -260,7 +308,12 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
     let query = private[0] as *mut pg_sys::Query;
     if (*query).commandType == pg_sys::CmdType::CMD_SELECT {
-        return run_select(s, query, private[1] as *mut pg_sys::Expr, private[2] as *mut pg_sys::Const);
+        return run_select(
+            s,
+            query,
+            private[1] as *mut pg_sys::Expr,
+            private[2] as *mut pg_sys::Const,
+        );
     }
     let rt = (*query).resultRelation as usize;
     let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
@@ -270,7 +323,13 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     let reference = table.kind == 'r';
     let work = if reference {
         // One copy per node, all in this transaction (2PC).
-        all.iter().map(|p| ShardWork { placement: p.clone(), query, key: None }).collect()
+        all.iter()
+            .map(|p| ShardWork {
+                placement: p.clone(),
+                query,
+                key: None,
+            })
+            .collect()
     } else {
         let key_attno = super::key::key_attno(&table)?;
         targets(query, &table, key_attno, &all, ps)?
@@ -278,13 +337,14 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     let me = crate::guc::node_name().unwrap_or_default();
 
     let params = Params::from_list((*estate).es_param_list_info);
-    let out_types: Vec<(pg_sys::Oid, i32)> = list_ptrs::<pg_sys::TargetEntry>((*query).returningList)
-        .into_iter()
-        .map(|te| {
-            let e = (*te).expr as *const pg_sys::Node;
-            (pg_sys::exprType(e), pg_sys::exprTypmod(e))
-        })
-        .collect();
+    let out_types: Vec<(pg_sys::Oid, i32)> =
+        list_ptrs::<pg_sys::TargetEntry>((*query).returningList)
+            .into_iter()
+            .map(|te| {
+                let e = (*te).expr as *const pg_sys::Node;
+                (pg_sys::exprType(e), pg_sys::exprTypmod(e))
+            })
+            .collect();
     let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
     if !out_types.is_empty() {
         let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
@@ -359,7 +419,10 @@ unsafe fn store_rows(
         return;
     }
     for row in rows {
-        let mut values: Vec<pg_sys::Datum> = row.iter().map(|v| v.unwrap_or(pg_sys::Datum::from(0usize))).collect();
+        let mut values: Vec<pg_sys::Datum> = row
+            .iter()
+            .map(|v| v.unwrap_or(pg_sys::Datum::from(0usize)))
+            .collect();
         let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
         values.resize(n, pg_sys::Datum::from(0usize));
         nulls.resize(n, true);
@@ -392,11 +455,22 @@ unsafe fn targets(
                 }
                 let p = super::key::placement_for(table, all, value, ty)?;
                 let key = Some(crate::pg::datum::datum_to_text(value, ty));
-                return Ok(vec![ShardWork { placement: p, query, key }]);
+                return Ok(vec![ShardWork {
+                    placement: p,
+                    query,
+                    key,
+                }]);
             }
         }
         // No key filter: every shard, in the same transaction.
-        return Ok(all.iter().map(|p| ShardWork { placement: p.clone(), query, key: None }).collect());
+        return Ok(all
+            .iter()
+            .map(|p| ShardWork {
+                placement: p.clone(),
+                query,
+                key: None,
+            })
+            .collect());
     }
 
     // INSERT: the key's target entry is either the value itself (one row) or a column of a
@@ -430,12 +504,19 @@ unsafe fn targets(
                 return Err(null_key(table));
             }
             let p = super::key::placement_for(table, all, value, ty)?;
-            Ok(vec![ShardWork { placement: p, query, key: None }])
+            Ok(vec![ShardWork {
+                placement: p,
+                query,
+                key: None,
+            }])
         }
         Some((vidx, vrte)) => {
-            if !is_tag(stripped, pg_sys::NodeTag::T_Var) || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1 {
+            if !is_tag(stripped, pg_sys::NodeTag::T_Var)
+                || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1
+            {
                 return Err(RemusError::FeatureNotSupported(
-                    "the shard key of a multi-row INSERT must come straight from its VALUES list".into(),
+                    "the shard key of a multi-row INSERT must come straight from its VALUES list"
+                        .into(),
                 ));
             }
             let col = (*(stripped as *mut pg_sys::Var)).varattno as usize - 1;
@@ -444,7 +525,8 @@ unsafe fn targets(
                 let cell = list_ptrs::<pg_sys::Node>(row)[col];
                 if !super::key::is_routable_value(cell) {
                     return Err(RemusError::FeatureNotSupported(
-                        "shard key values of a multi-row INSERT must be constants or parameters".into(),
+                        "shard key values of a multi-row INSERT must be constants or parameters"
+                            .into(),
                     ));
                 }
                 let (value, isnull, ty) = super::execute::eval_expr(cell as *mut pg_sys::Expr, ps);
@@ -452,12 +534,15 @@ unsafe fn targets(
                     return Err(null_key(table));
                 }
                 let p = super::key::placement_for(table, all, value, ty)?;
-                let entry = groups.entry(p.shard_id).or_insert((p, std::ptr::null_mut()));
+                let entry = groups
+                    .entry(p.shard_id)
+                    .or_insert((p, std::ptr::null_mut()));
                 entry.1 = pg_sys::lappend(entry.1, row as *mut std::ffi::c_void);
             }
             let mut out = Vec::new();
             for (_, (placement, rows)) in groups {
-                let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
+                let q =
+                    pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
                 let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
                 (*r).values_lists = rows;
                 // The rewriter added the defaults of unlisted columns to the target list, which
@@ -468,12 +553,18 @@ unsafe fn targets(
                     while is_tag(e, pg_sys::NodeTag::T_RelabelType) {
                         e = (*(e as *mut pg_sys::RelabelType)).arg as *mut _;
                     }
-                    if is_tag(e, pg_sys::NodeTag::T_Var) && (*(e as *mut pg_sys::Var)).varno as usize == vidx + 1 {
+                    if is_tag(e, pg_sys::NodeTag::T_Var)
+                        && (*(e as *mut pg_sys::Var)).varno as usize == vidx + 1
+                    {
                         kept = pg_sys::lappend(kept, te as *mut std::ffi::c_void);
                     }
                 }
                 (*q).targetList = kept;
-                out.push(ShardWork { placement, query: q, key: None });
+                out.push(ShardWork {
+                    placement,
+                    query: q,
+                    key: None,
+                });
             }
             Ok(out)
         }

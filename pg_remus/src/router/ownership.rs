@@ -22,7 +22,10 @@ use crate::error::RemusError;
 /// # Safety
 /// `query_desc` must be the QueryDesc that ExecutorStart is starting.
 pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), RemusError> {
-    if !crate::pg::extension::extension_present() || pg_sys::replorigin_session_origin != 0 || crate::guc::MIGRATION_SESSION.get() {
+    if !crate::pg::extension::extension_present()
+        || pg_sys::replorigin_session_origin != 0
+        || crate::guc::MIGRATION_SESSION.get()
+    {
         return Ok(());
     }
     crate::migration::handover::admit_statement()?;
@@ -36,7 +39,9 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
     }
     let mut shards = Vec::new();
     for rte in crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
-        if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp {
+        if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
+            || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
+        {
             continue;
         }
         let name = pg_sys::get_rel_name((*rte).relid);
@@ -55,7 +60,9 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
     if (*query_desc).operation != pg_sys::CmdType::CMD_SELECT {
         crate::migration::handover::lock_abort::check_write(&shards)?;
     }
-    if crate::router::marker::marker_honoured() && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some() {
+    if crate::router::marker::marker_honoured()
+        && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some()
+    {
         return Ok(());
     }
     let me = crate::guc::node_name().unwrap_or_default();

@@ -48,7 +48,10 @@ pub(crate) fn forget_relation(relid: pg_sys::Oid) {
 
 /// The distribution of `relid`, if it is the shell of a distributed table.
 pub(crate) fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
-    if relid.to_u32() < pg_sys::FirstNormalObjectId || IN_LOOKUP.with(|f| f.get()) || !crate::pg::extension::extension_present() {
+    if relid.to_u32() < pg_sys::FirstNormalObjectId
+        || IN_LOOKUP.with(|f| f.get())
+        || !crate::pg::extension::extension_present()
+    {
         return Ok(None);
     }
     if let Some(hit) = DIST_CACHE.with(|c| c.borrow().get(&relid.to_u32()).cloned()) {
@@ -71,7 +74,11 @@ pub(crate) fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, Remu
         None => {
             let gen = map_cache::generation();
             IN_LOOKUP.with(|f| f.set(true));
-            let r = if reference { catalog::reference_placements(relid) } else { catalog::placements(relid) };
+            let r = if reference {
+                catalog::reference_placements(relid)
+            } else {
+                catalog::placements(relid)
+            };
             IN_LOOKUP.with(|f| f.set(false));
             let r = r?;
             map_cache::put(relid.to_u32(), gen, r.clone());
@@ -114,9 +121,14 @@ pub(crate) fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, Remu
 ///
 /// # Safety
 /// `parse` must be a valid Query.
-pub(crate) unsafe fn shells_in(parse: *mut pg_sys::Query) -> Result<Vec<(usize, DistTable)>, RemusError> {
+pub(crate) unsafe fn shells_in(
+    parse: *mut pg_sys::Query,
+) -> Result<Vec<(usize, DistTable)>, RemusError> {
     let mut out = Vec::new();
-    for (i, rte) in list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable).into_iter().enumerate() {
+    for (i, rte) in list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable)
+        .into_iter()
+        .enumerate()
+    {
         if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
             if let Some(t) = dist_table((*rte).relid)? {
                 out.push((i + 1, t));
@@ -129,7 +141,12 @@ pub(crate) unsafe fn shells_in(parse: *mut pg_sys::Query) -> Result<Vec<(usize, 
 /// The owner this transaction uses for `shard_id`: the pinned one, or `seen` (which becomes
 /// the pin).
 pub(crate) fn pinned_owner(shard_id: i64, seen: &str) -> String {
-    PINS.with(|p| p.borrow_mut().entry(shard_id).or_insert_with(|| seen.to_string()).clone())
+    PINS.with(|p| {
+        p.borrow_mut()
+            .entry(shard_id)
+            .or_insert_with(|| seen.to_string())
+            .clone()
+    })
 }
 
 /// Has this transaction already routed `shard_id`?

@@ -22,7 +22,10 @@ pub(crate) unsafe fn route(
     parse: *mut pg_sys::Query,
     query_string: *const std::ffi::c_char,
 ) -> Result<Option<*mut pg_sys::PlannedStmt>, RemusError> {
-    if parse.is_null() || (*parse).commandType == pg_sys::CmdType::CMD_UTILITY || !extension_present() {
+    if parse.is_null()
+        || (*parse).commandType == pg_sys::CmdType::CMD_UTILITY
+        || !extension_present()
+    {
         return Ok(None);
     }
     if marker_honoured() {
@@ -32,7 +35,10 @@ pub(crate) unsafe fn route(
         }
     }
     let cmd = (*parse).commandType;
-    if cmd == pg_sys::CmdType::CMD_INSERT || cmd == pg_sys::CmdType::CMD_UPDATE || cmd == pg_sys::CmdType::CMD_DELETE {
+    if cmd == pg_sys::CmdType::CMD_INSERT
+        || cmd == pg_sys::CmdType::CMD_UPDATE
+        || cmd == pg_sys::CmdType::CMD_DELETE
+    {
         let rt = (*parse).resultRelation as usize;
         let shells = shells_in(parse)?;
         if let Some((_, t)) = shells.iter().find(|(i, _)| *i == rt) {
@@ -46,9 +52,14 @@ pub(crate) unsafe fn route(
         return Ok(None);
     }
     if cmd == pg_sys::CmdType::CMD_MERGE && !shells_in(parse)?.is_empty() {
-        return Err(RemusError::FeatureNotSupported("MERGE on distributed tables is not supported".into()));
+        return Err(RemusError::FeatureNotSupported(
+            "MERGE on distributed tables is not supported".into(),
+        ));
     }
-    if cmd == pg_sys::CmdType::CMD_SELECT && !(*parse).rowMarks.is_null() && !shells_in(parse)?.is_empty() {
+    if cmd == pg_sys::CmdType::CMD_SELECT
+        && !(*parse).rowMarks.is_null()
+        && !shells_in(parse)?.is_empty()
+    {
         return Err(RemusError::FeatureNotSupported(
             "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet".into(),
         ));

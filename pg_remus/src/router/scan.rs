@@ -11,9 +11,9 @@ use std::ffi::CStr;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+use crate::error::RemusError;
 use crate::pg::list::list_ptrs;
 use crate::router::execute::Params;
-use crate::error::RemusError;
 
 /// Method tables must have stable addresses for PostgreSQL; they are filled once at preload.
 // SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
@@ -59,7 +59,9 @@ pub(crate) fn register_methods() {
 /// # Safety
 /// `rel` and `rte` must be the planner's base relation and its range-table entry.
 pub(crate) unsafe fn add_path(rel: *mut pg_sys::RelOptInfo, rte: *mut pg_sys::RangeTblEntry) {
-    if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL {
+    if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
+        || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL
+    {
         return;
     }
     match super::placement::dist_table((*rte).relid) {
@@ -67,7 +69,8 @@ pub(crate) unsafe fn add_path(rel: *mut pg_sys::RelOptInfo, rte: *mut pg_sys::Ra
         Ok(None) => return,
         Err(e) => e.raise(),
     }
-    let path = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomPath>()) as *mut pg_sys::CustomPath;
+    let path =
+        pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomPath>()) as *mut pg_sys::CustomPath;
     (*path).path.type_ = pg_sys::NodeTag::T_CustomPath;
     (*path).path.pathtype = pg_sys::NodeTag::T_CustomScan;
     (*path).path.parent = rel;
@@ -92,7 +95,8 @@ unsafe extern "C-unwind" fn plan_custom_path(
     clauses: *mut pg_sys::List,
     _custom_plans: *mut pg_sys::List,
 ) -> *mut pg_sys::Plan {
-    let cscan = pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
+    let cscan =
+        pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
     (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
     (*cscan).scan.plan.targetlist = tlist;
     (*cscan).scan.plan.qual = pg_sys::extract_actual_clauses(clauses, false);
@@ -103,8 +107,13 @@ unsafe extern "C-unwind" fn plan_custom_path(
     if let Ok(Some(table)) = super::placement::dist_table((*rte).relid) {
         if let Ok(attno) = super::key::key_attno(&table) {
             for rinfo in list_ptrs::<pg_sys::RestrictInfo>(clauses) {
-                if let Some(v) = super::key::key_equality_value((*rinfo).clause as *mut _, (*rel).relid as i32, attno) {
-                    (*cscan).custom_exprs = pg_sys::lappend(std::ptr::null_mut(), v as *mut std::ffi::c_void);
+                if let Some(v) = super::key::key_equality_value(
+                    (*rinfo).clause as *mut _,
+                    (*rel).relid as i32,
+                    attno,
+                ) {
+                    (*cscan).custom_exprs =
+                        pg_sys::lappend(std::ptr::null_mut(), v as *mut std::ffi::c_void);
                     break;
                 }
             }
@@ -124,20 +133,30 @@ unsafe extern "C-unwind" fn create_state(cscan: *mut pg_sys::CustomScan) -> *mut
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn begin(node: *mut pg_sys::CustomScanState, estate: *mut pg_sys::EState, _eflags: i32) {
+unsafe extern "C-unwind" fn begin(
+    node: *mut pg_sys::CustomScanState,
+    estate: *mut pg_sys::EState,
+    _eflags: i32,
+) {
     // No I/O here: Begin also runs for EXPLAIN and at Bind time.
     let s = node as *mut ShardScanState;
     let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
-    (*s).store_slot = pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+    (*s).store_slot =
+        pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn exec(node: *mut pg_sys::CustomScanState) -> *mut pg_sys::TupleTableSlot {
+unsafe extern "C-unwind" fn exec(
+    node: *mut pg_sys::CustomScanState,
+) -> *mut pg_sys::TupleTableSlot {
     pg_sys::ExecScan(&mut (*node).ss, Some(next_tuple), Some(recheck))
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn recheck(_node: *mut pg_sys::ScanState, _slot: *mut pg_sys::TupleTableSlot) -> bool {
+unsafe extern "C-unwind" fn recheck(
+    _node: *mut pg_sys::ScanState,
+    _slot: *mut pg_sys::TupleTableSlot,
+) -> bool {
     true
 }
 
@@ -158,8 +177,9 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
     let ss = &mut (*s).css.ss;
     let estate = ss.ps.state;
     let relid = (*ss.ss_currentRelation).rd_id;
-    let table = super::placement::dist_table(relid)?
-        .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared during the scan".into()))?;
+    let table = super::placement::dist_table(relid)?.ok_or_else(|| {
+        RemusError::InvalidArgument("distributed table disappeared during the scan".into())
+    })?;
     let all = super::placement::placements(relid)?;
 
     let desc = (*ss.ss_ScanTupleSlot).tts_tupleDescriptor;
@@ -171,7 +191,11 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
     let me = crate::guc::node_name().unwrap_or_default();
     let (targets, params, filter) = if table.kind == 'r' {
         // Every node holds the whole table: read the local copy.
-        (all.into_iter().filter(|p| p.node_name == me).collect(), Params::none(), String::new())
+        (
+            all.into_iter().filter(|p| p.node_name == me).collect(),
+            Params::none(),
+            String::new(),
+        )
     } else if (*s).key_expr.is_null() {
         (all, Params::none(), String::new())
     } else {
@@ -185,7 +209,11 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
         let key = crate::pg::sql::quote_ident(table.shard_key.as_deref().unwrap_or_default());
         (
             vec![target],
-            Params { types: vec![table.key_type], values: vec![key_value], nulls: vec![false] },
+            Params {
+                types: vec![table.key_type],
+                values: vec![key_value],
+                nulls: vec![false],
+            },
             format!(" WHERE {key} = $1"),
         )
     };
@@ -204,7 +232,11 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
         positions.push(i);
         types.push(((*attr).atttypid, (*attr).atttypmod));
     }
-    let select_list = if cols.is_empty() { "NULL".to_string() } else { cols.join(", ") };
+    let select_list = if cols.is_empty() {
+        "NULL".to_string()
+    } else {
+        cols.join(", ")
+    };
     let sql = format!("SELECT {select_list} FROM {}{filter}", table.qualified_name);
 
     let mut values = vec![pg_sys::Datum::from(0usize); natts];
@@ -222,7 +254,12 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
                     None => nulls[pos] = true,
                 }
             }
-            pg_sys::tuplestore_putvalues((*s).tstore, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+            pg_sys::tuplestore_putvalues(
+                (*s).tstore,
+                desc,
+                values.as_mut_ptr(),
+                nulls.as_mut_ptr(),
+            );
         }
     }
     Ok(())

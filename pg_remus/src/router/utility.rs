@@ -9,9 +9,9 @@ use std::ffi::{CStr, CString};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::pg::list::list_ptrs;
 use crate::catalog::{shard_table_name, DistTable, ShardPlacement};
 use crate::error::RemusError;
+use crate::pg::list::list_ptrs;
 
 const FLUSH_BYTES: usize = 4 << 20;
 
@@ -25,7 +25,13 @@ unsafe fn shell_of(rv: *mut pg_sys::RangeVar) -> Result<Option<DistTable>, Remus
     if rv.is_null() {
         return Ok(None);
     }
-    let relid = pg_sys::RangeVarGetRelidExtended(rv, pg_sys::NoLock as i32, pg_sys::RVROption::RVR_MISSING_OK, None, std::ptr::null_mut());
+    let relid = pg_sys::RangeVarGetRelidExtended(
+        rv,
+        pg_sys::NoLock as i32,
+        pg_sys::RVROption::RVR_MISSING_OK,
+        None,
+        std::ptr::null_mut(),
+    );
     if relid == pg_sys::InvalidOid {
         return Ok(None);
     }
@@ -49,7 +55,8 @@ pub(crate) unsafe fn intercept(
     // ROLLBACK ends the transaction anyway: never held at the gate, never failed for a
     // migration (that would leave the block open and failed); its marks go at transaction end.
     let rollback = (*stmt).type_ == pg_sys::NodeTag::T_TransactionStmt
-        && (*(stmt as *mut pg_sys::TransactionStmt)).kind == pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK;
+        && (*(stmt as *mut pg_sys::TransactionStmt)).kind
+            == pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK;
     if !rollback {
         crate::migration::handover::admit_statement()?;
     }
@@ -59,7 +66,9 @@ pub(crate) unsafe fn intercept(
     match (*stmt).type_ {
         pg_sys::NodeTag::T_CopyStmt => {
             let copy = stmt as *mut pg_sys::CopyStmt;
-            let Some(table) = shell_of((*copy).relation)? else { return Ok(false) };
+            let Some(table) = shell_of((*copy).relation)? else {
+                return Ok(false);
+            };
             if !(*copy).is_from {
                 return Err(RemusError::FeatureNotSupported(format!(
                     "COPY {} TO is not supported; use COPY (SELECT * FROM {}) TO …",
@@ -67,7 +76,9 @@ pub(crate) unsafe fn intercept(
                 )));
             }
             if !(*copy).whereClause.is_null() {
-                return Err(RemusError::FeatureNotSupported("COPY … FROM … WHERE on a distributed table".into()));
+                return Err(RemusError::FeatureNotSupported(
+                    "COPY … FROM … WHERE on a distributed table".into(),
+                ));
             }
             let n = copy_from(copy, &table, query_string)?;
             if !qc.is_null() {
@@ -94,7 +105,10 @@ pub(crate) unsafe fn intercept(
             }
             for d in &shells {
                 for p in super::placement::placements(d.relid)? {
-                    run_on_owner(&p, &format!("TRUNCATE {}", shard_table_name(&d.rel_name, p.shard_id)))?;
+                    run_on_owner(
+                        &p,
+                        &format!("TRUNCATE {}", shard_table_name(&d.rel_name, p.shard_id)),
+                    )?;
                 }
             }
             if !qc.is_null() {
@@ -136,13 +150,19 @@ pub(crate) unsafe fn intercept(
 unsafe fn guard_migrating(stmt: *mut pg_sys::Node) -> Result<(), RemusError> {
     let mut targets: Vec<*mut pg_sys::RangeVar> = Vec::new();
     match (*stmt).type_ {
-        pg_sys::NodeTag::T_AlterTableStmt => targets.push((*(stmt as *mut pg_sys::AlterTableStmt)).relation),
-        pg_sys::NodeTag::T_IndexStmt => targets.push((*(stmt as *mut pg_sys::IndexStmt)).relation),
-        pg_sys::NodeTag::T_CreateTrigStmt => targets.push((*(stmt as *mut pg_sys::CreateTrigStmt)).relation),
-        pg_sys::NodeTag::T_RenameStmt => targets.push((*(stmt as *mut pg_sys::RenameStmt)).relation),
-        pg_sys::NodeTag::T_TruncateStmt => {
-            targets.extend(list_ptrs::<pg_sys::RangeVar>((*(stmt as *mut pg_sys::TruncateStmt)).relations))
+        pg_sys::NodeTag::T_AlterTableStmt => {
+            targets.push((*(stmt as *mut pg_sys::AlterTableStmt)).relation)
         }
+        pg_sys::NodeTag::T_IndexStmt => targets.push((*(stmt as *mut pg_sys::IndexStmt)).relation),
+        pg_sys::NodeTag::T_CreateTrigStmt => {
+            targets.push((*(stmt as *mut pg_sys::CreateTrigStmt)).relation)
+        }
+        pg_sys::NodeTag::T_RenameStmt => {
+            targets.push((*(stmt as *mut pg_sys::RenameStmt)).relation)
+        }
+        pg_sys::NodeTag::T_TruncateStmt => targets.extend(list_ptrs::<pg_sys::RangeVar>(
+            (*(stmt as *mut pg_sys::TruncateStmt)).relations,
+        )),
         pg_sys::NodeTag::T_DropStmt => {
             let d = stmt as *mut pg_sys::DropStmt;
             if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
@@ -179,13 +199,22 @@ unsafe fn relation_shards(
     if rv.is_null() {
         return Ok(None);
     }
-    let relid = pg_sys::RangeVarGetRelidExtended(rv, pg_sys::NoLock as i32, pg_sys::RVROption::RVR_MISSING_OK, None, std::ptr::null_mut());
+    let relid = pg_sys::RangeVarGetRelidExtended(
+        rv,
+        pg_sys::NoLock as i32,
+        pg_sys::RVROption::RVR_MISSING_OK,
+        None,
+        std::ptr::null_mut(),
+    );
     if relid == pg_sys::InvalidOid {
         return Ok(None);
     }
     if with_shells {
         if let Some(d) = super::placement::dist_table(relid)? {
-            let ids = super::placement::placements(d.relid)?.iter().map(|p| p.shard_id).collect();
+            let ids = super::placement::placements(d.relid)?
+                .iter()
+                .map(|p| p.shard_id)
+                .collect();
             return Ok(Some((d.qualified_name.clone(), ids)));
         }
     }
@@ -238,7 +267,11 @@ unsafe fn copy_from(
     let rel = pg_sys::table_open(table.relid, pg_sys::RowExclusiveLock as i32);
     let desc = (*rel).rd_att;
     let natts = (*desc).natts as usize;
-    let key_attno = if table.kind == 'r' { 0 } else { super::key::key_attno(table)? as usize };
+    let key_attno = if table.kind == 'r' {
+        0
+    } else {
+        super::key::key_attno(table)? as usize
+    };
     // Columns carried to the shards: live, not generated (the shard computes those).
     let mut cols = Vec::new();
     let mut out_fns = Vec::new();
@@ -250,10 +283,19 @@ unsafe fn copy_from(
         let mut f = pg_sys::InvalidOid;
         let mut varlena = false;
         pg_sys::getTypeOutputInfo((*a).atttypid, &mut f, &mut varlena);
-        cols.push((i, CStr::from_ptr((*a).attname.data.as_ptr()).to_string_lossy().into_owned()));
+        cols.push((
+            i,
+            CStr::from_ptr((*a).attname.data.as_ptr())
+                .to_string_lossy()
+                .into_owned(),
+        ));
         out_fns.push(f);
     }
-    let col_list = cols.iter().map(|(_, n)| crate::pg::sql::quote_ident(n)).collect::<Vec<_>>().join(", ");
+    let col_list = cols
+        .iter()
+        .map(|(_, n)| crate::pg::sql::quote_ident(n))
+        .collect::<Vec<_>>()
+        .join(", ");
 
     let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
     (*pstate).p_sourcetext = query_string;
@@ -300,11 +342,18 @@ unsafe fn copy_from(
             all.clone()
         } else {
             let key_type = (*(*desc).attrs.as_ptr().add(key_attno - 1)).atttypid;
-            vec![super::key::placement_for(table, &all, values[key_attno - 1], key_type)?]
+            vec![super::key::placement_for(
+                table,
+                &all,
+                values[key_attno - 1],
+                key_type,
+            )?]
         };
         for p in targets {
             let key = (p.shard_id, p.node_name.clone());
-            let entry = buffers.entry(key).or_insert_with(|| (p.clone(), Vec::new()));
+            let entry = buffers
+                .entry(key)
+                .or_insert_with(|| (p.clone(), Vec::new()));
             entry.1.extend_from_slice(&line);
             if entry.1.len() >= FLUSH_BYTES {
                 let data = std::mem::take(&mut entry.1);
@@ -326,7 +375,12 @@ unsafe fn copy_from(
     Ok(rows)
 }
 
-unsafe fn flush(table: &DistTable, p: &ShardPlacement, cols: &str, data: &[u8]) -> Result<(), RemusError> {
+unsafe fn flush(
+    table: &DistTable,
+    p: &ShardPlacement,
+    cols: &str,
+    data: &[u8],
+) -> Result<(), RemusError> {
     let shard = shard_table_name(&table.rel_name, p.shard_id);
     if crate::guc::node_name().as_deref() != Some(p.node_name.as_str()) {
         let addr = crate::cluster::nodes::lookup(&p.node_name)?;
@@ -338,20 +392,42 @@ unsafe fn flush(table: &DistTable, p: &ShardPlacement, cols: &str, data: &[u8]) 
     let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
     let shard_relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
     if shard_relid == pg_sys::InvalidOid {
-        return Err(RemusError::NotShardOwner { shard_id: p.shard_id, node: p.node_name.clone() });
+        return Err(RemusError::NotShardOwner {
+            shard_id: p.shard_id,
+            node: p.node_name.clone(),
+        });
     }
     LOCAL_COPY.with(|b| *b.borrow_mut() = (data.to_vec(), 0));
     let rel = pg_sys::table_open(shard_relid, pg_sys::RowExclusiveLock as i32);
     let mut attlist: *mut pg_sys::List = std::ptr::null_mut();
     for c in cols.split(", ") {
         let c = CString::new(c.trim_matches('"').replace("\"\"", "\"")).expect("no NUL in names");
-        attlist = pg_sys::lappend(attlist, pg_sys::makeString(pg_sys::pstrdup(c.as_ptr())) as *mut std::ffi::c_void);
+        attlist = pg_sys::lappend(
+            attlist,
+            pg_sys::makeString(pg_sys::pstrdup(c.as_ptr())) as *mut std::ffi::c_void,
+        );
     }
     let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
     // CopyFrom finds its target through the parse state's range table, as for a COPY command.
-    let nsitem = pg_sys::addRangeTableEntryForRelation(pstate, rel, pg_sys::RowExclusiveLock as i32, std::ptr::null_mut(), false, false);
+    let nsitem = pg_sys::addRangeTableEntryForRelation(
+        pstate,
+        rel,
+        pg_sys::RowExclusiveLock as i32,
+        std::ptr::null_mut(),
+        false,
+        false,
+    );
     (*(*nsitem).p_rte).requiredPerms = pg_sys::ACL_INSERT;
-    let cstate = pg_sys::BeginCopyFrom(pstate, rel, std::ptr::null_mut(), std::ptr::null(), false, Some(local_source), attlist, std::ptr::null_mut());
+    let cstate = pg_sys::BeginCopyFrom(
+        pstate,
+        rel,
+        std::ptr::null_mut(),
+        std::ptr::null(),
+        false,
+        Some(local_source),
+        attlist,
+        std::ptr::null_mut(),
+    );
     pg_sys::CopyFrom(cstate);
     pg_sys::EndCopyFrom(cstate);
     pg_sys::table_close(rel, pg_sys::NoLock as i32);
@@ -360,7 +436,11 @@ unsafe fn flush(table: &DistTable, p: &ShardPlacement, cols: &str, data: &[u8]) 
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn local_source(outbuf: *mut std::ffi::c_void, _minread: i32, maxread: i32) -> i32 {
+unsafe extern "C-unwind" fn local_source(
+    outbuf: *mut std::ffi::c_void,
+    _minread: i32,
+    maxread: i32,
+) -> i32 {
     LOCAL_COPY.with(|b| {
         let mut b = b.borrow_mut();
         let (data, pos) = &mut *b;

@@ -157,7 +157,9 @@ fn finish(commit: bool) {
         }
         let sql = match &c.prepared_gid {
             Some(gid) if commit => format!("COMMIT PREPARED {}", quote_literal(gid)),
-            Some(gid) if c.transaction_idle() => format!("ROLLBACK PREPARED {}", quote_literal(gid)),
+            Some(gid) if c.transaction_idle() => {
+                format!("ROLLBACK PREPARED {}", quote_literal(gid))
+            }
             // Nothing prepared and nothing open: a read-only or lone writer's COMMIT ran in
             // PRE_COMMIT, or the participant's block already ended.
             None if c.transaction_idle() => return,
@@ -222,7 +224,11 @@ pub fn exec_params_in_transaction(
 
 /// Streams COPY text into `sql` (a `COPY … FROM STDIN`) on `addr`, as a writing participant of
 /// the current transaction.
-pub fn copy_in_transaction(addr: &remote::NodeAddr, sql: &str, data: &[u8]) -> Result<(), RemusError> {
+pub fn copy_in_transaction(
+    addr: &remote::NodeAddr,
+    sql: &str,
+    data: &[u8],
+) -> Result<(), RemusError> {
     exec_in_transaction(addr, "SELECT 1", true)?;
     remote::with_connection(addr, |c| c.copy_in(sql, data))?;
     Ok(())

@@ -13,9 +13,9 @@
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::error::RemusError;
 use crate::cluster::{nodes, remote};
 use crate::error::OrRaise;
+use crate::error::RemusError;
 use crate::pg::sql::quote_literal;
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -30,7 +30,11 @@ pub struct RecoveryStats {
 const IN_DOUBT_GRACE: &str = "5 seconds";
 
 fn parse_xid(gid: &str, me: &str) -> Option<u32> {
-    gid.strip_prefix(&format!("remus_{me}_"))?.split('_').next()?.parse().ok()
+    gid.strip_prefix(&format!("remus_{me}_"))?
+        .split('_')
+        .next()?
+        .parse()
+        .ok()
 }
 
 pub fn recover() -> Result<RecoveryStats, RemusError> {
@@ -68,11 +72,17 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
         };
         for row in rows {
             let mut cols = row.into_iter();
-            let Some(gid) = cols.next().flatten() else { continue };
+            let Some(gid) = cols.next().flatten() else {
+                continue;
+            };
             let young = cols.next().flatten().as_deref() == Some("true");
-            let Some(xid) = parse_xid(&gid, &me) else { continue };
+            let Some(xid) = parse_xid(&gid, &me) else {
+                continue;
+            };
             // SAFETY: read-only probe of the proc array.
-            if young || unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(xid)) } {
+            if young
+                || unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(xid)) }
+            {
                 stats.in_progress += 1;
                 still_prepared.push(gid);
                 continue;
@@ -90,7 +100,10 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
                 Ok(_) if decided => stats.committed += 1,
                 Ok(_) => stats.rolled_back += 1,
                 Err(e) => {
-                    pgrx::warning!("pg_remus recovery: {verb} PREPARED {gid} on {}: {e}", peer.name);
+                    pgrx::warning!(
+                        "pg_remus recovery: {verb} PREPARED {gid} on {}: {e}",
+                        peer.name
+                    );
                     still_prepared.push(gid);
                 }
             }
@@ -98,14 +111,25 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
     }
     // Rows of transactions still running locally may not be prepared yet: keep those.
     let rows: Vec<(String, String)> = Spi::connect(|c| {
-        c.select("SELECT gid, participant FROM remus.commit_decisions", None, &[])?
-            .map(|r| Ok((r.get::<String>(1)?.unwrap_or_default(), r.get::<String>(2)?.unwrap_or_default())))
-            .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+        c.select(
+            "SELECT gid, participant FROM remus.commit_decisions",
+            None,
+            &[],
+        )?
+        .map(|r| {
+            Ok((
+                r.get::<String>(1)?.unwrap_or_default(),
+                r.get::<String>(2)?.unwrap_or_default(),
+            ))
+        })
+        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })?;
     for (gid, participant) in rows {
         let running = parse_xid(&gid, &me)
             // SAFETY: read-only probe of the proc array.
-            .is_some_and(|x| unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(x)) });
+            .is_some_and(|x| unsafe {
+                pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(x))
+            });
         if !running && listed.contains(&participant) && !still_prepared.contains(&gid) {
             Spi::run_with_args(
                 "DELETE FROM remus.commit_decisions WHERE gid = $1",
@@ -121,7 +145,11 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
 #[pg_extern]
 fn remus_recover_prepared() -> TableIterator<
     'static,
-    (name!(committed, i64), name!(rolled_back, i64), name!(in_progress, i64)),
+    (
+        name!(committed, i64),
+        name!(rolled_back, i64),
+        name!(in_progress, i64),
+    ),
 > {
     let s = recover().or_raise();
     TableIterator::once((s.committed, s.rolled_back, s.in_progress))

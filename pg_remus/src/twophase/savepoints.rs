@@ -52,11 +52,16 @@ pub(crate) fn end_sub(subid: u32, commit: bool) {
         if let Err(e) = c.exec_uninterruptible(&sql) {
             pgrx::warning!("pg_remus: {sql} on node {} failed: {e}", c.addr.name);
             c.broken = true;
-            let retryable = matches!(&e, RemusError::Remote { sqlstate, .. } if sqlstate.starts_with("40"));
+            let retryable =
+                matches!(&e, RemusError::Remote { sqlstate, .. } if sqlstate.starts_with("40"));
             DOOMED.with(|d| {
                 let mut d = d.borrow_mut();
                 if d.is_none() || retryable {
-                    *d = Some(if retryable { e } else { RemusError::TransactionDoomed });
+                    *d = Some(if retryable {
+                        e
+                    } else {
+                        RemusError::TransactionDoomed
+                    });
                 }
             });
         }

@@ -1,12 +1,13 @@
 //! lock_abort handover, node side: the write fence and the writer abort, and the cancel a
 //! victim gets turned into a retryable, counted 40001.
 
-use pgrx::prelude::*;
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 
 use crate::error::RemusError;
 use crate::migration::state::{
-    active, count_abort, exempt, migration_of, my_pid, my_vxid, recount, require_superuser, Victim, STATE,
+    active, count_abort, exempt, migration_of, my_pid, my_vxid, recount, require_superuser, Victim,
+    STATE,
 };
 use crate::pg::ffi::{kill, SIGINT};
 
@@ -16,7 +17,11 @@ pub(crate) fn fail_if_aborted() -> Result<(), RemusError> {
     let (backend_id, lxid) = my_vxid();
     let pid = my_pid();
     let mine = |v: &Victim| {
-        v.migration_id != 0 && !v.stray && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid
+        v.migration_id != 0
+            && !v.stray
+            && v.pid == pid
+            && v.backend_id == backend_id
+            && v.lxid == lxid
     };
     // Every statement of the node passes here while a migration is registered: look under the
     // shared lock, take the exclusive one only to consume this backend's own mark.
@@ -43,7 +48,11 @@ pub(crate) fn end_of_transaction() {
     let pid = my_pid();
     let mut s = STATE.exclusive();
     let mut changed = false;
-    for v in s.victims.iter_mut().filter(|v| v.migration_id != 0 && v.pid == pid) {
+    for v in s
+        .victims
+        .iter_mut()
+        .filter(|v| v.migration_id != 0 && v.pid == pid)
+    {
         changed = true;
         if v.stray {
             // It covered the transaction after the marked one; that one is over too.
@@ -82,7 +91,10 @@ pub(crate) fn check_write(shard_ids: &[i64]) -> Result<(), RemusError> {
     match moved {
         Some((shard_id, migration_id)) => {
             count_abort(&mut STATE.exclusive(), migration_id);
-            Err(RemusError::ShardMoved { shard_id, migration_id })
+            Err(RemusError::ShardMoved {
+                shard_id,
+                migration_id,
+            })
         }
         None => Ok(()),
     }
@@ -97,7 +109,9 @@ pub(crate) unsafe fn rewrite_cancel(edata: *mut pg_sys::ErrorData) -> Option<i64
     if edata.is_null() || !active() {
         return None;
     }
-    if (*edata).sqlerrcode != PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32 || (*edata).elevel < PgLogLevel::ERROR as i32 {
+    if (*edata).sqlerrcode != PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32
+        || (*edata).elevel < PgLogLevel::ERROR as i32
+    {
         return None;
     }
     let pid = my_pid();
@@ -108,10 +122,11 @@ pub(crate) unsafe fn rewrite_cancel(edata: *mut pg_sys::ErrorData) -> Option<i64
         // interrupts until the release, so no cancel can be raised in between, and every
         // other error path here drops the guard before raising.
         let mut s = STATE.exclusive();
-        let v = s
-            .victims
-            .iter_mut()
-            .find(|v| v.migration_id != 0 && v.pid == pid && (v.stray || (v.backend_id == backend_id && v.lxid == lxid)))?;
+        let v = s.victims.iter_mut().find(|v| {
+            v.migration_id != 0
+                && v.pid == pid
+                && (v.stray || (v.backend_id == backend_id && v.lxid == lxid))
+        })?;
         let migration_id = v.migration_id;
         *v = Victim::default();
         count_abort(&mut s, migration_id);
@@ -137,11 +152,18 @@ mod remus {
     fn migration_fence(migration_id: i64) {
         require_superuser("remus.migration_fence");
         let mut s = STATE.exclusive();
-        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+        match s
+            .migrations
+            .iter_mut()
+            .find(|m| m.migration_id == migration_id)
+        {
             Some(m) => m.fenced = true,
             None => {
                 drop(s);
-                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+                RemusError::InvalidArgument(format!(
+                    "migration {migration_id} is not registered on this node"
+                ))
+                .raise()
             }
         }
     }
@@ -166,7 +188,13 @@ mod remus {
                 None,
                 &[relids.into()],
             )?
-            .map(|r| Ok((r.get::<i32>(1)?.unwrap_or(0), r.get::<i32>(2)?.unwrap_or(-1), r.get::<i64>(3)?.unwrap_or(0) as u32)))
+            .map(|r| {
+                Ok((
+                    r.get::<i32>(1)?.unwrap_or(0),
+                    r.get::<i32>(2)?.unwrap_or(-1),
+                    r.get::<i64>(3)?.unwrap_or(0) as u32,
+                ))
+            })
             .collect::<Result<Vec<_>, pgrx::spi::Error>>()
         })
         .unwrap_or_else(|e| RemusError::from(e).raise());
@@ -183,11 +211,23 @@ mod remus {
                 let proc = pg_sys::BackendPidGetProc(pid);
                 !proc.is_null() && (*proc).backendId == backend_id && (*proc).lxid == lxid
             };
-            if !live || s.victims.iter().any(|v| !v.stray && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid) {
+            if !live
+                || s.victims.iter().any(|v| {
+                    !v.stray && v.pid == pid && v.backend_id == backend_id && v.lxid == lxid
+                })
+            {
                 continue;
             }
-            let Some(slot) = s.victims.iter_mut().find(|v| v.migration_id == 0) else { break };
-            *slot = Victim { migration_id, pid, backend_id, lxid, stray: false };
+            let Some(slot) = s.victims.iter_mut().find(|v| v.migration_id == 0) else {
+                break;
+            };
+            *slot = Victim {
+                migration_id,
+                pid,
+                backend_id,
+                lxid,
+                stray: false,
+            };
             // What pg_cancel_backend() sends (the backend's whole process group), without SPI
             // under the lock. SAFETY: signalling a live backend of this cluster.
             if unsafe { kill(-pid, SIGINT) } == 0 || unsafe { kill(pid, SIGINT) } == 0 {

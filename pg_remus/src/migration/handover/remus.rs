@@ -27,7 +27,6 @@
 //! `remus.drain_wait_timeout`, is logged and the write goes ahead (its older writer may then
 //! get the conflict it would have got without the wait).
 
-
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
@@ -48,7 +47,10 @@ pub(crate) fn drain_source_of(shard_id: i64) -> Option<String> {
     }
     let s = STATE.share();
     let migration_id = migration_of(&s, shard_id)?;
-    s.migrations.iter().find(|m| m.migration_id == migration_id)?.drain_source()
+    s.migrations
+        .iter()
+        .find(|m| m.migration_id == migration_id)?
+        .drain_source()
 }
 
 /// Before a write of the row(s) with shard key `key` (text) of `table` in `placement`: if the
@@ -110,7 +112,8 @@ pub(crate) fn wait_for_older_writers(
             table.qualified_name
         ),
         // The source shard is already gone (the drain is over): nothing older is left to wait for.
-        Err(RemusError::Remote { sqlstate, .. }) if sqlstate == NOT_SHARD_OWNER || sqlstate == "42P01" => {}
+        Err(RemusError::Remote { sqlstate, .. })
+            if sqlstate == NOT_SHARD_OWNER || sqlstate == "42P01" => {}
         Err(e) => log!(
             "pg_remus: shard {} of {}: no wait on {source} for older writers of the row: {e}",
             placement.shard_id,
@@ -146,7 +149,9 @@ fn wait_until_row_queue_is_empty(
     );
     let mut pause = false;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now()).as_millis();
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis();
         if left == 0 {
             return Ok(false);
         }
@@ -157,7 +162,15 @@ fn wait_until_row_queue_is_empty(
         c.exec(lock_row)?;
         let busy = c.exec(&writers_at_work)?;
         c.exec("COMMIT")?;
-        if busy.rows.first().and_then(|r| r.first()).cloned().flatten().as_deref() != Some("t") {
+        if busy
+            .rows
+            .first()
+            .and_then(|r| r.first())
+            .cloned()
+            .flatten()
+            .as_deref()
+            != Some("t")
+        {
             return Ok(true);
         }
         pause = true;
@@ -179,17 +192,28 @@ mod remus {
     fn migration_drain_source(migration_id: i64, source_node: &str) {
         require_superuser("remus.migration_drain_source");
         if source_node.is_empty() || source_node.len() >= NODE_NAME_BYTES {
-            RemusError::InvalidArgument(format!("node name must be 1..{} bytes", NODE_NAME_BYTES - 1)).raise();
+            RemusError::InvalidArgument(format!(
+                "node name must be 1..{} bytes",
+                NODE_NAME_BYTES - 1
+            ))
+            .raise();
         }
         let mut s = STATE.exclusive();
-        match s.migrations.iter_mut().find(|m| m.migration_id == migration_id) {
+        match s
+            .migrations
+            .iter_mut()
+            .find(|m| m.migration_id == migration_id)
+        {
             Some(m) => {
                 m.drain_source = [0; NODE_NAME_BYTES];
                 m.drain_source[..source_node.len()].copy_from_slice(source_node.as_bytes());
             }
             None => {
                 drop(s);
-                RemusError::InvalidArgument(format!("migration {migration_id} is not registered on this node")).raise()
+                RemusError::InvalidArgument(format!(
+                    "migration {migration_id} is not registered on this node"
+                ))
+                .raise()
             }
         }
     }

@@ -2,8 +2,8 @@
 //! the gate closed wait at their next statement (until it opens, or its timeout passes);
 //! transactions already running, and 2PC participants working for them, are never held.
 
-use pgrx::prelude::*;
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 
 use crate::error::RemusError;
 use crate::migration::state::{recount, require_superuser, Gate, STATE};
@@ -62,10 +62,12 @@ mod remus {
         // SAFETY: plain clock read.
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         let mut s = STATE.exclusive();
-        if s.gate.migration_id != 0 && s.gate.migration_id != migration_id && now < s.gate.deadline {
+        if s.gate.migration_id != 0 && s.gate.migration_id != migration_id && now < s.gate.deadline
+        {
             let other = s.gate.migration_id;
             drop(s);
-            RemusError::ObjectInUse(format!("the admission gate is held by migration {other}")).raise();
+            RemusError::ObjectInUse(format!("the admission gate is held by migration {other}"))
+                .raise();
         }
         s.gate = Gate {
             migration_id,
@@ -73,7 +75,8 @@ mod remus {
             deadline: now + i64::from(timeout_ms.max(0)) * 1000,
         };
         recount(&s);
-        TimestampWithTimeZone::try_from(now).unwrap_or_else(|_| TimestampWithTimeZone::positive_infinity())
+        TimestampWithTimeZone::try_from(now)
+            .unwrap_or_else(|_| TimestampWithTimeZone::positive_infinity())
     }
 
     #[pg_extern(volatile, parallel_unsafe)]
