@@ -2,7 +2,7 @@
 //!
 //! Layers, each importing only the ones before it (checked by `scripts/check_module_cycles.py`):
 //!
-//! 1. [`pg`] (PostgreSQL glue), [`guc`] (the `remus.*` settings), [`error`] (every error a
+//! 1. [`pg`] (PostgreSQL glue), [`guc`] (the `remus.*` settings), [`error`](mod@error) (every error a
 //!    user can see, with its SQLSTATE);
 //! 2. [`cluster`]: membership, libpq connections to other nodes, gRPC, the shard marker;
 //! 3. [`catalog`] (distributed tables, shards, the shard map and its cache, hashing) and
@@ -16,6 +16,10 @@
 //!
 //! The library must be in `shared_preload_libraries`: it installs hooks and shared memory,
 //! which PostgreSQL only allows while the postmaster starts.
+
+// The docs are for developers of the extension (built with --document-private-items); its modules
+// are private, and the crate-level map links to them.
+#![allow(rustdoc::private_intra_doc_links)]
 
 use pgrx::prelude::*;
 

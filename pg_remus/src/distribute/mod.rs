@@ -9,7 +9,7 @@
 //! by 2PC or not at all.
 
 //!
-//! [`validate`] checks that a table can be distributed; [`move_rows`] moves its existing rows.
+//! [`validate`] checks that a table can be distributed; [`move_rows`](mod@move_rows) moves its existing rows.
 
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
