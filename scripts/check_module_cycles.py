@@ -22,12 +22,19 @@ A path resolves to the deepest existing module on it: `crate::router::planner::r
 to `router::planner`, `crate::SOMETHING` (an item of the root file) to `crate`. Paths into other
 crates (`pgrx::`, `std::`) are not edges.
 
+Re-exports are transparent. A named `pub use` (any visibility: `pub`, `pub(crate)`, ...) is no
+edge of its own; a path through it is an edge to the module that defines the item
+(`crate::apply::ShadowApplier`, re-exported by `apply` from `apply::applier`, is an edge to
+`apply::applier`); and the re-exporting module depends on the defining one only where its own
+code uses the name. So a folder's `mod.rs` may be a facade over its children. A glob `pub use
+x::*` cannot be seen through and is an ordinary edge to `x`.
+
 Parent and child. Declaring a child (`mod x;`) is containment, not a dependency, so it is no edge.
-Any other reference is an edge, in either direction: a child using `super::helper` depends on its
-parent, and a parent calling `child::f()` (or re-exporting `pub use child::X`) depends on the
-child. So a parent may call its children, or its children may use the parent, but not both: an
-item both need belongs in a lower module (for example `pg::` or a sibling), which is exactly the
-"only import downward" rule applied inside a folder.
+Any other reference is an edge, in either direction: a child using `super::helper` (an item the
+parent defines) depends on its parent, and a parent calling `child::f()` depends on the child.
+So a parent may call its children, or its children may use the parent, but not both: an item
+both need belongs in a lower module (a sibling, or `pg::`), which is exactly the "only import
+downward" rule applied inside a folder.
 
 Production code only. Before edges are read, the script blanks `//`, `///`, `//!` and `/* */`
 comments and the contents of string and char literals (so a path in a comment, doc example or SQL
@@ -319,7 +326,11 @@ def build_tree(root_file):
 
 
 def parse_use_tree(text, start):
-    """Parses the use tree at text[start:] up to ';'. Returns ([(segments, offset)], end)."""
+    """Parses the use tree at text[start:] up to ';'.
+
+    Returns ([(segments, offset, bound name)], end); the bound name is the last segment, its
+    `as` rename, or `*` for a glob.
+    """
     end = text.find(";", start)
     end = len(text) if end < 0 else end
     tokens = [(m.group(0), start + m.start())
@@ -344,30 +355,31 @@ def parse_use_tree(text, start):
                 return
             if tok == "*":
                 pos += 1
-                paths.append((segs, off))
+                paths.append((segs, off, "*"))
                 return
             if tok in (",", "}"):
                 return
             pos += 1
-            if tok == "self" and segs:
-                paths.append((segs, off))
-            else:
+            is_self = tok == "self" and bool(segs)
+            if not is_self:
                 segs = segs + [tok]
             if pos < len(tokens) and tokens[pos][0] == "::":
                 pos += 1
                 continue
-            if pos < len(tokens) and tokens[pos][0] == "as":
+            name = segs[-1] if segs else tok
+            if pos + 1 < len(tokens) and tokens[pos][0] == "as":
+                name = tokens[pos + 1][0]
                 pos += 2
-            if tok != "self" or not segs:
-                paths.append((segs, off))
+            paths.append((segs, off, name))
             return
 
     tree([])
     return paths, end
 
 
-def resolve(modules, here, segs, inline=()):
-    """Returns the deepest existing module the path names, or None (another crate).
+def resolve(modules, here, segs, inline=(), reexports=None):
+    """Returns the module that defines what the path names, or None (another crate): the
+    deepest existing module on the path, then through that module's re-exports (`pub use`).
 
     `inline` names the inline modules of file module `here` that the path sits in.
     """
@@ -390,23 +402,66 @@ def resolve(modules, here, segs, inline=()):
     for k in range(len(rest), -1, -1):
         cand = base + tuple(rest[:k])
         if cand in modules:
+            seen = set()
+            while reexports and k < len(rest) and rest[k] in reexports.get(cand, {}) \
+                    and (cand, rest[k]) not in seen:
+                seen.add((cand, rest[k]))
+                cand = reexports[cand][rest[k]]
+                k += 1
             return cand
     return None
 
 
+PUB_BEFORE_RE = re.compile(r"pub\s*(?:\([^)]*\))?\s*$")
+
+
+def use_statements(mod):
+    """Yields (is_pub, [(segments, offset, bound name)], start, end) for each `use` of mod."""
+    for m in USE_RE.finditer(mod.code):
+        paths, end = parse_use_tree(mod.code, m.end())
+        is_pub = PUB_BEFORE_RE.search(mod.code[max(0, m.start() - 40):m.start()]) is not None
+        yield is_pub, paths, m.start(), end
+
+
+def reexports_of(modules):
+    """{module: {name: defining module}} for every named `pub use` (any visibility) of the crate.
+
+    Deepest modules first, so that a name re-exported twice resolves to where it is defined.
+    """
+    reexports = {}
+    for here in sorted(modules, key=len, reverse=True):
+        mod = modules[here]
+        for is_pub, paths, _, _ in use_statements(mod):
+            if not is_pub:
+                continue
+            for segs, off, name in paths:
+                if name == "*":
+                    continue
+                dst = resolve(modules, here, segs, mod.inline_at(off), reexports)
+                if dst is not None and dst != here:
+                    reexports.setdefault(here, {})[name] = dst
+    return reexports
+
+
 def edges_of(modules):
-    """Returns {(src, dst): [line, ...]} over the production code of every module."""
+    """Returns {(src, dst): [line, ...]} over the production code of every module.
+
+    A named `pub use` is transparent: it is no edge of its own, a path through it is an edge to
+    the module that defines the item, and the re-exporting module depends on that module only
+    where its own code uses the name.
+    """
+    reexports = reexports_of(modules)
     edges = defaultdict(set)
     for here, mod in modules.items():
         code = list(mod.code)
-        text = mod.code
-        for m in USE_RE.finditer(text):
-            paths, end = parse_use_tree(text, m.end())
-            for segs, off in paths:
-                dst = resolve(modules, here, segs, mod.inline_at(off))
+        for is_pub, paths, start, end in use_statements(mod):
+            for segs, off, name in paths:
+                if is_pub and name != "*" and name in reexports.get(here, {}):
+                    continue
+                dst = resolve(modules, here, segs, mod.inline_at(off), reexports)
                 if dst is not None and dst != here:
                     edges[(here, dst)].add(mod.line_of(off))
-            blank(code, m.start(), end)
+            blank(code, start, end)
         text = "".join(code)
         # `mod x;` declarations are containment: blank them before reading paths.
         text = MOD_DECL_RE.sub(lambda mm: " " * len(mm.group(0)), text)
@@ -414,8 +469,12 @@ def edges_of(modules):
             segs = re.split(r"\s*::\s*", m.group(1))
             if segs[0] not in KEYWORDS_FIRST and segs[0] not in mod.children:
                 continue
-            dst = resolve(modules, here, segs, mod.inline_at(m.start()))
+            dst = resolve(modules, here, segs, mod.inline_at(m.start()), reexports)
             if dst is not None and dst != here:
+                edges[(here, dst)].add(mod.line_of(m.start()))
+        # A re-exported name that this module's own code uses.
+        for name, dst in reexports.get(here, {}).items():
+            for m in re.finditer(r"(?<![A-Za-z0-9_:])" + re.escape(name) + r"(?![A-Za-z0-9_])", text):
                 edges[(here, dst)].add(mod.line_of(m.start()))
     return edges
 
@@ -584,11 +643,30 @@ SELF_TEST_CRATES = {
                  # super:: in an inline module is this file's module, not the root.
                  "#[pg_schema]\nmod remus { use super::*; fn x() { super::prod(); } }\n"),
     },
-    # A child that uses super:: while the parent calls the child: a parent/child cycle.
+    # A facade mod.rs: re-exports its children, whose items the children share through it.
+    "facade": {
+        "lib.rs": "mod p;\nmod q;\n",
+        "p/mod.rs": ("mod a;\nmod b;\npub use a::A;\npub(crate) use b::{helper as h, B};\n"
+                     "pub struct Shared;\n"),
+        "p/a.rs": "use super::{Shared, B};\npub struct A;\n",
+        "p/b.rs": "use super::Shared;\npub struct B;\npub fn helper() {}\n",
+        "q.rs": "use crate::p::A;\nfn f() { crate::p::h(); }\n",
+    },
+    # A cycle hidden behind a re-export: q -> p::a (through p's `pub use`) -> q.
+    "through_reexport": {
+        "lib.rs": "mod p;\nmod q;\n",
+        "p/mod.rs": "mod a;\npub use a::A;\n",
+        "p/a.rs": "pub struct A;\nfn f() { crate::q::g(); }\n",
+        "q.rs": "pub fn g() {}\nfn k(_: crate::p::A) {}\n",
+    },
+    # A child that uses super:: while the parent calls the child: a parent/child cycle, also
+    # when the parent calls it through its own re-export.
     "parent_child": {
         "lib.rs": "mod p;\n",
-        "p/mod.rs": "mod q;\npub fn shared() {}\npub fn go() { q::run(); }\n",
+        "p/mod.rs": ("mod q;\nmod r;\npub use r::other;\npub fn shared() {}\n"
+                     "pub fn go() { q::run(); other(); }\n"),
         "p/q.rs": "pub fn run() { super::shared(); }\n",
+        "p/r.rs": "pub fn other() { super::shared(); }\n",
     },
 }
 
@@ -619,8 +697,21 @@ def self_test():
             ok = False
         buf = io.StringIO()
         n = check(os.path.join(tmp, "parent_child", "src"), buf)
-        if n != 1 or "p -> p::q" not in buf.getvalue() or "p::q -> p" not in buf.getvalue():
-            print("self-test FAILED: the parent/child cycle was not reported:\n" + buf.getvalue())
+        out = buf.getvalue()
+        if n != 1 or "component 1: 3 modules: p, p::q, p::r" not in out or "p -> p::q" not in out \
+                or "p::q -> p" not in out or "p -> p::r" not in out:
+            print("self-test FAILED: the parent/child cycles were not reported:\n" + out)
+            ok = False
+        buf = io.StringIO()
+        n = check(os.path.join(tmp, "facade", "src"), buf)
+        if n != 0:
+            print("self-test FAILED: a facade mod.rs was reported:\n" + buf.getvalue())
+            ok = False
+        buf = io.StringIO()
+        n = check(os.path.join(tmp, "through_reexport", "src"), buf)
+        out = buf.getvalue()
+        if n != 1 or "q -> p::a" not in out or "p::a -> q" not in out:
+            print("self-test FAILED: the cycle through a re-export was not reported:\n" + out)
             ok = False
     print("self-test passed" if ok else "self-test failed")
     return 0 if ok else 1
