@@ -23,7 +23,7 @@ pub mod scheduler;
 pub mod service;
 pub mod validate;
 
-pub use apply::{origin_name, ApplyConfig, ApplyError, ShadowApplier, DEFAULT_PARALLELISM};
+pub use apply::{ApplyConfig, ApplyError, ShadowApplier, DEFAULT_PARALLELISM};
 pub use progress::{AppliedLsnWatcher, AppliedWatermark, WatermarkClosed, WatermarkError};
 pub use scheduler::{CompleteError, DependencyScheduler, RowKey, SubmitError, TxnSpec};
 pub use service::{serve, ReplayWorkerService};

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use remus_proto::names::{is_migration_object, shadow_gid_prefix, validation_origin};
 use remus_proto::v1::{row_change, RowChange};
 use thiserror::Error;
 use tokio::sync::Semaphore;
@@ -28,8 +29,8 @@ use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
 use tracing::{debug, info, warn, Instrument};
 
 use crate::apply::{
-    change_sql, commit_prepared_with_origin, finish_prepared, key_condition, key_values, pg_message, quote_literal,
-    row_values,
+    change_sql, commit_prepared_with_origin, finish_prepared, key_condition, key_values, origin_session_setup,
+    pg_message, quote_literal, row_values,
 };
 use crate::progress::AppliedLsnWatcher;
 
@@ -99,16 +100,11 @@ pub struct Validator {
 /// Migrations whose `Apply` call is running in this process, by id.
 pub type ValidatorRegistry = Arc<Mutex<HashMap<u64, Arc<Validator>>>>;
 
-/// The validation session origin `k` of a migration (dropped with every `remus_m<id>_%`).
-pub fn validation_origin(migration_id: u64, k: usize) -> String {
-    format!("remus_m{migration_id}_v{k}")
-}
-
 /// The gid a migration's shadows must carry: `remus:<migration_id>:<source xid>`, which the
 /// coordinator's cleanup recognises (and a shadow of another migration cannot be touched).
 fn check_gid(migration_id: u64, gid: &str) -> Result<(), ValidateError> {
     let bad = |reason| Err(ValidateError::BadGid { migration_id, gid: gid.to_string(), reason });
-    let prefix = format!("remus:{migration_id}:");
+    let prefix = shadow_gid_prefix(migration_id);
     if !gid.starts_with(&prefix) || gid.len() == prefix.len() {
         return bad("expected remus:<migration_id>:<source xid>");
     }
@@ -170,19 +166,10 @@ impl Validator {
         let mut last = String::new();
         for _ in 0..2 * MAX_VALIDATION_SESSIONS {
             let k = self.next_origin.fetch_add(1, Ordering::Relaxed);
-            let o = quote_literal(&validation_origin(migration_id, k));
-            // Like the apply sessions: replica role (the source already ran the user triggers
-            // and checked the foreign keys; their effects are in the write set) and the
-            // pg_remus session flag (the destination's ownership checks let shadows through).
-            let setup = format!(
-                "SET remus.migration_session = on;
-                 SET session_replication_role = replica;
-                 SET standard_conforming_strings = on;
-                 SET application_name = {app};
-                 SELECT pg_catalog.pg_replication_origin_create({o})
-                   WHERE pg_catalog.pg_replication_origin_oid({o}) IS NULL;
-                 SELECT pg_catalog.pg_replication_origin_session_setup({o});",
-                app = quote_literal(&format!("remus-validate m{migration_id} v{k}")),
+            // Like the apply sessions.
+            let setup = origin_session_setup(
+                &validation_origin(migration_id, k),
+                &format!("remus-validate m{migration_id} v{k}"),
             );
             match session.client.batch_execute(&setup).await {
                 Ok(()) => {
@@ -445,7 +432,7 @@ async fn run_shadow(client: &Client, gid: &str, checks: &[Check], lock_timeout_m
                 // (older than the migration), or this shadow's own earlier change.
                 Some((None, _)) => {}
                 Some((Some(roident), name)) => {
-                    let remus = roident != "0" && name.as_deref().is_some_and(|n| n.starts_with("remus_m"));
+                    let remus = roident != "0" && name.as_deref().is_some_and(is_migration_object);
                     if !remus {
                         return conflict(
                             client,

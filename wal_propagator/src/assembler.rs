@@ -13,9 +13,11 @@
 //! memory while the transaction streams in, a transaction whose buffered changes exceed a
 //! threshold is moved to an anonymous temporary file and read back only at Commit.
 //!
-//! Logical messages with the prefix [`REMUS_MESSAGE_PREFIX`] mark transactions that pg_remus
-//! already applied on the destination itself (shadow-applied writes); applying them again would
-//! duplicate rows, so they are surfaced on the transaction for the caller to skip it.
+//! Logical messages with the prefix [`MESSAGE_PREFIX`] (`remus_proto::names`) mark transactions
+//! that pg_remus already applied on the destination itself (shadow-applied writes); applying
+//! them again would duplicate rows, so they are surfaced on the transaction for the caller to
+//! skip it. pgoutput only sends logical messages when `START_REPLICATION` passes the option
+//! `messages 'true'`; without it these markers are silently missing.
 //!
 //! Protocol violations are errors rather than repaired: after any error the stream position is
 //! unknown, and the only safe recovery is to [`TxnAssembler::reset`] and restart streaming from
@@ -30,6 +32,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::Bytes;
+use remus_proto::names::MESSAGE_PREFIX;
 use thiserror::Error;
 use tracing::{debug, trace};
 
@@ -37,11 +40,6 @@ use crate::pgoutput::{
     pg_timestamp_to_system_time, Begin, Column, ColumnValue, Commit, DecodeError, LogicalMessage,
     Lsn, OldTuple, Origin, PgOutputMessage, Reader, Relation, TupleData, TypeInfo,
 };
-
-/// Prefix of the logical messages pg_remus emits inside transactions it already applied on the
-/// destination. pgoutput only sends logical messages when `START_REPLICATION` passes the
-/// option `messages 'true'`; without it these markers are silently missing.
-pub const REMUS_MESSAGE_PREFIX: &str = "remus";
 
 /// Tuning of a [`TxnAssembler`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,7 +153,7 @@ pub struct TxnMessage {
 
 impl TxnMessage {
     pub fn is_remus(&self) -> bool {
-        self.prefix == REMUS_MESSAGE_PREFIX
+        self.prefix == MESSAGE_PREFIX
     }
 
     fn approx_size(&self) -> usize {

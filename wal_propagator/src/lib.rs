@@ -35,7 +35,6 @@ pub mod snapshot_copy;
 
 pub use assembler::{
     AssembleError, Assembled, AssemblerConfig, Change, CommittedTxn, TxnAssembler, TxnMessage,
-    REMUS_MESSAGE_PREFIX,
 };
 pub use pgoutput::{
     pg_timestamp_to_system_time, system_time_to_pg_timestamp, Begin, Column, ColumnValue, Commit,

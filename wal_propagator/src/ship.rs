@@ -68,7 +68,7 @@ fn row_change(
 /// The `ShadowTxn` for one committed source transaction, changes in source order.
 ///
 /// A transaction pg_remus validated through MOCC (marked by a transactional logical message
-/// with the prefix [`REMUS_MESSAGE_PREFIX`](crate::assembler::REMUS_MESSAGE_PREFIX), see [`CommittedTxn::is_remus_marked`]) is still
+/// with the prefix [`MESSAGE_PREFIX`](remus_proto::names::MESSAGE_PREFIX), see [`CommittedTxn::is_remus_marked`]) is still
 /// shipped, with `shadow_gid` set to that message's content: the replay worker then commits the
 /// prepared shadow named by it instead of applying the changes again, and the changes still
 /// order dependent transactions. Other logical messages are not part of the shadow transaction.
@@ -120,9 +120,10 @@ fn shadow_gid(txn: &CommittedTxn) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::assembler::{TxnMessage, REMUS_MESSAGE_PREFIX};
+    use crate::assembler::TxnMessage;
     use crate::pgoutput::{Column, Lsn, ReplicaIdentity};
     use bytes::Bytes;
+    use remus_proto::names::MESSAGE_PREFIX;
 
     fn rel(namespace: &str, name: &str) -> Arc<Relation> {
         let col = |name: &str, key: bool| Column {
@@ -177,7 +178,10 @@ mod tests {
         assert_eq!(s.end_lsn, 0x16B_3778);
         assert_eq!(s.commit_time_us, 812_345_678_901_234);
         assert!(s.changes.is_empty());
-        assert!(s.shadow_gid.is_empty(), "an unmarked transaction names no shadow");
+        assert!(
+            s.shadow_gid.is_empty(),
+            "an unmarked transaction names no shadow"
+        );
     }
 
     fn message(prefix: &str, content: &str) -> TxnMessage {
@@ -198,12 +202,16 @@ mod tests {
         }]);
         t.messages = vec![
             message("other_ext", "not a gid"),
-            message(REMUS_MESSAGE_PREFIX, "remus:7:123456789"),
+            message(MESSAGE_PREFIX, "remus:7:123456789"),
         ];
         assert!(t.is_remus_marked());
         let s = shadow_txn(&t);
         assert_eq!(s.shadow_gid, "remus:7:123456789");
-        assert_eq!(s.changes.len(), 1, "the changes still order dependent transactions");
+        assert_eq!(
+            s.changes.len(),
+            1,
+            "the changes still order dependent transactions"
+        );
 
         // A message with another prefix does not mark the transaction.
         t.messages = vec![message("remusx", "remus:7:1")];

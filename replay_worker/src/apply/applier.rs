@@ -4,13 +4,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use remus_proto::names::apply_origin;
 use remus_proto::v1::{ApplyProgress, ShadowTxn};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn, Instrument};
 
 use super::session::Session;
 use super::sql::{format_lsn, prepare, quote_literal, Prepared};
-use super::{origin_name, pg_message, ApplyConfig, ApplyError};
+use super::{pg_message, ApplyConfig, ApplyError};
 use crate::progress::{AppliedLsnWatcher, AppliedWatermark};
 use crate::scheduler::{DependencyScheduler, SubmitError, TxnSpec};
 
@@ -267,7 +268,7 @@ impl ShadowApplier {
             s.reset().await.map_err(teardown)?;
         }
         let names: Vec<String> = (0..self.cfg.parallelism.max(1))
-            .map(|w| quote_literal(&origin_name(self.cfg.migration_id, w)))
+            .map(|w| quote_literal(&apply_origin(self.cfg.migration_id, w)))
             .collect();
         let drop_sql = format!(
             "SELECT pg_catalog.pg_replication_origin_drop(n) FROM unnest(ARRAY[{}]::text[]) n \

@@ -40,16 +40,11 @@ pub(crate) mod sql;
 
 pub use applier::ShadowApplier;
 pub(crate) use session::{commit_prepared_with_origin, finish_prepared};
-pub(crate) use sql::{change_sql, key_condition, key_values, row_values};
+pub(crate) use sql::{change_sql, key_condition, key_values, origin_session_setup, row_values};
 pub use sql::{format_lsn, quote_ident, quote_literal};
 
 /// Apply sessions when [`ApplyStart::parallelism`] is 0.
 pub const DEFAULT_PARALLELISM: usize = 4;
-/// The replication origin of apply session `worker` of a migration. The coordinator drops
-/// `remus_m<id>_%` origins when it rolls a migration back.
-pub fn origin_name(migration_id: u64, worker: usize) -> String {
-    format!("remus_m{migration_id}_w{worker}")
-}
 
 /// Where and how to apply one migration's transactions.
 #[derive(Debug, Clone, PartialEq, Eq)]

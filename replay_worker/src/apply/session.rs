@@ -1,13 +1,14 @@
 //! One destination session bound to a replication origin, and what runs a shadow transaction's
 //! round trip on it (plus COMMIT/ROLLBACK PREPARED of validated shadows).
 
+use remus_proto::names::apply_origin;
 use tokio::task::JoinHandle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
 use tracing::{debug, warn, Instrument};
 
-use super::sql::{format_lsn, quote_literal, Prepared};
-use super::{origin_name, pg_message, ApplyConfig, ApplyError};
+use super::sql::{format_lsn, origin_session_setup, quote_literal, Prepared};
+use super::{pg_message, ApplyConfig, ApplyError};
 
 /// Commits prepared transaction `gid` with the source's commit LSN and time recorded under the
 /// session's replication origin. Ok(false) when it does not exist (already resolved). A
@@ -81,7 +82,7 @@ pub(super) struct Session {
 
 impl Session {
     pub(super) async fn open(cfg: &ApplyConfig, worker: usize) -> Result<Session, ApplyError> {
-        let origin = origin_name(cfg.migration_id, worker);
+        let origin = apply_origin(cfg.migration_id, worker);
         let (client, connection) = tokio_postgres::connect(&cfg.destination_conninfo, NoTls)
             .await
             .map_err(|e| ApplyError::Connect {
@@ -104,16 +105,9 @@ impl Session {
             client,
             connection,
         };
-        let o = quote_literal(&session.origin);
-        let setup = format!(
-            "SET remus.migration_session = on;
-             SET session_replication_role = replica;
-             SET standard_conforming_strings = on;
-             SET application_name = {app};
-             SELECT pg_catalog.pg_replication_origin_create({o})
-               WHERE pg_catalog.pg_replication_origin_oid({o}) IS NULL;
-             SELECT pg_catalog.pg_replication_origin_session_setup({o});",
-            app = quote_literal(&format!("remus-replay m{migration_id} w{worker}")),
+        let setup = origin_session_setup(
+            &session.origin,
+            &format!("remus-replay m{migration_id} w{worker}"),
         );
         session
             .client

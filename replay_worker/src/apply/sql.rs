@@ -21,6 +21,25 @@ pub fn quote_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// The set-up of a destination session bound to replication origin `origin` (created if
+/// missing), for applying or validating shadows: the pg_remus session flag (the destination's
+/// ownership checks let shadows through), replica role (the source already ran the user
+/// triggers and checked the foreign keys; their effects are in the write set),
+/// standard_conforming_strings (which [`quote_literal`] relies on) and `application_name`.
+pub(crate) fn origin_session_setup(origin: &str, application_name: &str) -> String {
+    let o = quote_literal(origin);
+    format!(
+        "SET remus.migration_session = on;
+         SET session_replication_role = replica;
+         SET standard_conforming_strings = on;
+         SET application_name = {app};
+         SELECT pg_catalog.pg_replication_origin_create({o})
+           WHERE pg_catalog.pg_replication_origin_oid({o}) IS NULL;
+         SELECT pg_catalog.pg_replication_origin_session_setup({o});",
+        app = quote_literal(application_name),
+    )
+}
+
 /// `X/Y` as PostgreSQL prints an LSN.
 pub fn format_lsn(lsn: u64) -> String {
     format!("{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF)
