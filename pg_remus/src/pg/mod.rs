@@ -8,7 +8,9 @@
 //! - [`extension`]: is pg_remus created in this database?
 //! - [`latch`]: the interruptible sleep of every wait loop.
 //! - [`ffi`]: the C functions pgrx does not bind.
+//! - [`custom_scan`]: filling and registering a CustomScan's method tables.
 
+pub(crate) mod custom_scan;
 pub(crate) mod datum;
 pub(crate) mod extension;
 pub(crate) mod ffi;

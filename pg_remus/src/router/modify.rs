@@ -14,6 +14,7 @@ use pgrx::prelude::*;
 
 use crate::catalog::{DistTable, ShardPlacement};
 use crate::error::RemusError;
+use crate::pg::custom_scan;
 use crate::pg::list::{is_tag, list_ptrs};
 use crate::router::execute::Params;
 
@@ -38,14 +39,18 @@ struct ModifyState {
 pub(crate) fn register_methods() {
     // SAFETY: one-time initialisation at preload.
     unsafe {
-        SCAN_METHODS.CustomName = NAME.as_ptr();
-        SCAN_METHODS.CreateCustomScanState = Some(create_state);
-        EXEC_METHODS.CustomName = NAME.as_ptr();
-        EXEC_METHODS.BeginCustomScan = Some(begin);
-        EXEC_METHODS.ExecCustomScan = Some(exec);
-        EXEC_METHODS.EndCustomScan = Some(end);
-        EXEC_METHODS.ReScanCustomScan = Some(rescan);
-        pg_sys::RegisterCustomScanMethods(&raw const SCAN_METHODS);
+        custom_scan::register(
+            &raw mut SCAN_METHODS,
+            &raw mut EXEC_METHODS,
+            &custom_scan::Methods {
+                name: NAME,
+                create_state,
+                begin,
+                exec,
+                end,
+                rescan,
+            },
+        );
     }
 }
 

@@ -12,6 +12,7 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 use crate::error::RemusError;
+use crate::pg::custom_scan;
 use crate::pg::list::list_ptrs;
 use crate::router::execute::Params;
 
@@ -43,14 +44,18 @@ pub(crate) fn register_methods() {
     unsafe {
         PATH_METHODS.CustomName = NAME.as_ptr();
         PATH_METHODS.PlanCustomPath = Some(plan_custom_path);
-        SCAN_METHODS.CustomName = NAME.as_ptr();
-        SCAN_METHODS.CreateCustomScanState = Some(create_state);
-        EXEC_METHODS.CustomName = NAME.as_ptr();
-        EXEC_METHODS.BeginCustomScan = Some(begin);
-        EXEC_METHODS.ExecCustomScan = Some(exec);
-        EXEC_METHODS.EndCustomScan = Some(end);
-        EXEC_METHODS.ReScanCustomScan = Some(rescan);
-        pg_sys::RegisterCustomScanMethods(&raw const SCAN_METHODS);
+        custom_scan::register(
+            &raw mut SCAN_METHODS,
+            &raw mut EXEC_METHODS,
+            &custom_scan::Methods {
+                name: NAME,
+                create_state,
+                begin,
+                exec,
+                end,
+                rescan,
+            },
+        );
     }
 }
 
