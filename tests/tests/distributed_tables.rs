@@ -4,7 +4,6 @@
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
-
 #[test]
 fn distribute_a_filled_table_from_a_non_first_node() {
     let c = TestCluster::start(3).expect("cluster up");

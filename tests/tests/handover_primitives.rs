@@ -5,11 +5,10 @@
 //! (a backend seen waiting, a thread finished), never for a duration.
 
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
-
 
 fn message(e: &postgres::Error) -> String {
     e.as_db_error().map(|d| d.message().to_string()).unwrap_or_else(|| e.to_string())
@@ -20,12 +19,10 @@ fn pid(db: &mut postgres::Client) -> i32 {
 }
 
 /// Polls `cond` until it holds; fails the test after two minutes (a hang, not a slow run).
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < Duration::from_secs(120), "timed out waiting until {what}");
-        thread::sleep(Duration::from_millis(20));
-    }
+fn wait_until(what: &str, cond: impl FnMut() -> bool) {
+    remus_test_support::wait_until(Duration::from_secs(120), Duration::from_millis(20), cond, || {
+        format!("timed out waiting until {what}")
+    });
 }
 
 /// (wait_event_type, wait_event, state, query) of backend `pid`, seen from `db`.

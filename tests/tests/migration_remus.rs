@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use coordinator::failpoint::{COPY_SNAPSHOT_EXPORTED, DUAL_STARTED, HANDOVER_DECIDED};
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
 use remus_test_support::cluster::TestCluster;
+use remus_test_support::{wait_for, wait_until};
 
 struct Moved {
     migration_id: i64,
@@ -191,16 +192,12 @@ fn phase_of(db: &mut postgres::Client, migration: Option<i64>) -> Option<(i64, S
 
 fn wait_for_phase(c: &TestCluster, phases: &[&str], limit: Duration) -> (i64, String, Option<String>) {
     let mut db = c.connect("n1").unwrap();
-    let started = Instant::now();
-    loop {
-        if let Some(p) = phase_of(&mut db, None) {
-            if phases.contains(&p.1.as_str()) {
-                return p;
-            }
-        }
-        assert!(started.elapsed() < limit, "no migration reached {phases:?}");
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_for(
+        limit,
+        Duration::from_millis(20),
+        || phase_of(&mut db, None).filter(|p| phases.contains(&p.1.as_str())),
+        || format!("no migration reached {phases:?}"),
+    )
 }
 
 /// An open transaction holding a write lock (ROW EXCLUSIVE, what a writer holds) on the
@@ -220,15 +217,15 @@ fn hold_barrier(c: &TestCluster, source: &str, shard: i64) -> postgres::Client {
 /// phase moves to cleanup at the decision, before the nodes commit).
 fn wait_owner(c: &TestCluster, via: &str, shard: i64, target: &str) {
     let mut db = c.connect(via).unwrap();
-    let started = Instant::now();
-    loop {
-        let owner: String = db.query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard]).unwrap().get(0);
-        if owner == target {
-            return;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "{via} never saw {target} owning shard {shard}");
-        thread::sleep(Duration::from_millis(10));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(10),
+        || {
+            let owner: String = db.query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard]).unwrap().get(0);
+            owner == target
+        },
+        || format!("{via} never saw {target} owning shard {shard}"),
+    );
 }
 
 type MigrationCall = thread::JoinHandle<Result<(String, i64), postgres::Error>>;
@@ -281,14 +278,12 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
 
     // The migration waits for the early writer, and says so in remus_migrations.
     let mut n1 = c.connect("n1").unwrap();
-    let started = Instant::now();
-    let said = loop {
-        if let Some((_, _, Some(w))) = phase_of(&mut n1, None) {
-            break w;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "remus_migrations never said what the migration waits for");
-        thread::sleep(Duration::from_millis(20));
-    };
+    let said = wait_for(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || phase_of(&mut n1, None).and_then(|(_, _, w)| w),
+        || "remus_migrations never said what the migration waits for".into(),
+    );
     assert!(said.contains("waits for transactions"), "{said}");
     // The early writer is not blocked: it keeps working and commits.
     early.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&early_aid]).unwrap();
@@ -479,21 +474,21 @@ fn hold_tm(c: &TestCluster, node: &str, shard: i64) -> postgres::Client {
 /// Waits until a session on `node` waits for a lock on the shard map (Tm is held there).
 fn wait_tm_blocked(c: &TestCluster, node: &str) {
     let mut db = c.connect(node).unwrap();
-    let started = Instant::now();
-    loop {
-        let n: i64 = db
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%shard_map%'",
-                &[],
-            )
-            .unwrap()
-            .get(0);
-        if n > 0 {
-            return;
-        }
-        assert!(started.elapsed() < Duration::from_secs(120), "Tm never reached the shard map on {node}");
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(20),
+        || {
+            let n: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%shard_map%'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            n > 0
+        },
+        || format!("Tm never reached the shard map on {node}"),
+    );
 }
 
 fn balance_on(db: &mut postgres::Client, shard: i64, aid: i32) -> i32 {
@@ -881,21 +876,21 @@ fn a_destination_down_before_tm_rolls_back_and_the_source_keeps_serving() {
 /// statement that contains `query_part`.
 fn wait_lock_waiter(c: &TestCluster, node: &str, query_part: &str) {
     let mut db = c.connect(node).unwrap();
-    let started = Instant::now();
-    loop {
-        let n: i64 = db
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0",
-                &[&query_part],
-            )
-            .unwrap()
-            .get(0);
-        if n > 0 {
-            return;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "no session on {node} waits for a lock in {query_part:?}\n{}", c.daemon_logs(40));
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            let n: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0",
+                    &[&query_part],
+                )
+                .unwrap()
+                .get(0);
+            n > 0
+        },
+        || format!("no session on {node} waits for a lock in {query_part:?}\n{}", c.daemon_logs(40)),
+    );
 }
 
 /// READ COMMITTED across Tm, one hot row: a transaction that began before Tm wrote the row on
@@ -985,18 +980,18 @@ fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
 /// Waits until migration `id` has ended; its status and error.
 fn wait_ended(c: &TestCluster, id: i64, limit: Duration) -> (String, Option<String>) {
     let mut db = c.connect("n1").unwrap();
-    let started = Instant::now();
-    loop {
-        let row = db
-            .query_one("SELECT status, error FROM remus_migrations WHERE migration_id = $1", &[&id])
-            .unwrap_or_else(|e| panic!("reading migration {id}: {e:?}"));
-        let status: String = row.get(0);
-        if status != "running" {
-            return (status, row.get(1));
-        }
-        assert!(started.elapsed() < limit, "migration {id} did not end within {limit:?}\n{}", c.daemon_logs(40));
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_for(
+        limit,
+        Duration::from_millis(50),
+        || {
+            let row = db
+                .query_one("SELECT status, error FROM remus_migrations WHERE migration_id = $1", &[&id])
+                .unwrap_or_else(|e| panic!("reading migration {id}: {e:?}"));
+            let status: String = row.get(0);
+            (status != "running").then(|| (status, row.get(1)))
+        },
+        || format!("migration {id} did not end within {limit:?}\n{}", c.daemon_logs(40)),
+    )
 }
 
 /// The owner of `shard` as each node's catalog has it.

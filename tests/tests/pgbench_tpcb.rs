@@ -1,10 +1,11 @@
 //! The routing issue's acceptance: pgbench TPC-B through all three nodes at once, and the same
 //! with one postmaster killed with SIGKILL and restarted mid-run.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere, start_tpcb};
 use remus_test_support::cluster::TestCluster;
+use remus_test_support::wait_until;
 
 #[test]
 fn tpcb_through_every_node_keeps_the_balances() {
@@ -46,11 +47,12 @@ fn a_killed_node_loses_nothing_and_in_doubt_work_resolves() {
         // matters is what committed.
         assert!(r.processed > 0, "{}", r.output);
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while prepared_everywhere(&c) > 0 {
-        assert!(Instant::now() < deadline, "in-doubt transactions left after a minute");
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(500),
+        || prepared_everywhere(&c) == 0,
+        || "in-doubt transactions left after a minute".into(),
+    );
     let (a, b, t, h) = balances(&c, "n1");
     assert_eq!((a, b, t), (h, h, h), "balances diverge after the crash");
 }

@@ -4,7 +4,6 @@
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
-
 fn copies(c: &TestCluster, shard_id: i64) -> Vec<String> {
     c.node_names()
         .iter()

@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
-
 /// What the table should hold: k -> (v, n).
 type Model = BTreeMap<i64, (String, i32)>;
 

@@ -4,8 +4,7 @@
 use std::time::{Duration, Instant};
 
 use remus_test_support::cluster::TestCluster;
-use remus_test_support::sqlstate;
-
+use remus_test_support::{sqlstate, wait_until};
 
 fn count(db: &mut postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).unwrap().get(0)
@@ -20,11 +19,7 @@ fn cancel_once_under_way(c: &TestCluster, sql: &str, under_way: &str, never: &st
     let running = std::thread::spawn(move || session.batch_execute(&sql));
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(&mut n2, under_way) == 0 {
-        assert!(Instant::now() < deadline, "{never}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(Duration::from_secs(60), Duration::from_millis(20), || count(&mut n2, under_way) > 0, || never.to_string());
     let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
     assert!(cancelled);
     running.join().unwrap()
@@ -104,11 +99,12 @@ fn cross_node_transactions_are_atomic() {
     assert_eq!(sqlstate(&e), "57014");
     assert!(t0.elapsed() < Duration::from_secs(30));
     n1.batch_execute("RESET statement_timeout").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while count(&mut n2, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(60)%' AND state = 'active' AND pid <> pg_backend_pid()") > 0 {
-        assert!(Instant::now() < deadline, "remote pg_sleep was not cancelled");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || count(&mut n2, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(60)%' AND state = 'active' AND pid <> pg_backend_pid()") == 0,
+        || "remote pg_sleep was not cancelled".into(),
+    );
 }
 
 #[test]
@@ -133,11 +129,12 @@ fn in_doubt_transactions_follow_the_recorded_decision() {
     .unwrap();
 
     // n1's recovery worker resolves both by its recorded decisions, without being asked.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") > 0 {
-        assert!(Instant::now() < deadline, "in-doubt transactions not resolved within a minute");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") == 0,
+        || "in-doubt transactions not resolved within a minute".into(),
+    );
     let ids: Vec<i32> = n2.query("SELECT id FROM r", &[]).unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(ids, vec![1]);
     // Nothing is left for a manual round.
@@ -241,11 +238,12 @@ fn decisions_survive_an_unreachable_participant() {
     assert_eq!(kept, 1, "the decision of an unreachable participant was dropped");
     c.start_node("n2").unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") > 0 {
-        assert!(Instant::now() < deadline, "not resolved within a minute");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") == 0,
+        || "not resolved within a minute".into(),
+    );
     assert_eq!(count(&mut n2, "SELECT count(*) FROM r WHERE id = 7"), 1, "the decided commit was rolled back");
 }
 

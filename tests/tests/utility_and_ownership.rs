@@ -4,7 +4,6 @@
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
-
 #[test]
 fn copy_truncate_guards_and_ownership() {
     let c = TestCluster::start(3).expect("cluster up");
