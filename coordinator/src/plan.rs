@@ -49,7 +49,7 @@ pub struct MigrationPlan {
     pub requested_by: Option<(String, i32)>,
 }
 
-/// "<node>:<pid>" as sent by the SQL functions.
+/// `<node>:<pid>` as sent by the SQL functions.
 pub fn parse_requested_by(s: &str) -> Option<(String, i32)> {
     let (node, pid) = s.rsplit_once(':')?;
     Some((node.to_string(), pid.parse().ok()?))

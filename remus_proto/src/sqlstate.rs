@@ -139,7 +139,8 @@ mod tests {
     fn compares_and_prints_as_its_code() {
         assert_eq!(SqlState::NOT_SHARD_OWNER.to_string(), "RM001");
         assert_eq!(SqlState::SERIALIZATION_FAILURE.class(), "40");
-        assert!(String::from("55006") == SqlState::OBJECT_IN_USE);
+        let from_a_server = String::from("55006");
+        assert!(from_a_server == SqlState::OBJECT_IN_USE);
         assert!(SqlState::UNDEFINED_TABLE == "42P01");
     }
 

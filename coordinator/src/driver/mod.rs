@@ -5,14 +5,14 @@
 //!
 //! | phase | driver (here) | what the driver does |
 //! | --- | --- | --- |
-//! | `copy` | [`copy`] | registers the migration on every node, creates the publication, the target's tables and the slot, copies the slot's snapshot |
-//! | `catchup` | [`catchup`] | starts the stream to the replay worker and waits until a round of it is short; Remus: starts write-set capture |
-//! | `barrier` | [`barrier`] | Remus: the sync barrier, after which every source commit on the shards is validated on the target |
-//! | `dual` | [`dual`] | Remus: dual execution runs on the nodes; the driver resolves or drops the prepared shadows it leaves |
-//! | `handover` | [`handover`] | per mode ([`handover::lock_abort`], [`handover::wait_remaster`], [`handover::remus`]), ending in Tm |
-//! | `cleanup` | [`cleanup`] | drain, stream and slot stopped, the source's copy, publication and origins dropped, registration ended |
-//! | — | [`rollback`] | undoes everything a migration failed before the Tm decision built |
-//! | — | [`resume`] | a restarted coordinator completes (past the decision) or rolls back (before it) a migration |
+//! | `copy` | `copy.rs` | registers the migration on every node, creates the publication, the target's tables and the slot, copies the slot's snapshot |
+//! | `catchup` | `catchup.rs` | starts the stream to the replay worker and waits until a round of it is short; Remus: starts write-set capture |
+//! | `barrier` | `barrier.rs` | Remus: the sync barrier, after which every source commit on the shards is validated on the target |
+//! | `dual` | `dual.rs` | Remus: dual execution runs on the nodes; the driver resolves or drops the prepared shadows it leaves |
+//! | `handover` | `handover/mod.rs` | per mode (`handover/lock_abort.rs`, `handover/wait_remaster.rs`, `handover/remus.rs`), ending in Tm |
+//! | `cleanup` | `cleanup.rs` | drain, stream and slot stopped, the source's copy, publication and origins dropped, registration ended |
+//! | — | `rollback.rs` | undoes everything a migration failed before the Tm decision built |
+//! | — | `resume.rs` | a restarted coordinator completes (past the decision) or rolls back (before it) a migration |
 //!
 //! The record in etcd is the truth about where a migration is; every phase change goes through
 //! [`MigrationStore::advance`] and is published to the callers waiting on the migration (the
@@ -25,7 +25,7 @@
 //! - **Tm**: the ownership transfer transaction (the paper's name): one transaction per node
 //!   moves the shards to the target in `remus.shard_map`, prepared on every node, decided by the
 //!   record's move to `cleanup`, then committed target first and source last
-//!   ([`handover`]'s `Run::tm`). Every handover mode ends in it.
+//!   (`handover/mod.rs`, `Run::tm`). Every handover mode ends in it.
 //! - **sync point**: a transactional logical message on the source whose LSN everything
 //!   committed before it precedes; the driver waits until the target applied up to it.
 //! - **shadow transaction**: Remus: a source transaction's writes prepared on the target under

@@ -19,7 +19,7 @@ pub(super) mod remus;
 pub(super) mod wait_remaster;
 
 impl Run {
-    /// See [`DriverConfig::verify_handover`].
+    /// See [`super::DriverConfig::verify_handover`].
     pub(super) async fn verify(&self) -> Result<(), DriverError> {
         if !self.config.verify_handover {
             return Ok(());
