@@ -1,12 +1,10 @@
-//! The pg_remus control plane.
+//! The pg_remus control plane: the `remus-coordinator` service. The local cluster launcher
+//! (`remusctl cluster …`) is the `remusctl` crate.
 //!
 //! - [`node_registry`]: cluster membership kept in etcd.
 //! - [`migration`]: each shard migration's persisted state machine (phases, status, progress)
 //!   and the per-shard locks, kept in etcd.
 //! - [`service`]: the tonic gRPC service the coordinator process serves.
-//! - [`local_cluster`]: `remusctl cluster …`, a real multi-node cluster of PostgreSQL 15 servers,
-//!   etcd and the coordinator on loopback, for development, tests and the demo.
-//! - [`process`]: starting, probing and stopping the daemons that `local_cluster` owns.
 //! - [`plan`]: checking a migration request and resolving co-location, or refusing it.
 //! - [`driver`]: running one migration through its phases and handover, or rolling it back.
 //! - [`resume`]: a starting coordinator resumes the migrations its predecessor was running.
@@ -18,12 +16,10 @@
 pub mod client;
 pub mod driver;
 pub mod failpoint;
-pub mod local_cluster;
 pub mod migration;
 pub mod node_conn;
 pub mod node_registry;
 pub mod plan;
-pub mod process;
 pub mod propagator;
 pub mod resume;
 pub mod service;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{bail, Context, Result};
-pub use coordinator::local_cluster::ClusterState;
+pub use remusctl::cluster::ClusterState;
 use remus_proto::names::ports::{ETCD_CLIENT_OFFSET, MAX_OFFSET};
 
 use crate::ports::{PortBlock, NODE_PORTS, SERVICE_OFFSET, SERVICE_PORTS};
@@ -128,7 +128,7 @@ impl TestCluster {
                 &format!("PGPASSFILE={}", state.pgpass.display()),
                 "RUST_BACKTRACE=0",
             ])
-            .arg(coordinator::local_cluster::pg_bindir().join("pg_ctl"))
+            .arg(remusctl::cluster::pg_bindir().join("pg_ctl"))
             .args([
                 "-D",
                 &n.data_dir.to_string_lossy(),
@@ -152,7 +152,7 @@ impl TestCluster {
         let n = state.node(name)?;
         let out = Command::new("runuser")
             .args(["-u", "postgres", "--"])
-            .arg(coordinator::local_cluster::pg_bindir().join("pg_ctl"))
+            .arg(remusctl::cluster::pg_bindir().join("pg_ctl"))
             .args([
                 "-D",
                 &n.data_dir.to_string_lossy(),
@@ -247,8 +247,8 @@ impl TestCluster {
         };
         format!(
             "--- coordinator log ---\n{}\n--- replay worker log ---\n{}",
-            coordinator::process::log_tail(&state.coordinator.log, lines),
-            coordinator::process::log_tail(&state.replay_worker.log, lines)
+            remusctl::process::log_tail(&state.coordinator.log, lines),
+            remusctl::process::log_tail(&state.replay_worker.log, lines)
         )
     }
 

@@ -5,7 +5,7 @@ use std::fs::File;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use coordinator::process::etcd_healthy;
+use remusctl::process::etcd_healthy;
 use tempfile::TempDir;
 
 use crate::ports::PortBlock;

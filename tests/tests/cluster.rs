@@ -3,7 +3,7 @@
 
 use std::net::TcpListener;
 
-use coordinator::process::pid_alive;
+use remusctl::process::pid_alive;
 use remus_test_support::cluster::{remusctl, stderr, stdout, TestCluster};
 use remus_test_support::ports::PortBlock;
 

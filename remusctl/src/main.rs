@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use coordinator::local_cluster::{self, ClusterState, UpOptions};
+use remusctl::cluster::{self, ClusterState, UpOptions};
 
 #[derive(Parser)]
 #[command(version, about = "Operate a pg_remus cluster")]
@@ -23,13 +23,13 @@ enum Cmd {
     },
     /// Nodes registered with the coordinator (in etcd).
     Nodes {
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
     },
     /// Move shards (and every shard co-located with them) to another node; prints a line per
     /// phase and a summary. Exit status 0 when the migration succeeded, 1 otherwise.
     Migrate {
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
         /// Shard id; repeat to move several at once.
         #[arg(long = "shard", required = true)]
@@ -43,7 +43,7 @@ enum Cmd {
     },
     /// Shard migrations known to the coordinator (in etcd), running and finished, by id.
     Migrations {
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
     },
 }
@@ -52,33 +52,33 @@ enum Cmd {
 enum ClusterCmd {
     /// Initialise (first time) and start every component, then wire the nodes together.
     Up {
-        #[arg(long, default_value_t = local_cluster::DEFAULT_NODES)]
+        #[arg(long, default_value_t = cluster::DEFAULT_NODES)]
         nodes: usize,
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
-        #[arg(long, default_value_t = local_cluster::DEFAULT_BASE_PORT)]
+        #[arg(long, default_value_t = cluster::DEFAULT_BASE_PORT)]
         base_port: u16,
     },
     /// Start the coordinator again after it stopped or crashed (the rest of the cluster keeps
     /// running); it resumes the migrations it was running: those past the Tm decision
     /// complete, the others roll back.
     StartCoordinator {
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
     },
     /// Stop everything `up` started, by PID.
     Down {
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
     },
     /// Each component up or down. Exit status 0 when all are up, 3 otherwise.
     Status {
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
     },
     /// Shell `export` lines for libpq (PGHOST, PGPORT, PGUSER, PGPASSFILE, PGDATABASE).
     Env {
-        #[arg(long, default_value = local_cluster::DEFAULT_DIR)]
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
         dir: PathBuf,
         #[arg(long, default_value = "n1")]
         node: String,
@@ -258,7 +258,7 @@ fn migration_line(m: &remus_proto::v1::Migration, now_ms: u64) -> String {
 async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
     match cmd {
         ClusterCmd::Up { nodes, dir, base_port } => {
-            let state = local_cluster::up(&UpOptions { dir, nodes, base_port }).await?;
+            let state = cluster::up(&UpOptions { dir, nodes, base_port }).await?;
             println!("pg_remus cluster up in {}", state.dir.display());
             for n in &state.nodes {
                 println!("  {:<4} postgres     {}:{}   log {}", n.name, n.host, n.port, n.log.display());
@@ -276,7 +276,7 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         ClusterCmd::StartCoordinator { dir } => {
-            let state = local_cluster::start_coordinator_again(&dir).await?;
+            let state = cluster::start_coordinator_again(&dir).await?;
             println!(
                 "coordinator started again: 127.0.0.1:{} (pid {}), log {}",
                 state.coordinator.port,
@@ -287,7 +287,7 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
         }
         ClusterCmd::Down { dir } => {
             let mut state = ClusterState::load(&dir)?;
-            let report = local_cluster::stop_all(&mut state)?;
+            let report = cluster::stop_all(&mut state)?;
             if report.is_empty() {
                 println!("nothing was running in {}", state.dir.display());
             }
@@ -298,7 +298,7 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
         }
         ClusterCmd::Status { dir } => {
             let state = ClusterState::load(&dir)?;
-            let rows = local_cluster::status(&state).await;
+            let rows = cluster::status(&state).await;
             let all_up = rows.iter().all(|r| r.up);
             for r in rows {
                 let pid = r.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into());
@@ -315,7 +315,7 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
         }
         ClusterCmd::Env { dir, node } => {
             let state = ClusterState::load(&dir)?;
-            print!("{}", local_cluster::env_lines(&state, &node)?);
+            print!("{}", cluster::env_lines(&state, &node)?);
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -1,0 +1,257 @@
+//! The cluster's state file (`cluster.json`): what was started where, so that `down` and
+//! `status` work from it alone; and the plan of a new cluster's ports and paths.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use remus_proto::names::ports;
+use serde::{Deserialize, Serialize};
+
+use super::UpOptions;
+use crate::process::pid_alive;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeState {
+    pub name: String,
+    pub host: String,
+    pub port: u16,
+    pub data_dir: PathBuf,
+    pub socket_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl NodeState {
+    /// The postmaster's PID, from its own pid file: PostgreSQL daemonizes, so the PID we would
+    /// get from spawning pg_ctl is not the server's.
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        let text = fs::read_to_string(self.data_dir.join("postmaster.pid")).ok()?;
+        let pid: u32 = text.lines().next()?.trim().parse().ok()?;
+        pid_alive(pid).then_some(pid)
+    }
+
+    pub fn conninfo(&self, password: &str) -> String {
+        format!(
+            "host={} port={} user=postgres password={} dbname=postgres connect_timeout=10",
+            self.host, self.port, password
+        )
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DaemonState {
+    pub port: u16,
+    pub pid: Option<u32>,
+    pub log: PathBuf,
+}
+
+impl DaemonState {
+    pub fn live_pid(&self) -> Option<u32> {
+        self.pid.filter(|p| pid_alive(*p))
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterState {
+    pub dir: PathBuf,
+    pub name: String,
+    pub base_port: u16,
+    pub pgpass: PathBuf,
+    pub nodes: Vec<NodeState>,
+    pub etcd: DaemonState,
+    pub coordinator: DaemonState,
+    pub replay_worker: DaemonState,
+}
+
+impl ClusterState {
+    pub(super) fn state_file(dir: &Path) -> PathBuf {
+        dir.join("cluster.json")
+    }
+
+    pub fn load(dir: &Path) -> Result<Self> {
+        let dir = absolute(dir)?;
+        let path = Self::state_file(&dir);
+        let text = fs::read_to_string(&path).map_err(|e| {
+            anyhow!(
+                "no cluster in {} ({}: {e}); start one with `remusctl cluster up --dir {}`",
+                dir.display(),
+                path.display(),
+                dir.display()
+            )
+        })?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    pub(super) fn save(&self) -> Result<()> {
+        let path = Self::state_file(&self.dir);
+        let tmp = path.with_extension("json.tmp");
+        fs::write(&tmp, serde_json::to_string_pretty(self)?)?;
+        fs::rename(&tmp, &path)?;
+        Ok(())
+    }
+
+    pub fn password(&self) -> Result<String> {
+        read_pgpass_password(&self.pgpass)
+    }
+
+    pub fn node(&self, name: &str) -> Result<&NodeState> {
+        self.nodes.iter().find(|n| n.name == name).ok_or_else(|| {
+            anyhow!(
+                "no node {name} in this cluster (nodes: {})",
+                self.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
+            )
+        })
+    }
+
+    /// Where files arm the coordinator's failpoints (`coordinator::failpoint`).
+    pub fn failpoint_dir(&self) -> PathBuf {
+        self.dir.join("failpoints")
+    }
+
+    /// etcd's peer port (P+101), next to its client port.
+    pub fn etcd_peer_port(&self) -> u16 {
+        self.etcd.port + (ports::ETCD_PEER_OFFSET - ports::ETCD_CLIENT_OFFSET)
+    }
+
+    pub fn coordinator_endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.coordinator.port)
+    }
+
+    pub fn replay_worker_endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.replay_worker.port)
+    }
+
+    /// Every component that is running now, as (component, pid).
+    pub fn running(&self) -> Vec<(String, u32)> {
+        let mut out: Vec<(String, u32)> = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.postmaster_pid().map(|p| (n.name.clone(), p)))
+            .collect();
+        if let Some(p) = self.etcd.live_pid() {
+            out.push(("etcd".into(), p));
+        }
+        if let Some(p) = self.coordinator.live_pid() {
+            out.push(("coordinator".into(), p));
+        }
+        if let Some(p) = self.replay_worker.live_pid() {
+            out.push(("replay worker".into(), p));
+        }
+        out
+    }
+}
+
+/// Builds the state for a new cluster, or reloads a stopped one so `up` restarts it in place.
+pub(super) fn plan(opts: &UpOptions) -> Result<ClusterState> {
+    if opts.nodes == 0 || opts.nodes > 99 {
+        bail!("--nodes must be between 1 and 99");
+    }
+    let dir = absolute(&opts.dir)?;
+    if ClusterState::state_file(&dir).exists() {
+        let state = ClusterState::load(&dir)?;
+        let running = state.running();
+        if !running.is_empty() {
+            let list: Vec<String> = running.iter().map(|(c, p)| format!("{c} (pid {p})")).collect();
+            bail!(
+                "a cluster is already running in {}: {}; see `remusctl cluster status --dir {0}` or stop it with `remusctl cluster down --dir {0}`",
+                dir.display(),
+                list.join(", ")
+            );
+        }
+        if state.nodes.len() != opts.nodes || state.base_port != opts.base_port {
+            bail!(
+                "{} holds a stopped cluster of {} nodes on base port {}; start it with those settings or remove the directory",
+                dir.display(),
+                state.nodes.len(),
+                state.base_port
+            );
+        }
+        return Ok(state);
+    }
+    let top = u32::from(opts.base_port) + u32::from(ports::MAX_OFFSET);
+    if top > 65535 || opts.base_port < 1024 {
+        bail!("--base-port must leave room for ports P..P+102 within 1024..65535");
+    }
+    let nodes = (1..=opts.nodes)
+        .map(|i| {
+            let name = format!("n{i}");
+            NodeState {
+                host: "127.0.0.1".into(),
+                port: opts.base_port + (i as u16 - 1),
+                data_dir: dir.join(&name).join("data"),
+                socket_dir: dir.join(&name).join("run"),
+                log: dir.join("logs").join(format!("{name}.log")),
+                name,
+            }
+        })
+        .collect();
+    Ok(ClusterState {
+        name: "local".into(),
+        base_port: opts.base_port,
+        pgpass: dir.join("pgpass"),
+        etcd: DaemonState {
+            port: opts.base_port + ports::ETCD_CLIENT_OFFSET,
+            pid: None,
+            log: dir.join("logs").join("etcd.log"),
+        },
+        coordinator: DaemonState {
+            port: opts.base_port + ports::COORDINATOR_OFFSET,
+            pid: None,
+            log: dir.join("logs").join("coordinator.log"),
+        },
+        replay_worker: DaemonState {
+            port: opts.base_port + ports::REPLAY_WORKER_OFFSET,
+            pid: None,
+            log: dir.join("logs").join("replay-worker.log"),
+        },
+        nodes,
+        dir,
+    })
+}
+
+fn absolute(dir: &Path) -> Result<PathBuf> {
+    Ok(if dir.is_absolute() {
+        dir.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(dir)
+    })
+}
+
+pub(super) fn read_pgpass_password(path: &Path) -> Result<String> {
+    let text =
+        fs::read_to_string(path).with_context(|| format!("reading password file {}", path.display()))?;
+    text.lines()
+        .find_map(|l| l.rsplit(':').next().filter(|p| !p.is_empty()).map(str::to_string))
+        .ok_or_else(|| anyhow!("{} holds no password", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_assigns_ports_and_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = plan(&UpOptions { dir: dir.path().into(), nodes: 3, base_port: 7001 }).unwrap();
+        let ports: Vec<u16> = s.nodes.iter().map(|n| n.port).collect();
+        assert_eq!(ports, vec![7001, 7002, 7003]);
+        assert_eq!(s.etcd.port, 7101);
+        assert_eq!(s.coordinator.port, 7103);
+        assert_eq!(s.nodes[1].data_dir, dir.path().join("n2/data"));
+    }
+
+    #[test]
+    fn plan_rejects_bad_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(plan(&UpOptions { dir: dir.path().into(), nodes: 0, base_port: 7001 }).is_err());
+        assert!(plan(&UpOptions { dir: dir.path().into(), nodes: 3, base_port: 65500 }).is_err());
+    }
+
+    #[test]
+    fn pgpass_password_is_last_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("pgpass");
+        fs::write(&p, "*:*:*:postgres:s3cret\n").unwrap();
+        assert_eq!(read_pgpass_password(&p).unwrap(), "s3cret");
+    }
+}

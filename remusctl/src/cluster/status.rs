@@ -1,0 +1,86 @@
+//! `remusctl cluster status` and `env`: what runs, where, whether it answers.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+use super::ClusterState;
+use crate::process;
+
+pub struct ComponentStatus {
+    pub component: String,
+    pub address: String,
+    pub pid: Option<u32>,
+    pub up: bool,
+    pub log: PathBuf,
+}
+
+pub async fn status(state: &ClusterState) -> Vec<ComponentStatus> {
+    let mut out = Vec::new();
+    for n in &state.nodes {
+        let pid = n.postmaster_pid();
+        out.push(ComponentStatus {
+            component: format!("{} postgres", n.name),
+            address: format!("{}:{}", n.host, n.port),
+            up: pid.is_some() && process::tcp_reachable(n.port),
+            pid,
+            log: n.log.clone(),
+        });
+    }
+    let pid = state.etcd.live_pid();
+    out.push(ComponentStatus {
+        component: "etcd".into(),
+        address: format!("127.0.0.1:{}", state.etcd.port),
+        up: pid.is_some() && process::etcd_healthy(state.etcd.port),
+        pid,
+        log: state.etcd.log.clone(),
+    });
+    let pid = state.coordinator.live_pid();
+    let healthy = pid.is_some() && coordinator::client::health(&state.coordinator_endpoint()).await.is_ok();
+    out.push(ComponentStatus {
+        component: "coordinator".into(),
+        address: format!("127.0.0.1:{}", state.coordinator.port),
+        up: healthy,
+        pid,
+        log: state.coordinator.log.clone(),
+    });
+    let pid = state.replay_worker.live_pid();
+    out.push(ComponentStatus {
+        component: "replay worker".into(),
+        address: format!("127.0.0.1:{}", state.replay_worker.port),
+        up: pid.is_some() && process::port_in_use(state.replay_worker.port),
+        pid,
+        log: state.replay_worker.log.clone(),
+    });
+    out
+}
+
+/// Shell `export` lines for libpq, pointing at one node.
+pub fn env_lines(state: &ClusterState, node: &str) -> Result<String> {
+    let n = state.node(node)?;
+    Ok(format!(
+        "export PGHOST={}\nexport PGPORT={}\nexport PGUSER=postgres\nexport PGPASSFILE={}\nexport PGDATABASE=postgres\n",
+        n.host,
+        n.port,
+        shell_quote(&state.pgpass.to_string_lossy())
+    ))
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+=:".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_lines_quote_odd_paths() {
+        assert_eq!(shell_quote("/tmp/a b"), "'/tmp/a b'");
+        assert_eq!(shell_quote("/tmp/ab"), "/tmp/ab");
+    }
+}
