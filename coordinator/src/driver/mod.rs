@@ -17,7 +17,7 @@
 //! The record in etcd is the truth about where a migration is; every phase change goes through
 //! [`MigrationStore::advance`] and is published to the callers waiting on the migration (the
 //! `MigrateShards` stream). Advancing to `cleanup` is written only after Tm is prepared on every
-//! node: it is the commit decision of Tm (../shared/DESIGN.md section 4). Before it, a failure
+//! node: it is the commit decision of Tm (`docs/design/DESIGN.md` section 4). Before it, a failure
 //! rolls everything back; after it, Tm is committed everywhere and the migration can only go
 //! forward.
 //!

@@ -67,7 +67,7 @@ host    all          all   127.0.0.1/32  scram-sha-256
 host    replication  all   127.0.0.1/32  scram-sha-256
 ";
 
-/// Settings Remus needs on every node (../shared/DESIGN.md section 7); all need a restart.
+/// Settings Remus needs on every node (`docs/design/DESIGN.md` section 7); all need a restart.
 fn remus_conf(node: &NodeState, coordinator_port: u16) -> String {
     format!(
         "# Written by remusctl cluster up; edits are kept across restarts.
