@@ -669,7 +669,8 @@ async fn grpc_list_migrations_mirrors_the_records() {
         migrations: MigrationStore::new(client.clone(), CLUSTER),
         etcd: client,
         driver: std::sync::Arc::new(coordinator::driver::DriverConfig {
-            connector: coordinator::node_conn::NodeConnector::from_pgpass(None, "postgres").unwrap(),
+            connector: coordinator::node_conn::NodeConnector::from_pgpass(None, "postgres")
+                .unwrap(),
             replay_endpoint: "http://127.0.0.1:1".into(),
             apply_parallelism: 1,
             lock_grace: std::time::Duration::from_secs(1),

@@ -31,7 +31,8 @@ use remus_proto::v1::replay_worker_server::{ReplayWorker, ReplayWorkerServer};
 use std::sync::Arc;
 
 use remus_proto::v1::{
-    apply_request, ApplyProgress, ApplyRequest, ResolveReply, ResolveRequest, ValidateReply, ValidateRequest,
+    apply_request, ApplyProgress, ApplyRequest, ResolveReply, ResolveRequest, ValidateReply,
+    ValidateRequest,
 };
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -75,7 +76,9 @@ pub struct ReplayWorkerService {
 
 impl std::fmt::Debug for ReplayWorkerService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplayWorkerService").field("progress_interval", &self.progress_interval).finish()
+        f.debug_struct("ReplayWorkerService")
+            .field("progress_interval", &self.progress_interval)
+            .finish()
     }
 }
 
@@ -146,7 +149,11 @@ impl ReplayWorkerService {
             .unwrap_or_else(|p| p.into_inner())
             .get(&migration_id)
             .cloned()
-            .ok_or_else(|| Status::failed_precondition(format!("migration {migration_id} has no apply stream in this replay worker")))
+            .ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "migration {migration_id} has no apply stream in this replay worker"
+                ))
+            })
     }
 }
 
@@ -163,7 +170,10 @@ fn describe(msg: &apply_request::Msg) -> &'static str {
 impl ReplayWorker for ReplayWorkerService {
     type ApplyStream = ReceiverStream<Result<ApplyProgress, Status>>;
 
-    async fn validate(&self, request: Request<ValidateRequest>) -> Result<Response<ValidateReply>, Status> {
+    async fn validate(
+        &self,
+        request: Request<ValidateRequest>,
+    ) -> Result<Response<ValidateReply>, Status> {
         let req = request.into_inner();
         let validator = self.validator(req.migration_id)?;
         let span = info_span!("validate", migration_id = req.migration_id, gid = %req.gid);
@@ -176,15 +186,24 @@ impl ReplayWorker for ReplayWorkerService {
                 validate_status(&e)
             })?;
         Ok(Response::new(match verdict {
-            Verdict::Prepared => ValidateReply { ok: true, conflict: String::new() },
+            Verdict::Prepared => ValidateReply {
+                ok: true,
+                conflict: String::new(),
+            },
             Verdict::Conflict(why) => {
                 info!(parent: &span, conflict = %why, "write-write conflict; source transaction refused");
-                ValidateReply { ok: false, conflict: why }
+                ValidateReply {
+                    ok: false,
+                    conflict: why,
+                }
             }
         }))
     }
 
-    async fn resolve(&self, request: Request<ResolveRequest>) -> Result<Response<ResolveReply>, Status> {
+    async fn resolve(
+        &self,
+        request: Request<ResolveRequest>,
+    ) -> Result<Response<ResolveReply>, Status> {
         let req = request.into_inner();
         let validator = self.validator(req.migration_id)?;
         let found = validator
@@ -230,8 +249,12 @@ impl ReplayWorker for ReplayWorkerService {
             })?;
         let migration_id = applier.migration_id();
         let validator = Arc::new(
-            Validator::new(migration_id, start.destination_conninfo.clone(), applier.watcher())
-                .with_stream_wait(self.stream_wait),
+            Validator::new(
+                migration_id,
+                start.destination_conninfo.clone(),
+                applier.watcher(),
+            )
+            .with_stream_wait(self.stream_wait),
         );
         // A new call for the migration (the coordinator reconnected) replaces a previous one
         // that is still winding down; that one then unregisters only itself.
@@ -251,7 +274,10 @@ impl ReplayWorker for ReplayWorkerService {
             async move {
                 run(applier, &validator, inbound, tx, progress_interval).await;
                 let mut registry = validators.lock().unwrap_or_else(|p| p.into_inner());
-                if registry.get(&migration_id).is_some_and(|v| Arc::ptr_eq(v, &validator)) {
+                if registry
+                    .get(&migration_id)
+                    .is_some_and(|v| Arc::ptr_eq(v, &validator))
+                {
                     registry.remove(&migration_id);
                 }
             }

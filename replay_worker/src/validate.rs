@@ -29,8 +29,8 @@ use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
 use tracing::{debug, info, warn, Instrument};
 
 use crate::apply::{
-    change_sql, commit_prepared_with_origin, finish_prepared, key_condition, key_values, origin_session_setup,
-    pg_message, quote_literal, row_values,
+    change_sql, commit_prepared_with_origin, finish_prepared, key_condition, key_values,
+    origin_session_setup, pg_message, quote_literal, row_values,
 };
 use crate::progress::AppliedLsnWatcher;
 
@@ -49,13 +49,21 @@ const MAX_GID_BYTES: usize = 199;
 #[derive(Debug, Error)]
 pub enum ValidateError {
     #[error("the stream of migration {migration_id} did not reach {wait_lsn} within {secs} s")]
-    StreamTimeout { migration_id: u64, wait_lsn: String, secs: u64 },
+    StreamTimeout {
+        migration_id: u64,
+        wait_lsn: String,
+        secs: u64,
+    },
     #[error("the apply call of migration {0} ended")]
     StreamEnded(u64),
     #[error("malformed write set: {0}")]
     Malformed(String),
     #[error("bad gid {gid:?} for migration {migration_id}: {reason}")]
-    BadGid { migration_id: u64, gid: String, reason: &'static str },
+    BadGid {
+        migration_id: u64,
+        gid: String,
+        reason: &'static str,
+    },
     #[error("validation session of migration {migration_id}: {message}")]
     Session { migration_id: u64, message: String },
     #[error("destination error: {0}")]
@@ -103,7 +111,13 @@ pub type ValidatorRegistry = Arc<Mutex<HashMap<u64, Arc<Validator>>>>;
 /// The gid a migration's shadows must carry: `remus:<migration_id>:<source xid>`, which the
 /// coordinator's cleanup recognises (and a shadow of another migration cannot be touched).
 fn check_gid(migration_id: u64, gid: &str) -> Result<(), ValidateError> {
-    let bad = |reason| Err(ValidateError::BadGid { migration_id, gid: gid.to_string(), reason });
+    let bad = |reason| {
+        Err(ValidateError::BadGid {
+            migration_id,
+            gid: gid.to_string(),
+            reason,
+        })
+    };
     let prefix = shadow_gid_prefix(migration_id);
     if !gid.starts_with(&prefix) || gid.len() == prefix.len() {
         return bad("expected remus:<migration_id>:<source xid>");
@@ -145,7 +159,10 @@ impl Validator {
         let migration_id = self.migration_id;
         let (client, connection) = tokio_postgres::connect(&self.conninfo, NoTls)
             .await
-            .map_err(|e| ValidateError::Session { migration_id, message: pg_message(&e) })?;
+            .map_err(|e| ValidateError::Session {
+                migration_id,
+                message: pg_message(&e),
+            })?;
         let connection = tokio::spawn(
             async move {
                 if let Err(e) = connection.await {
@@ -177,13 +194,23 @@ impl Validator {
                     return Ok(session);
                 }
                 Err(e) if e.code() == Some(&SqlState::OBJECT_IN_USE) => last = pg_message(&e),
-                Err(e) => return Err(ValidateError::Session { migration_id, message: pg_message(&e) }),
+                Err(e) => {
+                    return Err(ValidateError::Session {
+                        migration_id,
+                        message: pg_message(&e),
+                    })
+                }
             }
         }
-        Err(ValidateError::Session { migration_id, message: format!("no free validation origin: {last}") })
+        Err(ValidateError::Session {
+            migration_id,
+            message: format!("no free validation origin: {last}"),
+        })
     }
 
-    async fn session(&self) -> Result<(tokio::sync::SemaphorePermit<'_>, PooledSession), ValidateError> {
+    async fn session(
+        &self,
+    ) -> Result<(tokio::sync::SemaphorePermit<'_>, PooledSession), ValidateError> {
         let permit = self
             .permits
             .acquire()
@@ -198,7 +225,10 @@ impl Validator {
     }
 
     fn give_back(&self, session: PooledSession) {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(session);
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(session);
     }
 
     /// Waits for the stream to pass `wait_lsn`, then runs the shadow with the conflict check
@@ -211,7 +241,10 @@ impl Validator {
         lock_timeout_ms: u32,
     ) -> Result<Verdict, ValidateError> {
         check_gid(self.migration_id, gid)?;
-        let checks = changes.iter().map(check_sql).collect::<Result<Vec<_>, _>>()?;
+        let checks = changes
+            .iter()
+            .map(check_sql)
+            .collect::<Result<Vec<_>, _>>()?;
         if !self.accepting.load(Ordering::Acquire) {
             return Err(ValidateError::StreamEnded(self.migration_id));
         }
@@ -233,7 +266,11 @@ impl Validator {
             self.give_back(session);
             return Err(ValidateError::StreamEnded(self.migration_id));
         }
-        let lock_timeout = if lock_timeout_ms == 0 { DEFAULT_LOCK_TIMEOUT_MS } else { lock_timeout_ms };
+        let lock_timeout = if lock_timeout_ms == 0 {
+            DEFAULT_LOCK_TIMEOUT_MS
+        } else {
+            lock_timeout_ms
+        };
         let verdict = run_shadow(&session.client, gid, &checks, lock_timeout).await;
         match verdict {
             Ok(v) => {
@@ -252,13 +289,24 @@ impl Validator {
 
     /// Commits (with the source's commit time) or rolls back the prepared shadow `gid`.
     /// Ok(false) when it does not exist.
-    pub async fn resolve(&self, gid: &str, commit: bool, commit_lsn: u64, commit_time_us: i64) -> Result<bool, ValidateError> {
+    pub async fn resolve(
+        &self,
+        gid: &str,
+        commit: bool,
+        commit_lsn: u64,
+        commit_time_us: i64,
+    ) -> Result<bool, ValidateError> {
         check_gid(self.migration_id, gid)?;
         let (_permit, session) = self.session().await?;
         let result = if commit {
             commit_prepared_with_origin(&session.client, gid, commit_lsn, commit_time_us).await
         } else {
-            finish_prepared(&session.client, &format!("ROLLBACK PREPARED {}", quote_literal(gid)), None).await
+            finish_prepared(
+                &session.client,
+                &format!("ROLLBACK PREPARED {}", quote_literal(gid)),
+                None,
+            )
+            .await
         };
         match result {
             Ok(found) => {
@@ -284,18 +332,34 @@ impl Validator {
         let migration_id = self.migration_id;
         self.stop_validating();
         // The semaphore is fair: once this waits, later callers queue behind it and see it closed.
-        match tokio::time::timeout(CLOSE_WAIT, self.permits.acquire_many(MAX_VALIDATION_SESSIONS as u32)).await {
+        match tokio::time::timeout(
+            CLOSE_WAIT,
+            self.permits.acquire_many(MAX_VALIDATION_SESSIONS as u32),
+        )
+        .await
+        {
             Ok(Ok(all)) => all.forget(),
             Ok(Err(_)) => {}
-            Err(_) => warn!(migration_id, "validations still running after {} s; closing anyway", CLOSE_WAIT.as_secs()),
+            Err(_) => warn!(
+                migration_id,
+                "validations still running after {} s; closing anyway",
+                CLOSE_WAIT.as_secs()
+            ),
         }
         self.permits.close();
-        let sessions: Vec<PooledSession> = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+        let sessions: Vec<PooledSession> =
+            std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
         let mut detached = Vec::with_capacity(sessions.len());
         for s in sessions {
-            match s.client.batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()").await {
+            match s
+                .client
+                .batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
+                .await
+            {
                 Ok(()) => detached.push(s),
-                Err(e) => warn!(migration_id, error = %pg_message(&e), "detaching a validation session failed"),
+                Err(e) => {
+                    warn!(migration_id, error = %pg_message(&e), "detaching a validation session failed")
+                }
             }
         }
         let created = self.next_origin.load(Ordering::Relaxed);
@@ -313,14 +377,22 @@ impl Validator {
         for k in 0..created {
             drop_origin(client, migration_id, &validation_origin(migration_id, k)).await?;
         }
-        info!(migration_id, origins = created, "validation origins dropped");
+        info!(
+            migration_id,
+            origins = created,
+            "validation origins dropped"
+        );
         Ok(())
     }
 }
 
 /// Drops an origin if it exists. A session that was closed rather than detached releases its
 /// origin only when its backend exits, a moment later: "in use" is retried for a while.
-async fn drop_origin(client: &Client, migration_id: u64, origin: &str) -> Result<(), ValidateError> {
+async fn drop_origin(
+    client: &Client,
+    migration_id: u64,
+    origin: &str,
+) -> Result<(), ValidateError> {
     let o = quote_literal(origin);
     let sql = format!(
         "SELECT pg_catalog.pg_replication_origin_drop({o}) WHERE pg_catalog.pg_replication_origin_oid({o}) IS NOT NULL"
@@ -354,16 +426,23 @@ struct Check {
 
 fn check_sql(c: &RowChange) -> Result<Check, ValidateError> {
     let malformed = |e: crate::apply::ApplyError| ValidateError::Malformed(e.to_string());
-    let kind = row_change::Kind::try_from(c.kind).map_err(|_| ValidateError::Malformed(format!("unknown change kind {}", c.kind)))?;
+    let kind = row_change::Kind::try_from(c.kind)
+        .map_err(|_| ValidateError::Malformed(format!("unknown change kind {}", c.kind)))?;
     if kind == row_change::Kind::Truncate {
-        return Err(ValidateError::Malformed("TRUNCATE cannot be validated (it is refused on a migrating shard)".into()));
+        return Err(ValidateError::Malformed(
+            "TRUNCATE cannot be validated (it is refused on a migrating shard)".into(),
+        ));
     }
     let cs = change_sql(0, c).map_err(malformed)?;
     let lock = if kind == row_change::Kind::Insert {
         None
     } else {
         let table = cs.info.table.clone();
-        let old_vals = if c.old_values.is_empty() { &c.new_values } else { &c.old_values };
+        let old_vals = if c.old_values.is_empty() {
+            &c.new_values
+        } else {
+            &c.old_values
+        };
         let old = row_values(0, &table, c, old_vals, "old row").map_err(malformed)?;
         let key = key_values(0, &table, c, &old, "old").map_err(malformed)?;
         let (cond, shown) = key_condition(&key);
@@ -383,7 +462,13 @@ fn check_sql(c: &RowChange) -> Result<Check, ValidateError> {
             shown,
         ))
     };
-    Ok(Check { lock, op: cs.info.op, table: cs.info.table.clone(), key: cs.info.key.clone(), apply: cs.sql })
+    Ok(Check {
+        lock,
+        op: cs.info.op,
+        table: cs.info.table.clone(),
+        key: cs.info.key.clone(),
+        apply: cs.sql,
+    })
 }
 
 /// Errors that mean "the shadow cannot be applied as the source saw it": a write-write conflict.
@@ -403,10 +488,17 @@ fn conflict_reason(e: &tokio_postgres::Error) -> Option<&'static str> {
     }
 }
 
-async fn run_shadow(client: &Client, gid: &str, checks: &[Check], lock_timeout_ms: u32) -> Result<Verdict, ValidateError> {
+async fn run_shadow(
+    client: &Client,
+    gid: &str,
+    checks: &[Check],
+    lock_timeout_ms: u32,
+) -> Result<Verdict, ValidateError> {
     let dest = |e: tokio_postgres::Error| ValidateError::Destination(pg_message(&e));
     client
-        .batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{lock_timeout_ms}ms'"))
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL lock_timeout = '{lock_timeout_ms}ms'"
+        ))
         .await
         .map_err(dest)?;
     for check in checks {
@@ -415,18 +507,36 @@ async fn run_shadow(client: &Client, gid: &str, checks: &[Check], lock_timeout_m
                 Ok(r) => r,
                 Err(e) => match conflict_reason(&e) {
                     Some(why) => {
-                        return conflict(client, format!("{} on {} ({shown}): {why}: {}", check.op, check.table, pg_message(&e))).await
+                        return conflict(
+                            client,
+                            format!(
+                                "{} on {} ({shown}): {why}: {}",
+                                check.op,
+                                check.table,
+                                pg_message(&e)
+                            ),
+                        )
+                        .await
                     }
                     None => return Err(dest(e)),
                 },
             };
             let row = rows.iter().find_map(|m| match m {
-                SimpleQueryMessage::Row(r) => Some((r.get(0).map(str::to_string), r.get(1).map(str::to_string))),
+                SimpleQueryMessage::Row(r) => {
+                    Some((r.get(0).map(str::to_string), r.get(1).map(str::to_string)))
+                }
                 _ => None,
             });
             match row {
                 None => {
-                    return conflict(client, format!("{} on {}: row ({shown}) missing on the destination", check.op, check.table)).await
+                    return conflict(
+                        client,
+                        format!(
+                            "{} on {}: row ({shown}) missing on the destination",
+                            check.op, check.table
+                        ),
+                    )
+                    .await
                 }
                 // No commit timestamp data: a frozen or pre-`track_commit_timestamp` version
                 // (older than the migration), or this shadow's own earlier change.
@@ -450,7 +560,19 @@ async fn run_shadow(client: &Client, gid: &str, checks: &[Check], lock_timeout_m
         }
         if let Err(e) = client.simple_query(&check.apply).await {
             return match conflict_reason(&e) {
-                Some(why) => conflict(client, format!("{} on {} ({}): {why}: {}", check.op, check.table, check.key, pg_message(&e))).await,
+                Some(why) => {
+                    conflict(
+                        client,
+                        format!(
+                            "{} on {} ({}): {why}: {}",
+                            check.op,
+                            check.table,
+                            check.key,
+                            pg_message(&e)
+                        ),
+                    )
+                    .await
+                }
                 None => Err(dest(e)),
             };
         }
@@ -486,7 +608,11 @@ mod tests {
 
     #[test]
     fn truncate_is_refused_before_anything_runs() {
-        let c = RowChange { kind: row_change::Kind::Truncate as i32, truncate_tables: vec!["\"public\".\"a\"".into()], ..Default::default() };
+        let c = RowChange {
+            kind: row_change::Kind::Truncate as i32,
+            truncate_tables: vec!["\"public\".\"a\"".into()],
+            ..Default::default()
+        };
         assert!(matches!(check_sql(&c), Err(ValidateError::Malformed(_))));
     }
 }

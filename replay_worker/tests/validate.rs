@@ -35,7 +35,9 @@ fn start_pg() -> PgServer {
 }
 
 async fn client(dst: &PgServer) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(&dst.conninfo(), NoTls).await.expect("connect");
+    let (client, conn) = tokio_postgres::connect(&dst.conninfo(), NoTls)
+        .await
+        .expect("connect");
     tokio::spawn(async move {
         let _ = conn.await;
     });
@@ -44,7 +46,11 @@ async fn client(dst: &PgServer) -> tokio_postgres::Client {
 
 /// First column of the first row, as text ("" for NULL or no row).
 async fn query_one(c: &tokio_postgres::Client, sql: &str) -> String {
-    for m in c.simple_query(sql).await.unwrap_or_else(|e| panic!("{sql}: {e:?}")) {
+    for m in c
+        .simple_query(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e:?}"))
+    {
         if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
             return r.get(0).unwrap_or("").to_string();
         }
@@ -53,11 +59,19 @@ async fn query_one(c: &tokio_postgres::Client, sql: &str) -> String {
 }
 
 async fn dump(c: &tokio_postgres::Client) -> String {
-    query_one(c, "SELECT coalesce(string_agg(id || ':' || v, ',' ORDER BY id), '') FROM a").await
+    query_one(
+        c,
+        "SELECT coalesce(string_agg(id || ':' || v, ',' ORDER BY id), '') FROM a",
+    )
+    .await
 }
 
 async fn prepared(c: &tokio_postgres::Client) -> String {
-    query_one(c, "SELECT coalesce(string_agg(gid, ',' ORDER BY gid), '') FROM pg_prepared_xacts").await
+    query_one(
+        c,
+        "SELECT coalesce(string_agg(gid, ',' ORDER BY gid), '') FROM pg_prepared_xacts",
+    )
+    .await
 }
 
 /// Commit time (µs since 2000-01-01) and origin name of row `id`'s latest version.
@@ -82,7 +96,9 @@ async fn version_of(c: &tokio_postgres::Client, id: i64) -> (String, String) {
 }
 
 fn text(s: impl ToString) -> ColumnValue {
-    ColumnValue { value: Some(column_value::Value::Text(s.to_string())) }
+    ColumnValue {
+        value: Some(column_value::Value::Text(s.to_string())),
+    }
 }
 
 fn rc(kind: row_change::Kind) -> RowChange {
@@ -96,14 +112,25 @@ fn rc(kind: row_change::Kind) -> RowChange {
     }
 }
 fn ins(id: i64, v: &str) -> RowChange {
-    RowChange { new_values: vec![text(id), text(v)], ..rc(row_change::Kind::Insert) }
+    RowChange {
+        new_values: vec![text(id), text(v)],
+        ..rc(row_change::Kind::Insert)
+    }
 }
 fn upd(id: i64, v: &str) -> RowChange {
-    RowChange { new_values: vec![text(id), text(v)], ..rc(row_change::Kind::Update) }
+    RowChange {
+        new_values: vec![text(id), text(v)],
+        ..rc(row_change::Kind::Update)
+    }
 }
 fn del(id: i64) -> RowChange {
     RowChange {
-        old_values: vec![text(id), ColumnValue { value: Some(column_value::Value::Null(true)) }],
+        old_values: vec![
+            text(id),
+            ColumnValue {
+                value: Some(column_value::Value::Null(true)),
+            },
+        ],
         ..rc(row_change::Kind::Delete)
     }
 }
@@ -127,13 +154,21 @@ fn gid(migration_id: u64, xid: u64) -> String {
 
 async fn start_service() -> ReplayWorkerClient<Channel> {
     let port = PortBlock::reserve().keep_for_process();
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(ReplayWorkerService::new().with_stream_wait(STREAM_WAIT).into_server())
+            .add_service(
+                ReplayWorkerService::new()
+                    .with_stream_wait(STREAM_WAIT)
+                    .into_server(),
+            )
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
-    ReplayWorkerClient::connect(format!("http://127.0.0.1:{port}")).await.unwrap()
+    ReplayWorkerClient::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap()
 }
 
 /// A running Apply call the test feeds by hand.
@@ -144,7 +179,11 @@ struct ApplyCall {
 }
 
 impl ApplyCall {
-    async fn start(client: &ReplayWorkerClient<Channel>, dst: &PgServer, migration_id: u64) -> ApplyCall {
+    async fn start(
+        client: &ReplayWorkerClient<Channel>,
+        dst: &PgServer,
+        migration_id: u64,
+    ) -> ApplyCall {
         let (tx, rx) = mpsc::channel(64);
         tx.send(ApplyRequest {
             msg: Some(apply_request::Msg::Start(ApplyStart {
@@ -157,12 +196,26 @@ impl ApplyCall {
         .await
         .unwrap();
         // The call is registered for Validate/Resolve before its response headers are sent.
-        let progress = client.clone().apply(ReceiverStream::new(rx)).await.expect("apply call").into_inner();
-        ApplyCall { tx, progress, applied: START_LSN }
+        let progress = client
+            .clone()
+            .apply(ReceiverStream::new(rx))
+            .await
+            .expect("apply call")
+            .into_inner();
+        ApplyCall {
+            tx,
+            progress,
+            applied: START_LSN,
+        }
     }
 
     async fn send(&self, txn: ShadowTxn) {
-        self.tx.send(ApplyRequest { msg: Some(apply_request::Msg::Txn(txn)) }).await.unwrap();
+        self.tx
+            .send(ApplyRequest {
+                msg: Some(apply_request::Msg::Txn(txn)),
+            })
+            .await
+            .unwrap();
     }
 
     /// Waits until the call reports an applied position >= `lsn`.
@@ -171,13 +224,26 @@ impl ApplyCall {
         while self.applied < lsn {
             let msg = tokio::time::timeout_at(deadline, self.progress.message())
                 .await
-                .unwrap_or_else(|_| panic!("applied position stuck at {:#X}, waiting for {lsn:#X}", self.applied));
-            self.applied = msg.expect("apply call failed").expect("apply call ended").applied_lsn;
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "applied position stuck at {:#X}, waiting for {lsn:#X}",
+                        self.applied
+                    )
+                });
+            self.applied = msg
+                .expect("apply call failed")
+                .expect("apply call ended")
+                .applied_lsn;
         }
     }
 
     async fn finish(mut self) {
-        self.tx.send(ApplyRequest { msg: Some(apply_request::Msg::Finish(ApplyFinish {})) }).await.unwrap();
+        self.tx
+            .send(ApplyRequest {
+                msg: Some(apply_request::Msg::Finish(ApplyFinish {})),
+            })
+            .await
+            .unwrap();
         while let Some(p) = self.progress.message().await.expect("finish") {
             self.applied = p.applied_lsn;
         }
@@ -194,7 +260,13 @@ async fn validate(
 ) -> Result<ValidateReply, tonic::Status> {
     client
         .clone()
-        .validate(ValidateRequest { migration_id, gid: gid.into(), wait_lsn, changes, lock_timeout_ms })
+        .validate(ValidateRequest {
+            migration_id,
+            gid: gid.into(),
+            wait_lsn,
+            changes,
+            lock_timeout_ms,
+        })
         .await
         .map(|r| r.into_inner())
 }
@@ -208,14 +280,22 @@ async fn resolve(
 ) -> Result<bool, tonic::Status> {
     client
         .clone()
-        .resolve(ResolveRequest { migration_id, gid: gid.into(), commit, commit_time_us, commit_lsn: 0x2_0000_0000 })
+        .resolve(ResolveRequest {
+            migration_id,
+            gid: gid.into(),
+            commit,
+            commit_time_us,
+            commit_lsn: 0x2_0000_0000,
+        })
         .await
         .map(|r| r.into_inner().found)
 }
 
 async fn setup(dst: &PgServer) -> tokio_postgres::Client {
     let c = client(dst).await;
-    c.batch_execute("CREATE TABLE a (id int PRIMARY KEY, v text NOT NULL)").await.unwrap();
+    c.batch_execute("CREATE TABLE a (id int PRIMARY KEY, v text NOT NULL)")
+        .await
+        .unwrap();
     c
 }
 
@@ -238,20 +318,45 @@ async fn fixture(m: u64, rows: std::ops::RangeInclusive<i64>) -> Fixture {
     let end0 = t0.end_lsn;
     call.send(t0).await;
     call.applied(end0).await;
-    Fixture { dst, c, svc, call, end0 }
+    Fixture {
+        dst,
+        c,
+        svc,
+        call,
+        end0,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn validated_shadow_is_prepared_then_committed_with_the_source_time_and_a_remus_origin() {
     let m = 501;
-    let Fixture { dst: _dst, c, svc, call, end0 } = fixture(m, 1..=2).await;
+    let Fixture {
+        dst: _dst,
+        c,
+        svc,
+        call,
+        end0,
+    } = fixture(m, 1..=2).await;
 
     // Rows last written by the stream apply are the shadow's to change: no conflict.
     let g = gid(m, 7001);
-    let reply = validate(&svc, m, &g, end0, vec![upd(1, "shadow"), del(2), ins(3, "new")], 0).await.unwrap();
+    let reply = validate(
+        &svc,
+        m,
+        &g,
+        end0,
+        vec![upd(1, "shadow"), del(2), ins(3, "new")],
+        0,
+    )
+    .await
+    .unwrap();
     assert!(reply.ok, "unexpected conflict: {}", reply.conflict);
     assert_eq!(prepared(&c).await, g);
-    assert_eq!(dump(&c).await, "1:stream,2:stream", "nothing visible before the commit");
+    assert_eq!(
+        dump(&c).await,
+        "1:stream,2:stream",
+        "nothing visible before the commit"
+    );
 
     let commit_time = T0_US + 123_456_789;
     assert!(resolve(&svc, m, &g, true, commit_time).await.unwrap());
@@ -259,14 +364,26 @@ async fn validated_shadow_is_prepared_then_committed_with_the_source_time_and_a_
     assert_eq!(dump(&c).await, "1:shadow,3:new");
     for id in [1, 3] {
         let (ts, origin) = version_of(&c, id).await;
-        assert_eq!(ts, commit_time.to_string(), "row {id} carries the source commit time");
-        assert!(origin.starts_with(&format!("remus_m{m}_v")), "row {id} origin {origin}");
+        assert_eq!(
+            ts,
+            commit_time.to_string(),
+            "row {id} carries the source commit time"
+        );
+        assert!(
+            origin.starts_with(&format!("remus_m{m}_v")),
+            "row {id} origin {origin}"
+        );
     }
 
     // Each resolution carries its own source time (the pooled session's origin xact setup is
     // redone and reset for every commit).
     let g2 = gid(m, 7002);
-    assert!(validate(&svc, m, &g2, end0, vec![upd(3, "again")], 0).await.unwrap().ok);
+    assert!(
+        validate(&svc, m, &g2, end0, vec![upd(3, "again")], 0)
+            .await
+            .unwrap()
+            .ok
+    );
     assert!(resolve(&svc, m, &g2, true, commit_time + 5).await.unwrap());
     assert_eq!(version_of(&c, 3).await.0, (commit_time + 5).to_string());
 
@@ -274,12 +391,18 @@ async fn validated_shadow_is_prepared_then_committed_with_the_source_time_and_a_
     assert!(!resolve(&svc, m, &g, true, commit_time).await.unwrap());
     assert!(!resolve(&svc, m, &gid(m, 424242), false, 0).await.unwrap());
     // A gid of another migration is refused.
-    let err = resolve(&svc, m, &gid(m + 1, 1), false, 0).await.unwrap_err();
+    let err = resolve(&svc, m, &gid(m + 1, 1), false, 0)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
 
     call.finish().await;
     assert_eq!(
-        query_one(&c, &format!("SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'remus_m{m}_%'")).await,
+        query_one(
+            &c,
+            &format!("SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'remus_m{m}_%'")
+        )
+        .await,
         "0",
         "finish drops the apply and validation origins"
     );
@@ -288,30 +411,77 @@ async fn validated_shadow_is_prepared_then_committed_with_the_source_time_and_a_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn conflicts_refuse_the_shadow_and_leave_nothing_prepared() {
     let m = 502;
-    let Fixture { dst, c, svc, call, end0 } = fixture(m, 1..=5).await;
+    let Fixture {
+        dst,
+        c,
+        svc,
+        call,
+        end0,
+    } = fixture(m, 1..=5).await;
 
     // Latest version written by a plain destination transaction.
-    c.batch_execute("UPDATE a SET v = 'local' WHERE id = 1").await.unwrap();
-    let r = validate(&svc, m, &gid(m, 1), end0, vec![upd(4, "ok first"), upd(1, "shadow")], 0).await.unwrap();
+    c.batch_execute("UPDATE a SET v = 'local' WHERE id = 1")
+        .await
+        .unwrap();
+    let r = validate(
+        &svc,
+        m,
+        &gid(m, 1),
+        end0,
+        vec![upd(4, "ok first"), upd(1, "shadow")],
+        0,
+    )
+    .await
+    .unwrap();
     assert!(!r.ok);
-    assert!(r.conflict.contains("changed by a transaction on the destination"), "{}", r.conflict);
+    assert!(
+        r.conflict
+            .contains("changed by a transaction on the destination"),
+        "{}",
+        r.conflict
+    );
     assert_eq!(prepared(&c).await, "");
-    assert_eq!(query_one(&c, "SELECT v FROM a WHERE id = 4").await, "stream", "rolled back entirely");
+    assert_eq!(
+        query_one(&c, "SELECT v FROM a WHERE id = 4").await,
+        "stream",
+        "rolled back entirely"
+    );
 
     // Missing row for UPDATE and DELETE.
-    let r = validate(&svc, m, &gid(m, 2), end0, vec![upd(99, "x")], 0).await.unwrap();
-    assert!(!r.ok && r.conflict.contains("missing on the destination"), "{}", r.conflict);
-    let r = validate(&svc, m, &gid(m, 3), end0, vec![del(98)], 0).await.unwrap();
-    assert!(!r.ok && r.conflict.contains("missing on the destination"), "{}", r.conflict);
+    let r = validate(&svc, m, &gid(m, 2), end0, vec![upd(99, "x")], 0)
+        .await
+        .unwrap();
+    assert!(
+        !r.ok && r.conflict.contains("missing on the destination"),
+        "{}",
+        r.conflict
+    );
+    let r = validate(&svc, m, &gid(m, 3), end0, vec![del(98)], 0)
+        .await
+        .unwrap();
+    assert!(
+        !r.ok && r.conflict.contains("missing on the destination"),
+        "{}",
+        r.conflict
+    );
 
     // INSERT of an existing key.
-    let r = validate(&svc, m, &gid(m, 4), end0, vec![ins(2, "dup")], 0).await.unwrap();
-    assert!(!r.ok && r.conflict.contains("already exists"), "{}", r.conflict);
+    let r = validate(&svc, m, &gid(m, 4), end0, vec![ins(2, "dup")], 0)
+        .await
+        .unwrap();
+    assert!(
+        !r.ok && r.conflict.contains("already exists"),
+        "{}",
+        r.conflict
+    );
 
     // A destination transaction that updates the row while the shadow waits for its lock: the
     // check sees the version it committed, not the one the shadow first found.
     let local = client(&dst).await;
-    local.batch_execute("BEGIN; UPDATE a SET v = 'concurrent' WHERE id = 3").await.unwrap();
+    local
+        .batch_execute("BEGIN; UPDATE a SET v = 'concurrent' WHERE id = 3")
+        .await
+        .unwrap();
     let waiting = tokio::spawn({
         let svc = svc.clone();
         async move { validate(&svc, m, &gid(m, 5), end0, vec![upd(3, "shadow")], 10_000).await }
@@ -320,12 +490,26 @@ async fn conflicts_refuse_the_shadow_and_leave_nothing_prepared() {
     assert!(!waiting.is_finished(), "the shadow waits for the row lock");
     local.batch_execute("COMMIT").await.unwrap();
     let r = waiting.await.unwrap().unwrap();
-    assert!(!r.ok && r.conflict.contains("changed by a transaction on the destination"), "{}", r.conflict);
-    assert_eq!(query_one(&c, "SELECT v FROM a WHERE id = 3").await, "concurrent");
+    assert!(
+        !r.ok
+            && r.conflict
+                .contains("changed by a transaction on the destination"),
+        "{}",
+        r.conflict
+    );
+    assert_eq!(
+        query_one(&c, "SELECT v FROM a WHERE id = 3").await,
+        "concurrent"
+    );
 
     // A lock held past lock_timeout.
-    local.batch_execute("BEGIN; SELECT * FROM a WHERE id = 5 FOR UPDATE").await.unwrap();
-    let r = validate(&svc, m, &gid(m, 6), end0, vec![upd(5, "shadow")], 200).await.unwrap();
+    local
+        .batch_execute("BEGIN; SELECT * FROM a WHERE id = 5 FOR UPDATE")
+        .await
+        .unwrap();
+    let r = validate(&svc, m, &gid(m, 6), end0, vec![upd(5, "shadow")], 200)
+        .await
+        .unwrap();
     assert!(!r.ok && r.conflict.contains("lock"), "{}", r.conflict);
     local.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(prepared(&c).await, "");
@@ -336,30 +520,57 @@ async fn conflicts_refuse_the_shadow_and_leave_nothing_prepared() {
         truncate_tables: vec!["\"public\".\"a\"".into()],
         ..RowChange::default()
     };
-    let err = validate(&svc, m, &gid(m, 7), end0, vec![truncate], 0).await.unwrap_err();
+    let err = validate(&svc, m, &gid(m, 7), end0, vec![truncate], 0)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
 
     // Resolve(rollback) of a prepared shadow.
     let g = gid(m, 8);
-    assert!(validate(&svc, m, &g, end0, vec![upd(5, "shadow")], 0).await.unwrap().ok);
+    assert!(
+        validate(&svc, m, &g, end0, vec![upd(5, "shadow")], 0)
+            .await
+            .unwrap()
+            .ok
+    );
     assert_eq!(prepared(&c).await, g);
     assert!(resolve(&svc, m, &g, false, 0).await.unwrap());
     assert_eq!(prepared(&c).await, "");
-    assert_eq!(query_one(&c, "SELECT v FROM a WHERE id = 5").await, "stream");
+    assert_eq!(
+        query_one(&c, "SELECT v FROM a WHERE id = 5").await,
+        "stream"
+    );
 
-    assert_eq!(dump(&c).await, "1:local,2:stream,3:concurrent,4:stream,5:stream");
+    assert_eq!(
+        dump(&c).await,
+        "1:local,2:stream,3:concurrent,4:stream,5:stream"
+    );
     call.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_stream_commits_a_validated_shadow_and_advances() {
     let m = 503;
-    let Fixture { dst: _dst, c, svc, mut call, end0 } = fixture(m, 1..=2).await;
+    let Fixture {
+        dst: _dst,
+        c,
+        svc,
+        mut call,
+        end0,
+    } = fixture(m, 1..=2).await;
 
     // Validated, not resolved: the stream's copy of the source transaction commits it.
     let g1 = gid(m, 1001);
-    assert!(validate(&svc, m, &g1, end0, vec![upd(1, "shadow")], 0).await.unwrap().ok);
-    let t1 = ShadowTxn { shadow_gid: g1.clone(), ..stxn(1, vec![upd(1, "shadow")]) };
+    assert!(
+        validate(&svc, m, &g1, end0, vec![upd(1, "shadow")], 0)
+            .await
+            .unwrap()
+            .ok
+    );
+    let t1 = ShadowTxn {
+        shadow_gid: g1.clone(),
+        ..stxn(1, vec![upd(1, "shadow")])
+    };
     let (end1, time1) = (t1.end_lsn, t1.commit_time_us);
     // A later source transaction on the same row: scheduled after the shadow's commit.
     let t2 = stxn(2, vec![upd(1, "after"), upd(2, "after")]);
@@ -367,10 +578,16 @@ async fn the_stream_commits_a_validated_shadow_and_advances() {
     call.send(t1).await;
     call.applied(end1).await;
     assert_eq!(prepared(&c).await, "");
-    assert_eq!(query_one(&c, "SELECT v FROM a WHERE id = 1").await, "shadow");
+    assert_eq!(
+        query_one(&c, "SELECT v FROM a WHERE id = 1").await,
+        "shadow"
+    );
     let (ts, origin) = version_of(&c, 1).await;
     assert_eq!(ts, time1.to_string());
-    assert!(origin.starts_with(&format!("remus_m{m}_w")), "committed by an apply session: {origin}");
+    assert!(
+        origin.starts_with(&format!("remus_m{m}_w")),
+        "committed by an apply session: {origin}"
+    );
     call.send(t2).await;
     call.applied(end2).await;
     assert_eq!(dump(&c).await, "1:after,2:after");
@@ -378,8 +595,16 @@ async fn the_stream_commits_a_validated_shadow_and_advances() {
     // Resolved first (the source's post-commit call won the race): the stream's copy is a no-op
     // that still counts as applied.
     let g3 = gid(m, 1003);
-    assert!(validate(&svc, m, &g3, end2, vec![ins(3, "shadow")], 0).await.unwrap().ok);
-    let t3 = ShadowTxn { shadow_gid: g3.clone(), ..stxn(3, vec![ins(3, "shadow")]) };
+    assert!(
+        validate(&svc, m, &g3, end2, vec![ins(3, "shadow")], 0)
+            .await
+            .unwrap()
+            .ok
+    );
+    let t3 = ShadowTxn {
+        shadow_gid: g3.clone(),
+        ..stxn(3, vec![ins(3, "shadow")])
+    };
     let (end3, time3) = (t3.end_lsn, t3.commit_time_us);
     assert!(resolve(&svc, m, &g3, true, time3).await.unwrap());
     call.send(t3).await;
@@ -393,7 +618,11 @@ async fn the_stream_commits_a_validated_shadow_and_advances() {
 }
 
 async fn call_applied_after_finish(c: &tokio_postgres::Client, m: u64) -> String {
-    query_one(c, &format!("SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'remus_m{m}_%'")).await
+    query_one(
+        c,
+        &format!("SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'remus_m{m}_%'"),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -404,7 +633,9 @@ async fn validate_waits_for_the_stream_and_needs_a_running_apply_call() {
     let m = 504;
 
     // No Apply call for the migration.
-    let err = validate(&svc, m, &gid(m, 1), 0, vec![ins(1, "x")], 0).await.unwrap_err();
+    let err = validate(&svc, m, &gid(m, 1), 0, vec![ins(1, "x")], 0)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     let err = resolve(&svc, m, &gid(m, 1), true, 0).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
@@ -418,7 +649,10 @@ async fn validate_waits_for_the_stream_and_needs_a_running_apply_call() {
         async move { validate(&svc, m, &gid(m, 2), end0, vec![upd(1, "shadow")], 0).await }
     });
     tokio::time::sleep(Duration::from_millis(700)).await;
-    assert!(!waiting.is_finished(), "validation ran before the stream reached wait_lsn");
+    assert!(
+        !waiting.is_finished(),
+        "validation ran before the stream reached wait_lsn"
+    );
     call.send(t0).await;
     let r = waiting.await.unwrap().unwrap();
     assert!(r.ok, "{}", r.conflict);
@@ -427,7 +661,9 @@ async fn validate_waits_for_the_stream_and_needs_a_running_apply_call() {
     assert_eq!(dump(&c).await, "1:shadow");
 
     // The stream does not get there in time.
-    let err = validate(&svc, m, &gid(m, 3), end0 + 0x1000, vec![upd(1, "late")], 0).await.unwrap_err();
+    let err = validate(&svc, m, &gid(m, 3), end0 + 0x1000, vec![upd(1, "late")], 0)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
 
     // The Apply call ends (request stream closed without finish) while a validation waits.
@@ -444,7 +680,9 @@ async fn validate_waits_for_the_stream_and_needs_a_running_apply_call() {
     // Unregistered once the call has ended.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let err = validate(&svc, m, &gid(m, 5), 0, vec![upd(1, "x")], 0).await.unwrap_err();
+        let err = validate(&svc, m, &gid(m, 5), 0, vec![upd(1, "x")], 0)
+            .await
+            .unwrap_err();
         if err.code() == Code::FailedPrecondition {
             break;
         }

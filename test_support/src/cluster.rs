@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{bail, Context, Result};
-pub use remusctl::cluster::ClusterState;
 use remus_proto::names::ports::{ETCD_CLIENT_OFFSET, MAX_OFFSET};
+pub use remusctl::cluster::ClusterState;
 
 use crate::ports::{PortBlock, NODE_PORTS, SERVICE_OFFSET, SERVICE_PORTS};
 

@@ -8,19 +8,39 @@ use remus_test_support::cluster::TestCluster;
 /// accounts by aid, branches by bid, tellers by tid, history by aid co-located with accounts
 /// (after giving it a primary key that contains aid).
 pub fn init_tpcb(c: &TestCluster, scale: u32) {
-    let out = c.pgbench("n1", &["-i", "-s", &scale.to_string(), "-q"]).output().unwrap();
-    assert!(out.status.success(), "pgbench -i: {}", String::from_utf8_lossy(&out.stderr));
+    let out = c
+        .pgbench("n1", &["-i", "-s", &scale.to_string(), "-q"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "pgbench -i: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut n1 = c.connect("n1").unwrap();
-    n1.batch_execute(include_str!("../../sql/pgbench_distribute.sql")).unwrap();
+    n1.batch_execute(include_str!("../../sql/pgbench_distribute.sql"))
+        .unwrap();
 }
 
 /// The default TPC-B script against one node, no retries.
 pub fn start_tpcb(c: &TestCluster, node: &str, clients: u32, seconds: u32) -> Child {
-    c.pgbench(node, &["-n", "-c", &clients.to_string(), "-j", "2", "-T", &seconds.to_string(), "--max-tries=1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    c.pgbench(
+        node,
+        &[
+            "-n",
+            "-c",
+            &clients.to_string(),
+            "-j",
+            "2",
+            "-T",
+            &seconds.to_string(),
+            "--max-tries=1",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap()
 }
 
 pub struct PgbenchResult {
@@ -68,6 +88,12 @@ pub fn balances(c: &TestCluster, node: &str) -> (i64, i64, i64, i64) {
 pub fn prepared_everywhere(c: &TestCluster) -> i64 {
     c.node_names()
         .iter()
-        .map(|n| c.connect(n).unwrap().query_one("SELECT count(*) FROM pg_prepared_xacts", &[]).unwrap().get::<_, i64>(0))
+        .map(|n| {
+            c.connect(n)
+                .unwrap()
+                .query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
+                .unwrap()
+                .get::<_, i64>(0)
+        })
         .sum()
 }

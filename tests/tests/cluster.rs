@@ -3,9 +3,9 @@
 
 use std::net::TcpListener;
 
-use remusctl::process::pid_alive;
 use remus_test_support::cluster::{remusctl, stderr, stdout, TestCluster};
 use remus_test_support::ports::PortBlock;
+use remusctl::process::pid_alive;
 
 #[test]
 fn three_node_cluster_lifecycle() {
@@ -18,11 +18,18 @@ fn three_node_cluster_lifecycle() {
     // every node of the cluster with the right address.
     for name in c.node_names() {
         let mut db = c.connect(&name).unwrap();
-        let me: String = db.query_one("SELECT remus_local_node()", &[]).unwrap().get(0);
+        let me: String = db
+            .query_one("SELECT remus_local_node()", &[])
+            .unwrap()
+            .get(0);
         assert_eq!(me, name);
-        let rows = db.query("SELECT name, host, port FROM remus_nodes", &[]).unwrap();
-        let seen: Vec<(String, String, i32)> =
-            rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+        let rows = db
+            .query("SELECT name, host, port FROM remus_nodes", &[])
+            .unwrap();
+        let seen: Vec<(String, String, i32)> = rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
         let expected: Vec<(String, String, i32)> = state
             .nodes
             .iter()
@@ -38,7 +45,10 @@ fn three_node_cluster_lifecycle() {
             let v: String = db.query_one(&format!("SHOW {guc}"), &[]).unwrap().get(0);
             assert_eq!(v, want, "{guc} on {name}");
         }
-        let mpx: String = db.query_one("SHOW max_prepared_transactions", &[]).unwrap().get(0);
+        let mpx: String = db
+            .query_one("SHOW max_prepared_transactions", &[])
+            .unwrap()
+            .get(0);
         assert!(mpx.parse::<i32>().unwrap() > 0);
     }
 
@@ -51,7 +61,11 @@ fn three_node_cluster_lifecycle() {
 
     // The password file is private.
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&state.pgpass).unwrap().permissions().mode() & 0o777;
+    let mode = std::fs::metadata(&state.pgpass)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
     assert_eq!(mode, 0o600);
 
     // The coordinator registered every node in etcd.
@@ -59,8 +73,10 @@ fn three_node_cluster_lifecycle() {
     assert!(nodes.status.success(), "{}", stderr(&nodes));
     for n in &state.nodes {
         assert!(
-            stdout(&nodes).lines().any(|l| l.split_whitespace().collect::<Vec<_>>()
-                == [n.name.as_str(), "127.0.0.1", &n.port.to_string()]),
+            stdout(&nodes)
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>()
+                    == [n.name.as_str(), "127.0.0.1", &n.port.to_string()]),
             "{} missing from `remusctl nodes`:\n{}",
             n.name,
             stdout(&nodes)
@@ -68,19 +84,45 @@ fn three_node_cluster_lifecycle() {
     }
     let etcd = std::process::Command::new("etcdctl")
         .env("ETCDCTL_API", "3")
-        .args(["--endpoints", &format!("127.0.0.1:{}", state.etcd.port), "get", "--prefix", "/remus/local/nodes/", "--keys-only"])
+        .args([
+            "--endpoints",
+            &format!("127.0.0.1:{}", state.etcd.port),
+            "get",
+            "--prefix",
+            "/remus/local/nodes/",
+            "--keys-only",
+        ])
         .output()
         .unwrap();
     let keys = stdout(&etcd);
     for n in &state.nodes {
-        assert!(keys.contains(&format!("/remus/local/nodes/{}", n.name)), "etcd keys: {keys}");
+        assert!(
+            keys.contains(&format!("/remus/local/nodes/{}", n.name)),
+            "etcd keys: {keys}"
+        );
     }
 
     // status: everything up.
     let st = c.ctl(&["cluster", "status"]);
-    assert!(st.status.success(), "status: {}{}", stdout(&st), stderr(&st));
-    assert_eq!(stdout(&st).lines().filter(|l| l.contains(" up ")).count(), 6, "{}", stdout(&st));
-    assert!(stdout(&st).lines().any(|l| l.starts_with("replay worker") && l.contains(" up ")), "{}", stdout(&st));
+    assert!(
+        st.status.success(),
+        "status: {}{}",
+        stdout(&st),
+        stderr(&st)
+    );
+    assert_eq!(
+        stdout(&st).lines().filter(|l| l.contains(" up ")).count(),
+        6,
+        "{}",
+        stdout(&st)
+    );
+    assert!(
+        stdout(&st)
+            .lines()
+            .any(|l| l.starts_with("replay worker") && l.contains(" up ")),
+        "{}",
+        stdout(&st)
+    );
 
     // env prints libpq settings for the node asked for, and they work with psql.
     let env = c.ctl(&["cluster", "env", "--node", "n2"]);
@@ -90,18 +132,33 @@ fn three_node_cluster_lifecycle() {
     assert!(env_text.contains("export PGDATABASE=postgres"));
     let psql = std::process::Command::new("bash")
         .arg("-c")
-        .arg(format!("{env_text}\npsql -XAtc 'SELECT remus_local_node()'"))
+        .arg(format!(
+            "{env_text}\npsql -XAtc 'SELECT remus_local_node()'"
+        ))
         .output()
         .unwrap();
-    assert_eq!(stdout(&psql).trim(), "n2", "psql via env: {}", stderr(&psql));
+    assert_eq!(
+        stdout(&psql).trim(),
+        "n2",
+        "psql via env: {}",
+        stderr(&psql)
+    );
 
     // A second `up` on a running cluster refuses and exits non-zero.
     let again = c.ctl(&["cluster", "up", "--base-port", &c.base_port.to_string()]);
     assert!(!again.status.success());
-    assert!(stderr(&again).contains("already running"), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains("already running"),
+        "{}",
+        stderr(&again)
+    );
 
     // down stops every process it started, by PID, and frees every port.
-    let mut pids: Vec<u32> = state.nodes.iter().filter_map(|n| n.postmaster_pid()).collect();
+    let mut pids: Vec<u32> = state
+        .nodes
+        .iter()
+        .filter_map(|n| n.postmaster_pid())
+        .collect();
     pids.extend(state.etcd.pid);
     pids.extend(state.coordinator.pid);
     pids.extend(state.replay_worker.pid);
@@ -115,13 +172,25 @@ fn three_node_cluster_lifecycle() {
         .args(["-f", &c.dir_str()])
         .output()
         .unwrap();
-    assert!(stdout(&children).trim().is_empty(), "processes left behind: {}", stdout(&children));
+    assert!(
+        stdout(&children).trim().is_empty(),
+        "processes left behind: {}",
+        stdout(&children)
+    );
     let p = c.base_port;
     for port in [p, p + 1, p + 2, p + 100, p + 101, p + 102, p + 103] {
-        assert!(TcpListener::bind(("127.0.0.1", port)).is_ok(), "port {port} still bound");
+        assert!(
+            TcpListener::bind(("127.0.0.1", port)).is_ok(),
+            "port {port} still bound"
+        );
     }
     let st = c.ctl(&["cluster", "status"]);
-    assert_eq!(st.status.code(), Some(3), "status after down: {}", stdout(&st));
+    assert_eq!(
+        st.status.code(),
+        Some(3),
+        "status after down: {}",
+        stdout(&st)
+    );
 }
 
 #[test]
@@ -130,32 +199,64 @@ fn restart_keeps_catalog_and_password() {
     let pw = c.password().unwrap();
     let down = c.ctl(&["cluster", "down"]);
     assert!(down.status.success(), "{}", stderr(&down));
-    let up = c.ctl(&["cluster", "up", "--nodes", "2", "--base-port", &c.base_port.to_string()]);
+    let up = c.ctl(&[
+        "cluster",
+        "up",
+        "--nodes",
+        "2",
+        "--base-port",
+        &c.base_port.to_string(),
+    ]);
     assert!(up.status.success(), "{}{}", stdout(&up), stderr(&up));
     assert_eq!(c.password().unwrap(), pw);
     let mut db = c.connect("n2").unwrap();
-    let n: i64 = db.query_one("SELECT count(*) FROM remus_nodes", &[]).unwrap().get(0);
+    let n: i64 = db
+        .query_one("SELECT count(*) FROM remus_nodes", &[])
+        .unwrap()
+        .get(0);
     assert_eq!(n, 2);
 }
 
 #[test]
 fn up_names_the_component_whose_port_is_taken() {
-    let dir = tempfile::Builder::new().prefix("remus-it-").tempdir_in("/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("remus-it-")
+        .tempdir_in("/tmp")
+        .unwrap();
     let ports = PortBlock::reserve();
     let _squatter = TcpListener::bind(("127.0.0.1", ports.port(1))).unwrap();
     let base = ports.base().to_string();
-    let out = remusctl(&["cluster", "up", "--nodes", "3", "--base-port", &base, "--dir", &dir.path().to_string_lossy()]);
+    let out = remusctl(&[
+        "cluster",
+        "up",
+        "--nodes",
+        "3",
+        "--base-port",
+        &base,
+        "--dir",
+        &dir.path().to_string_lossy(),
+    ]);
     assert!(!out.status.success());
     let err = stderr(&out);
-    assert!(err.contains(&format!("port {}", ports.port(1))) && err.contains("n2"), "{err}");
+    assert!(
+        err.contains(&format!("port {}", ports.port(1))) && err.contains("n2"),
+        "{err}"
+    );
     // Nothing was started.
     assert!(TcpListener::bind(("127.0.0.1", ports.base())).is_ok());
 }
 
 #[test]
 fn commands_on_a_missing_cluster_explain_themselves() {
-    let dir = tempfile::Builder::new().prefix("remus-it-").tempdir_in("/tmp").unwrap();
-    for cmd in [["cluster", "status"], ["cluster", "down"], ["cluster", "env"]] {
+    let dir = tempfile::Builder::new()
+        .prefix("remus-it-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    for cmd in [
+        ["cluster", "status"],
+        ["cluster", "down"],
+        ["cluster", "env"],
+    ] {
         let mut args = cmd.to_vec();
         let d = dir.path().to_string_lossy().into_owned();
         args.extend(["--dir", &d]);

@@ -17,17 +17,33 @@ fn distribute_a_filled_table_from_a_non_first_node() {
     )
     .unwrap();
     let before: (i64, String) = {
-        let r = n2.query_one("SELECT count(*), md5(string_agg(a::text, '|' ORDER BY id)) FROM accounts a", &[]).unwrap();
+        let r = n2
+            .query_one(
+                "SELECT count(*), md5(string_agg(a::text, '|' ORDER BY id)) FROM accounts a",
+                &[],
+            )
+            .unwrap();
         (r.get(0), r.get(1))
     };
     // From a fresh session that never read the table, as a user would.
     let mut fresh = c.connect("n2").unwrap();
-    fresh.batch_execute("SELECT remus_create_distributed_table('accounts', 'id', 6)").unwrap();
+    fresh
+        .batch_execute("SELECT remus_create_distributed_table('accounts', 'id', 6)")
+        .unwrap();
     // Reads through the router see every row, from every node.
     for name in c.node_names() {
         let mut db = c.connect(&name).unwrap();
-        let r = db.query_one("SELECT count(*), md5(string_agg(a::text, '|' ORDER BY id)) FROM accounts a", &[]).unwrap();
-        assert_eq!((r.get::<_, i64>(0), r.get::<_, String>(1)), before, "rows seen through {name}");
+        let r = db
+            .query_one(
+                "SELECT count(*), md5(string_agg(a::text, '|' ORDER BY id)) FROM accounts a",
+                &[],
+            )
+            .unwrap();
+        assert_eq!(
+            (r.get::<_, i64>(0), r.get::<_, String>(1)),
+            before,
+            "rows seen through {name}"
+        );
     }
 
     // Same shard map on every node; shards spread round robin over the three nodes.
@@ -44,7 +60,10 @@ fn distribute_a_filled_table_from_a_non_first_node() {
         assert_eq!(map.len(), 6, "{name}");
         maps.push(map);
     }
-    assert!(maps.windows(2).all(|w| w[0] == w[1]), "shard maps differ between nodes");
+    assert!(
+        maps.windows(2).all(|w| w[0] == w[1]),
+        "shard maps differ between nodes"
+    );
     let owners: Vec<&str> = maps[0].iter().map(|m| m.5.as_str()).collect();
     assert_eq!(owners, ["n1", "n2", "n3", "n1", "n2", "n3"]);
     assert_eq!(maps[0][0].3, i32::MIN);
@@ -58,13 +77,24 @@ fn distribute_a_filled_table_from_a_non_first_node() {
         let mut db = c.connect(owner).unwrap();
         let t = format!("remus_shards.accounts_{shard_id}");
         let misplaced: i64 = db
-            .query_one(&format!("SELECT count(*) FROM {t} WHERE remus.key_hash(id) NOT BETWEEN {lo} AND {hi}"), &[])
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM {t} WHERE remus.key_hash(id) NOT BETWEEN {lo} AND {hi}"
+                ),
+                &[],
+            )
             .unwrap()
             .get(0);
         assert_eq!(misplaced, 0);
-        let n: i64 = db.query_one(&format!("SELECT count(*) FROM {t}"), &[]).unwrap().get(0);
+        let n: i64 = db
+            .query_one(&format!("SELECT count(*) FROM {t}"), &[])
+            .unwrap()
+            .get(0);
         total += n;
-        for r in db.query(&format!("SELECT a::text FROM {t} a"), &[]).unwrap() {
+        for r in db
+            .query(&format!("SELECT a::text FROM {t} a"), &[])
+            .unwrap()
+        {
             all_rows.push(r.get(0));
         }
         // Constraints and indexes came along.
@@ -73,35 +103,73 @@ fn distribute_a_filled_table_from_a_non_first_node() {
             .unwrap()
             .get(0);
         assert_eq!(idx, 2, "pkey and owner index on shard {shard_id}");
-        let e = db.batch_execute(&format!("INSERT INTO {t} VALUES (-1, 'x', -5)")).unwrap_err();
+        let e = db
+            .batch_execute(&format!("INSERT INTO {t} VALUES (-1, 'x', -5)"))
+            .unwrap_err();
         assert_eq!(sqlstate(&e), "23514");
     }
     assert_eq!(total, before.0);
-    all_rows.sort_by_key(|r| r.trim_start_matches('(').split(',').next().unwrap().parse::<i64>().unwrap());
+    all_rows.sort_by_key(|r| {
+        r.trim_start_matches('(')
+            .split(',')
+            .next()
+            .unwrap()
+            .parse::<i64>()
+            .unwrap()
+    });
     let mut n1 = c.connect("n1").unwrap();
-    let md5: String = n1.query_one("SELECT md5($1)", &[&all_rows.join("|")]).unwrap().get(0);
+    let md5: String = n1
+        .query_one("SELECT md5($1)", &[&all_rows.join("|")])
+        .unwrap()
+        .get(0);
     assert_eq!(md5, before.1, "rows changed while moving");
     for name in c.node_names() {
         let mut db = c.connect(&name).unwrap();
         // The shell's own heap is empty (reads of the shell go to the shards).
-        let n: i64 = db.query_one("SELECT pg_relation_size('accounts')", &[]).unwrap().get(0);
+        let n: i64 = db
+            .query_one("SELECT pg_relation_size('accounts')", &[])
+            .unwrap()
+            .get(0);
         assert_eq!(n, 0, "shell on {name} is not empty");
     }
     assert_eq!(total, 5000);
 
     // remus_shard_id_for agrees with where the row is, from any node, for int4 input too.
-    let sid: i64 = n1.query_one("SELECT remus_shard_id_for('accounts', 4242::bigint)", &[]).unwrap().get(0);
-    let sid4: i64 = n1.query_one("SELECT remus_shard_id_for('accounts', 4242)", &[]).unwrap().get(0);
+    let sid: i64 = n1
+        .query_one("SELECT remus_shard_id_for('accounts', 4242::bigint)", &[])
+        .unwrap()
+        .get(0);
+    let sid4: i64 = n1
+        .query_one("SELECT remus_shard_id_for('accounts', 4242)", &[])
+        .unwrap()
+        .get(0);
     assert_eq!(sid, sid4);
     let owner = &maps[0].iter().find(|m| m.0 == sid).unwrap().5;
     let mut o = c.connect(owner).unwrap();
-    let n: i64 = o.query_one(&format!("SELECT count(*) FROM remus_shards.accounts_{sid} WHERE id = 4242"), &[]).unwrap().get(0);
+    let n: i64 = o
+        .query_one(
+            &format!("SELECT count(*) FROM remus_shards.accounts_{sid} WHERE id = 4242"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(n, 1);
 
     // Shard sizes are reported for every shard, remote ones included.
-    let nulls: i64 = n1.query_one("SELECT count(*) FROM remus_shards WHERE size_bytes IS NULL OR size_bytes <= 0", &[]).unwrap().get(0);
+    let nulls: i64 = n1
+        .query_one(
+            "SELECT count(*) FROM remus_shards WHERE size_bytes IS NULL OR size_bytes <= 0",
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(nulls, 0);
-    assert_eq!(n1.query_one("SELECT count(*) FROM pg_prepared_xacts", &[]).unwrap().get::<_, i64>(0), 0);
+    assert_eq!(
+        n1.query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
+            .unwrap()
+            .get::<_, i64>(0),
+        0
+    );
 
     // Co-location: same ranges, same owners.
     n1.batch_execute(
@@ -120,14 +188,19 @@ fn distribute_a_filled_table_from_a_non_first_node() {
     assert_eq!(pairs, 6);
 
     // A join of co-located tables on one key value runs as one statement on that shard group.
-    n1.batch_execute("INSERT INTO history (id, delta) VALUES (4242, 7), (4242, 8), (17, 1)").unwrap();
+    n1.batch_execute("INSERT INTO history (id, delta) VALUES (4242, 7), (4242, 8), (17, 1)")
+        .unwrap();
     let plan: Vec<String> = n1
         .query("EXPLAIN (COSTS OFF) SELECT a.owner, h.delta FROM accounts a JOIN history h ON a.id = h.id WHERE a.id = 4242", &[])
         .unwrap()
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(plan, vec!["Custom Scan (RemusRouter)".to_string()], "{plan:?}");
+    assert_eq!(
+        plan,
+        vec!["Custom Scan (RemusRouter)".to_string()],
+        "{plan:?}"
+    );
     for name in c.node_names() {
         let mut db = c.connect(&name).unwrap();
         let rows: Vec<(String, i32)> = db
@@ -136,7 +209,11 @@ fn distribute_a_filled_table_from_a_non_first_node() {
             .iter()
             .map(|r| (r.get(0), r.get(1)))
             .collect();
-        assert_eq!(rows, vec![("o4242".to_string(), 7), ("o4242".to_string(), 8)], "through {name}");
+        assert_eq!(
+            rows,
+            vec![("o4242".to_string(), 7), ("o4242".to_string(), 8)],
+            "through {name}"
+        );
     }
 }
 
@@ -152,28 +229,64 @@ fn bad_distribution_requests_are_refused_cleanly() {
     )
     .unwrap();
     let cases = [
-        ("SELECT remus_create_distributed_table('t', 'nosuch')", "42703", "column \"nosuch\""),
-        ("SELECT remus_create_distributed_table('nopk', 'id')", "42P16", "has no primary key"),
-        ("SELECT remus_create_distributed_table('wrongpk', 'k')", "42P16", "does not contain the shard key"),
-        ("SELECT remus_create_distributed_table('t', 'id', 0)", "22023", "shard_count"),
-        ("SELECT remus_create_distributed_table('ser', 'id')", "0A000", "serial"),
-        ("SELECT remus_create_distributed_table('nosuchtable', 'id')", "42P01", "nosuchtable"),
+        (
+            "SELECT remus_create_distributed_table('t', 'nosuch')",
+            "42703",
+            "column \"nosuch\"",
+        ),
+        (
+            "SELECT remus_create_distributed_table('nopk', 'id')",
+            "42P16",
+            "has no primary key",
+        ),
+        (
+            "SELECT remus_create_distributed_table('wrongpk', 'k')",
+            "42P16",
+            "does not contain the shard key",
+        ),
+        (
+            "SELECT remus_create_distributed_table('t', 'id', 0)",
+            "22023",
+            "shard_count",
+        ),
+        (
+            "SELECT remus_create_distributed_table('ser', 'id')",
+            "0A000",
+            "serial",
+        ),
+        (
+            "SELECT remus_create_distributed_table('nosuchtable', 'id')",
+            "42P01",
+            "nosuchtable",
+        ),
     ];
     for (sql, state, text) in cases {
         let e = n1.batch_execute(sql).unwrap_err();
         assert_eq!(sqlstate(&e), state, "{sql}: {e:?}");
-        let msg = e.as_db_error().map(|d| d.message().to_string()).unwrap_or_default();
+        let msg = e
+            .as_db_error()
+            .map(|d| d.message().to_string())
+            .unwrap_or_default();
         assert!(msg.contains(text), "{sql}: {msg}");
     }
-    n1.batch_execute("SELECT remus_create_distributed_table('t', 'id', 4)").unwrap();
-    let e = n1.batch_execute("SELECT remus_create_distributed_table('t', 'id', 4)").unwrap_err();
+    n1.batch_execute("SELECT remus_create_distributed_table('t', 'id', 4)")
+        .unwrap();
+    let e = n1
+        .batch_execute("SELECT remus_create_distributed_table('t', 'id', 4)")
+        .unwrap_err();
     assert_eq!(sqlstate(&e), "42710");
     // A failed conversion leaves nothing behind on any node.
     for name in c.node_names() {
         let mut db = c.connect(&name).unwrap();
-        let n: i64 = db.query_one("SELECT count(*) FROM remus.distributed_tables", &[]).unwrap().get(0);
+        let n: i64 = db
+            .query_one("SELECT count(*) FROM remus.distributed_tables", &[])
+            .unwrap()
+            .get(0);
         assert_eq!(n, 1, "{name}");
-        let prepared: i64 = db.query_one("SELECT count(*) FROM pg_prepared_xacts", &[]).unwrap().get(0);
+        let prepared: i64 = db
+            .query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
+            .unwrap()
+            .get(0);
         assert_eq!(prepared, 0);
     }
     // Statement forms the router does not run are refused rather than run on the empty shell.

@@ -11,7 +11,9 @@ use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
 fn message(e: &postgres::Error) -> String {
-    e.as_db_error().map(|d| d.message().to_string()).unwrap_or_else(|| e.to_string())
+    e.as_db_error()
+        .map(|d| d.message().to_string())
+        .unwrap_or_else(|| e.to_string())
 }
 
 fn pid(db: &mut postgres::Client) -> i32 {
@@ -20,13 +22,19 @@ fn pid(db: &mut postgres::Client) -> i32 {
 
 /// Polls `cond` until it holds; fails the test after two minutes (a hang, not a slow run).
 fn wait_until(what: &str, cond: impl FnMut() -> bool) {
-    remus_test_support::wait_until(Duration::from_secs(120), Duration::from_millis(20), cond, || {
-        format!("timed out waiting until {what}")
-    });
+    remus_test_support::wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(20),
+        cond,
+        || format!("timed out waiting until {what}"),
+    );
 }
 
 /// (wait_event_type, wait_event, state, query) of backend `pid`, seen from `db`.
-fn activity(db: &mut postgres::Client, pid: i32) -> (Option<String>, Option<String>, Option<String>, String) {
+fn activity(
+    db: &mut postgres::Client,
+    pid: i32,
+) -> (Option<String>, Option<String>, Option<String>, String) {
     let r = db
         .query_one(
             "SELECT wait_event_type, wait_event, state, coalesce(query, '') FROM pg_stat_activity WHERE pid = $1",
@@ -42,11 +50,15 @@ fn waits_at_gate(db: &mut postgres::Client, pid: i32) -> bool {
 }
 
 fn value(db: &mut postgres::Client, id: i32) -> i32 {
-    db.query_one("SELECT v FROM hp WHERE id = $1", &[&id]).unwrap().get(0)
+    db.query_one("SELECT v FROM hp WHERE id = $1", &[&id])
+        .unwrap()
+        .get(0)
 }
 
 fn aborts(db: &mut postgres::Client, migration_id: i64) -> i64 {
-    db.query_one("SELECT remus.migration_aborts($1)", &[&migration_id]).unwrap().get(0)
+    db.query_one("SELECT remus.migration_aborts($1)", &[&migration_id])
+        .unwrap()
+        .get(0)
 }
 
 #[test]
@@ -79,7 +91,8 @@ fn handover_primitives_on_a_real_cluster() {
 
     // The driver's session on n1: a migration session (exempt from everything below).
     let mut drv = c.connect("n1").unwrap();
-    drv.batch_execute("SET remus.migration_session = on").unwrap();
+    drv.batch_execute("SET remus.migration_session = on")
+        .unwrap();
 
     // ---- Admission gate (wait_remaster) ----
     // In flight: started on n2 before the gate closes on n1; its write to n1's shard arrives
@@ -92,7 +105,10 @@ fn handover_primitives_on_a_real_cluster() {
     let mut late = c.connect("n1").unwrap();
     let late_pid = pid(&mut late);
 
-    let closed_at: String = drv.query_one("SELECT remus.close_gate(101, 600000)::text", &[]).unwrap().get(0);
+    let closed_at: String = drv
+        .query_one("SELECT remus.close_gate(101, 600000)::text", &[])
+        .unwrap()
+        .get(0);
     // The driver counts the in-flight transactions itself.
     let in_flight: i64 = drv
         .query_one(
@@ -103,24 +119,44 @@ fn handover_primitives_on_a_real_cluster() {
         )
         .unwrap()
         .get(0);
-    assert_eq!(in_flight, 1, "only the transaction begun before closed_at is in flight");
+    assert_eq!(
+        in_flight, 1,
+        "only the transaction begun before closed_at is in flight"
+    );
 
     let late_thread = thread::spawn(move || {
-        let r = late.batch_execute(&format!("BEGIN; UPDATE hp SET v = v + 100 WHERE id = {k3}; COMMIT"));
+        let r = late.batch_execute(&format!(
+            "BEGIN; UPDATE hp SET v = v + 100 WHERE id = {k3}; COMMIT"
+        ));
         (late, r)
     });
-    wait_until("the new transaction waits at the gate", || waits_at_gate(&mut drv, late_pid));
+    wait_until("the new transaction waits at the gate", || {
+        waits_at_gate(&mut drv, late_pid)
+    });
 
     // In-flight transactions go on and commit while the gate is closed.
-    inflight.execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k]).unwrap();
-    inflight.execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k2]).unwrap();
+    inflight
+        .execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k])
+        .unwrap();
+    inflight
+        .execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k2])
+        .unwrap();
     inflight.batch_execute("COMMIT").unwrap();
-    inflight1.execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k]).unwrap();
+    inflight1
+        .execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k])
+        .unwrap();
     inflight1.batch_execute("COMMIT").unwrap();
-    assert!(waits_at_gate(&mut drv, late_pid), "the late transaction is still held after the in-flight ones committed");
+    assert!(
+        waits_at_gate(&mut drv, late_pid),
+        "the late transaction is still held after the in-flight ones committed"
+    );
     assert!(!late_thread.is_finished());
     assert_eq!(value(&mut drv, k), 2);
-    assert_eq!(value(&mut drv, k3), 0, "nothing of the held transaction ran");
+    assert_eq!(
+        value(&mut drv, k3),
+        0,
+        "nothing of the held transaction ran"
+    );
 
     // Opening the gate releases it.
     drv.batch_execute("SELECT remus.open_gate(101)").unwrap();
@@ -130,14 +166,25 @@ fn handover_primitives_on_a_real_cluster() {
     late.batch_execute("SELECT 1").unwrap();
 
     // ---- Writer abort (lock_abort) ----
-    drv.batch_execute(&format!("SELECT remus.migration_begin(102, ARRAY[{sid}]::bigint[])")).unwrap();
+    drv.batch_execute(&format!(
+        "SELECT remus.migration_begin(102, ARRAY[{sid}]::bigint[])"
+    ))
+    .unwrap();
     let before = value(&mut drv, k);
 
     // A reader is not a writer: not signalled.
     let mut reader = c.connect("n1").unwrap();
     reader.batch_execute("BEGIN").unwrap();
-    reader.query_one("SELECT v FROM hp WHERE id = $1", &[&k]).unwrap();
-    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
+    reader
+        .query_one("SELECT v FROM hp WHERE id = $1", &[&k])
+        .unwrap();
+    let n: i32 = drv
+        .query_one(
+            &format!("SELECT remus.abort_shard_writers(102, {shard_array})"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(n, 0, "a reader holds no write lock");
     reader.batch_execute("COMMIT").unwrap();
 
@@ -145,7 +192,9 @@ fn handover_primitives_on_a_real_cluster() {
     let mut active = c.connect("n1").unwrap();
     let active_pid = pid(&mut active);
     active.batch_execute("BEGIN").unwrap();
-    active.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k]).unwrap();
+    active
+        .execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k])
+        .unwrap();
     let active_thread = thread::spawn(move || {
         let r = active.batch_execute("SELECT pg_sleep(600)");
         (active, r)
@@ -154,12 +203,21 @@ fn handover_primitives_on_a_real_cluster() {
         let (_, _, state, query) = activity(&mut drv, active_pid);
         state.as_deref() == Some("active") && query.contains("pg_sleep")
     });
-    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
+    let n: i32 = drv
+        .query_one(
+            &format!("SELECT remus.abort_shard_writers(102, {shard_array})"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(n, 1);
     let (mut active, r) = active_thread.join().unwrap();
     let e = r.expect_err("the sleeping writer is aborted");
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
-    assert_eq!(message(&e), "transaction aborted by shard migration 102 (lock_abort); retry the transaction");
+    assert_eq!(
+        message(&e),
+        "transaction aborted by shard migration 102 (lock_abort); retry the transaction"
+    );
     active.batch_execute("ROLLBACK").unwrap();
     assert_eq!(aborts(&mut drv, 102), 1);
     // The mark was for that transaction only.
@@ -168,22 +226,43 @@ fn handover_primitives_on_a_real_cluster() {
     // 2. Idle in transaction: the cancel is ignored, the next statement fails.
     let mut idle = c.connect("n1").unwrap();
     idle.batch_execute("BEGIN").unwrap();
-    idle.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k]).unwrap();
-    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
+    idle.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k])
+        .unwrap();
+    let n: i32 = drv
+        .query_one(
+            &format!("SELECT remus.abort_shard_writers(102, {shard_array})"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(n, 1);
-    let e = idle.batch_execute("SELECT 1").expect_err("the idle victim's next statement fails");
+    let e = idle
+        .batch_execute("SELECT 1")
+        .expect_err("the idle victim's next statement fails");
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
-    assert!(message(&e).contains("shard migration 102 (lock_abort)"), "{e:?}");
+    assert!(
+        message(&e).contains("shard migration 102 (lock_abort)"),
+        "{e:?}"
+    );
     idle.batch_execute("ROLLBACK").unwrap();
     assert_eq!(aborts(&mut drv, 102), 2);
     idle.batch_execute("BEGIN; SELECT 1; COMMIT").unwrap();
 
     // 3. Idle, then COMMIT: the commit fails, nothing is written.
     idle.batch_execute("BEGIN").unwrap();
-    idle.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k]).unwrap();
-    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
+    idle.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k])
+        .unwrap();
+    let n: i32 = drv
+        .query_one(
+            &format!("SELECT remus.abort_shard_writers(102, {shard_array})"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(n, 1);
-    let e = idle.batch_execute("COMMIT").expect_err("the victim's COMMIT fails");
+    let e = idle
+        .batch_execute("COMMIT")
+        .expect_err("the victim's COMMIT fails");
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
     idle.batch_execute("ROLLBACK").unwrap();
     assert_eq!(aborts(&mut drv, 102), 3);
@@ -193,23 +272,46 @@ fn handover_primitives_on_a_real_cluster() {
     // n2 sees 40001.
     let mut coord = c.connect("n2").unwrap();
     coord.batch_execute("BEGIN").unwrap();
-    coord.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k]).unwrap();
-    coord.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k2]).unwrap();
-    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
-    assert_eq!(n, 1, "the forwarded participant session holds the lock on n1");
-    let e = coord.batch_execute("COMMIT").expect_err("the coordinated commit fails");
+    coord
+        .execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k])
+        .unwrap();
+    coord
+        .execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k2])
+        .unwrap();
+    let n: i32 = drv
+        .query_one(
+            &format!("SELECT remus.abort_shard_writers(102, {shard_array})"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        n, 1,
+        "the forwarded participant session holds the lock on n1"
+    );
+    let e = coord
+        .batch_execute("COMMIT")
+        .expect_err("the coordinated commit fails");
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
-    assert!(message(&e).contains("shard migration 102 (lock_abort)"), "{e:?}");
+    assert!(
+        message(&e).contains("shard migration 102 (lock_abort)"),
+        "{e:?}"
+    );
     assert_eq!(aborts(&mut drv, 102), 4);
     // Nothing committed anywhere, no prepared transaction left, and n2's session still works.
     assert_eq!(value(&mut drv, k), before);
     let k2_before = value(&mut drv, k2);
-    coord.execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k2]).unwrap();
+    coord
+        .execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k2])
+        .unwrap();
     assert_eq!(value(&mut drv, k2), k2_before + 1);
     wait_until("no prepared transaction is left", || {
         c.node_names().iter().all(|n| {
             let mut db = c.connect(n).unwrap();
-            db.query_one("SELECT count(*) FROM pg_prepared_xacts", &[]).unwrap().get::<_, i64>(0) == 0
+            db.query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
+                .unwrap()
+                .get::<_, i64>(0)
+                == 0
         })
     });
 
@@ -218,11 +320,20 @@ fn handover_primitives_on_a_real_cluster() {
     // reader for abort_shard_writers); the waiting participant holds RowExclusiveLock and is
     // the one victim; its cancel reaches n2's client as 40001.
     let mut holder = c.connect("n1").unwrap();
-    holder.batch_execute("SET remus.migration_session = on; BEGIN").unwrap();
-    holder.execute(&format!("SELECT 1 FROM {shard_table} WHERE id = $1 FOR UPDATE"), &[&k]).unwrap();
+    holder
+        .batch_execute("SET remus.migration_session = on; BEGIN")
+        .unwrap();
+    holder
+        .execute(
+            &format!("SELECT 1 FROM {shard_table} WHERE id = $1 FOR UPDATE"),
+            &[&k],
+        )
+        .unwrap();
     let mut coord = c.connect("n2").unwrap();
     coord.batch_execute("BEGIN").unwrap();
-    coord.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k2]).unwrap();
+    coord
+        .execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k2])
+        .unwrap();
     let coord_thread = thread::spawn(move || {
         let r = coord.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k]);
         (coord, r)
@@ -236,12 +347,21 @@ fn handover_primitives_on_a_real_cluster() {
         .get::<_, i64>(0)
             == 1
     });
-    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
+    let n: i32 = drv
+        .query_one(
+            &format!("SELECT remus.abort_shard_writers(102, {shard_array})"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(n, 1, "only the blocked participant is a writer");
     let (mut coord, r) = coord_thread.join().unwrap();
     let e = r.expect_err("the blocked participant is aborted");
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
-    assert!(message(&e).contains("shard migration 102 (lock_abort)"), "{e:?}");
+    assert!(
+        message(&e).contains("shard migration 102 (lock_abort)"),
+        "{e:?}"
+    );
     coord.batch_execute("ROLLBACK").unwrap();
     holder.batch_execute("ROLLBACK").unwrap();
     assert_eq!(value(&mut drv, k), before);
@@ -251,57 +371,102 @@ fn handover_primitives_on_a_real_cluster() {
     // (not a generic 25P02).
     let mut coord = c.connect("n2").unwrap();
     coord.batch_execute("BEGIN").unwrap();
-    coord.execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k]).unwrap();
+    coord
+        .execute("UPDATE hp SET v = v + 1000 WHERE id = $1", &[&k])
+        .unwrap();
     coord.batch_execute("SAVEPOINT a").unwrap();
-    let n: i32 = drv.query_one(&format!("SELECT remus.abort_shard_writers(102, {shard_array})"), &[]).unwrap().get(0);
+    let n: i32 = drv
+        .query_one(
+            &format!("SELECT remus.abort_shard_writers(102, {shard_array})"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
     assert_eq!(n, 1);
     let released = coord.batch_execute("RELEASE SAVEPOINT a");
     let e = match released {
         Err(e) => e,
-        Ok(()) => coord.batch_execute("COMMIT").expect_err("the transaction cannot commit"),
+        Ok(()) => coord
+            .batch_execute("COMMIT")
+            .expect_err("the transaction cannot commit"),
     };
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
-    assert!(message(&e).contains("shard migration 102 (lock_abort)"), "{e:?}");
+    assert!(
+        message(&e).contains("shard migration 102 (lock_abort)"),
+        "{e:?}"
+    );
     let _ = coord.batch_execute("ROLLBACK");
     assert_eq!(value(&mut drv, k), before);
 
     assert_eq!(aborts(&mut drv, 102), 6, "every victim was counted once");
-    let ended: i64 = drv.query_one("SELECT remus.migration_end(102)", &[]).unwrap().get(0);
+    let ended: i64 = drv
+        .query_one("SELECT remus.migration_end(102)", &[])
+        .unwrap()
+        .get(0);
     assert_eq!(ended, 6);
     assert_eq!(aborts(&mut drv, 102), 0);
-    assert_eq!(drv.query_one("SELECT remus.migration_end(102)", &[]).unwrap().get::<_, i64>(0), 0, "idempotent");
+    assert_eq!(
+        drv.query_one("SELECT remus.migration_end(102)", &[])
+            .unwrap()
+            .get::<_, i64>(0),
+        0,
+        "idempotent"
+    );
 
     // ---- Write fence ----
     drv.batch_execute(&format!("SELECT remus.migration_begin(103, ARRAY[{sid}]::bigint[]); SELECT remus.migration_fence(103)"))
         .unwrap();
     let mut w1 = c.connect("n1").unwrap();
-    let e = w1.execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k]).unwrap_err();
+    let e = w1
+        .execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k])
+        .unwrap_err();
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
-    assert_eq!(message(&e), format!("shard {sid} was moved by shard migration 103; retry the transaction"));
+    assert_eq!(
+        message(&e),
+        format!("shard {sid} was moved by shard migration 103; retry the transaction")
+    );
     // Through another node: the forwarded statement reaches the fenced shard on n1.
     let mut w2 = c.connect("n2").unwrap();
-    let e = w2.execute("DELETE FROM hp WHERE id = $1", &[&k]).unwrap_err();
+    let e = w2
+        .execute("DELETE FROM hp WHERE id = $1", &[&k])
+        .unwrap_err();
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
-    assert!(message(&e).contains("was moved by shard migration 103"), "{e:?}");
+    assert!(
+        message(&e).contains("was moved by shard migration 103"),
+        "{e:?}"
+    );
     // COPY FROM straight into the fenced shard table.
     let copy_sql = format!("COPY {shard_table} FROM STDIN");
     // (on its own connection: the client library's protocol state after a refused COPY is not
     // reusable)
     let mut wc = c.connect("n1").unwrap();
-    let e = wc.copy_in(copy_sql.as_str()).map(|_| ()).expect_err("COPY into a fenced shard fails");
+    let e = wc
+        .copy_in(copy_sql.as_str())
+        .map(|_| ())
+        .expect_err("COPY into a fenced shard fails");
     assert_eq!(sqlstate(&e), "40001", "{e:?}");
     drop(wc);
     // A non-fenced shard takes writes.
-    w1.execute("UPDATE hp SET v = v WHERE id = $1", &[&k2]).unwrap();
+    w1.execute("UPDATE hp SET v = v WHERE id = $1", &[&k2])
+        .unwrap();
     // Reads are not fenced.
     assert_eq!(value(&mut w1, k), before);
     assert_eq!(aborts(&mut drv, 103), 3);
-    assert_eq!(drv.query_one("SELECT remus.migration_end(103)", &[]).unwrap().get::<_, i64>(0), 3);
-    w1.execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k]).unwrap();
+    assert_eq!(
+        drv.query_one("SELECT remus.migration_end(103)", &[])
+            .unwrap()
+            .get::<_, i64>(0),
+        3
+    );
+    w1.execute("UPDATE hp SET v = v + 1 WHERE id = $1", &[&k])
+        .unwrap();
     assert_eq!(value(&mut drv, k), before + 1);
 
     // ---- DDL refused while registered ----
-    drv.batch_execute(&format!("SELECT remus.migration_begin(104, ARRAY[{sid}]::bigint[])")).unwrap();
+    drv.batch_execute(&format!(
+        "SELECT remus.migration_begin(104, ARRAY[{sid}]::bigint[])"
+    ))
+    .unwrap();
     for ddl in [
         format!("ALTER TABLE {shard_table} ADD COLUMN z int"),
         format!("CREATE INDEX ON {shard_table} (v)"),
@@ -313,12 +478,26 @@ fn handover_primitives_on_a_real_cluster() {
     ] {
         let e = n1.batch_execute(&ddl).expect_err(&ddl);
         assert_eq!(sqlstate(&e), "55006", "{ddl}: {e:?}");
-        assert!(message(&e).contains("is being migrated by shard migration 104"), "{ddl}: {e:?}");
+        assert!(
+            message(&e).contains("is being migrated by shard migration 104"),
+            "{ddl}: {e:?}"
+        );
     }
     // The machinery's own sessions are exempt.
-    drv.batch_execute(&format!("CREATE INDEX hp_v_idx ON {shard_table} (v); DROP INDEX remus_shards.hp_v_idx")).unwrap();
-    assert_eq!(drv.query_one("SELECT remus.migration_end(104)", &[]).unwrap().get::<_, i64>(0), 0);
-    n1.batch_execute(&format!("CREATE INDEX hp_v_idx ON {shard_table} (v); DROP INDEX remus_shards.hp_v_idx")).unwrap();
+    drv.batch_execute(&format!(
+        "CREATE INDEX hp_v_idx ON {shard_table} (v); DROP INDEX remus_shards.hp_v_idx"
+    ))
+    .unwrap();
+    assert_eq!(
+        drv.query_one("SELECT remus.migration_end(104)", &[])
+            .unwrap()
+            .get::<_, i64>(0),
+        0
+    );
+    n1.batch_execute(&format!(
+        "CREATE INDEX hp_v_idx ON {shard_table} (v); DROP INDEX remus_shards.hp_v_idx"
+    ))
+    .unwrap();
     n1.batch_execute("TRUNCATE hp").unwrap();
     assert_eq!(value_count(&mut n1), 0);
 }

@@ -65,7 +65,6 @@ fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
     .collect()
 }
 
-
 fn run(mode: &str) {
     // Read by the coordinator that `cluster up` starts.
     std::env::set_var("REMUS_VERIFY_HANDOVER", "true");
@@ -79,11 +78,23 @@ fn run(mode: &str) {
         .node_names()
         .iter()
         .map(|n| {
-            c.pgbench(n, &["-n", "-c", "4", "-j", "2", "-T", &seconds.to_string(), "--max-tries=1"])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+            c.pgbench(
+                n,
+                &[
+                    "-n",
+                    "-c",
+                    "4",
+                    "-j",
+                    "2",
+                    "-T",
+                    &seconds.to_string(),
+                    "--max-tries=1",
+                ],
+            )
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
         })
         .collect();
     std::thread::sleep(Duration::from_secs(3));
@@ -123,17 +134,36 @@ fn run(mode: &str) {
         assert_eq!(r.aborted_clients, 0, "a pgbench client died: {}", r.output);
         assert!(r.processed > 0, "{}", r.output);
     }
-    assert_eq!(failed as i64, aborted, "pgbench failures must be exactly the migrations' aborts");
+    assert_eq!(
+        failed as i64, aborted,
+        "pgbench failures must be exactly the migrations' aborts"
+    );
     if mode == "wait_remaster" {
         assert_eq!(aborted, 0, "wait_remaster aborts nothing");
     }
 
     let (a, b, t, h) = balances(&c, "n1");
     assert_eq!((a, b, t), (h, h, h), "balances diverge from the history");
-    let history: i64 = c.connect("n3").unwrap().query_one("SELECT count(*) FROM pgbench_history", &[]).unwrap().get(0);
-    assert_eq!(history as u64, processed, "one history row per committed transaction");
-    for table in ["pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history"] {
-        assert!(owners(&c, table).iter().all(|(_, o)| o != "n3"), "n3 still owns a shard of {table}");
+    let history: i64 = c
+        .connect("n3")
+        .unwrap()
+        .query_one("SELECT count(*) FROM pgbench_history", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        history as u64, processed,
+        "one history row per committed transaction"
+    );
+    for table in [
+        "pgbench_accounts",
+        "pgbench_branches",
+        "pgbench_tellers",
+        "pgbench_history",
+    ] {
+        assert!(
+            owners(&c, table).iter().all(|(_, o)| o != "n3"),
+            "n3 still owns a shard of {table}"
+        );
     }
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
@@ -142,14 +172,20 @@ fn run(mode: &str) {
     // Every moved table was compared on source and target before its flip.
     let state = c.state().unwrap();
     let log = std::fs::read_to_string(&state.coordinator.log).unwrap();
-    let verified = log.lines().filter(|l| l.contains("handover verified")).count();
+    let verified = log
+        .lines()
+        .filter(|l| l.contains("handover verified"))
+        .count();
     let tables: usize = moved.iter().map(|m| m.tables).sum();
     assert_eq!(verified, tables, "verified tables vs moved tables");
 
     // The migrations are listed, on any node.
     let mut n3 = c.connect("n3").unwrap();
     let listed: i64 = n3
-        .query_one("SELECT count(*) FROM remus_migrations WHERE status = 'succeeded'", &[])
+        .query_one(
+            "SELECT count(*) FROM remus_migrations WHERE status = 'succeeded'",
+            &[],
+        )
         .unwrap()
         .get(0);
     assert_eq!(listed as usize, moved.len());

@@ -46,7 +46,11 @@ fn migrate(c: &TestCluster, via: &str, shard: i64, target: &str) -> Moved {
             &[&shard, &target],
         )
         .unwrap_or_else(|e| panic!("migrating shard {shard} to {target}: {e:?}"));
-    let m = Moved { migration_id: row.get(0), status: row.get(1), aborted: row.get(2) };
+    let m = Moved {
+        migration_id: row.get(0),
+        status: row.get(1),
+        aborted: row.get(2),
+    };
     println!(
         "migration {} shard {shard} -> {target}: {} copy {} ms, catchup {} ms, handover {} ms, cleanup {} ms, total {} ms, replayed {}, aborted {}",
         m.migration_id,
@@ -64,16 +68,24 @@ fn migrate(c: &TestCluster, via: &str, shard: i64, target: &str) -> Moved {
 
 fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
     let mut db = c.connect("n1").unwrap();
-    db.query("SELECT shard_id, node_name FROM remus_shards WHERE table_name = $1 ORDER BY shard_id", &[&table])
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
+    db.query(
+        "SELECT shard_id, node_name FROM remus_shards WHERE table_name = $1 ORDER BY shard_id",
+        &[&table],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
 }
 
 fn owner_of(c: &TestCluster, shard: i64) -> String {
     let mut db = c.connect("n1").unwrap();
-    db.query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard]).unwrap().get(0)
+    db.query_one(
+        "SELECT node_name FROM remus_shards WHERE shard_id = $1",
+        &[&shard],
+    )
+    .unwrap()
+    .get(0)
 }
 
 /// Rows of `table` whose balance differs from the sum of its history deltas.
@@ -102,11 +114,24 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
         .node_names()
         .iter()
         .map(|n| {
-            c.pgbench(n, &["-n", "-c", "4", "-j", "2", "-T", "120", "--max-tries=1", "--verbose-errors"])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+            c.pgbench(
+                n,
+                &[
+                    "-n",
+                    "-c",
+                    "4",
+                    "-j",
+                    "2",
+                    "-T",
+                    "120",
+                    "--max-tries=1",
+                    "--verbose-errors",
+                ],
+            )
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
         })
         .collect();
     thread::sleep(Duration::from_secs(3));
@@ -149,19 +174,47 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
     // its node's Tm is in doubt waits for the outcome, so no source transaction meets a newer
     // version on the destination (router::drain_fence).
     let outputs: Vec<_> = results.iter().map(|r| &r.output).collect();
-    assert_eq!(failed as i64, aborted, "every pgbench failure must be a counted write-write conflict: {outputs:?}");
+    assert_eq!(
+        failed as i64, aborted,
+        "every pgbench failure must be a counted write-write conflict: {outputs:?}"
+    );
     assert_eq!(failed, 0, "{outputs:?}");
 
     let (a, b, t, h) = balances(&c, "n1");
     assert_eq!((a, b, t), (h, h, h), "balances diverge from the history");
-    let history: i64 = c.connect("n3").unwrap().query_one("SELECT count(*) FROM pgbench_history", &[]).unwrap().get(0);
-    assert_eq!(history as u64, processed, "one history row per committed transaction");
+    let history: i64 = c
+        .connect("n3")
+        .unwrap()
+        .query_one("SELECT count(*) FROM pgbench_history", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        history as u64, processed,
+        "one history row per committed transaction"
+    );
     // Row by row: every moved account, teller and branch holds exactly its history.
-    assert_eq!(balance_mismatches(&c, "pgbench_accounts", "aid", "abalance"), 0);
-    assert_eq!(balance_mismatches(&c, "pgbench_tellers", "tid", "tbalance"), 0);
-    assert_eq!(balance_mismatches(&c, "pgbench_branches", "bid", "bbalance"), 0);
-    for table in ["pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history"] {
-        assert!(owners(&c, table).iter().all(|(_, o)| o != "n3"), "n3 still owns a shard of {table}");
+    assert_eq!(
+        balance_mismatches(&c, "pgbench_accounts", "aid", "abalance"),
+        0
+    );
+    assert_eq!(
+        balance_mismatches(&c, "pgbench_tellers", "tid", "tbalance"),
+        0
+    );
+    assert_eq!(
+        balance_mismatches(&c, "pgbench_branches", "bid", "bbalance"),
+        0
+    );
+    for table in [
+        "pgbench_accounts",
+        "pgbench_branches",
+        "pgbench_tellers",
+        "pgbench_history",
+    ] {
+        assert!(
+            owners(&c, table).iter().all(|(_, o)| o != "n3"),
+            "n3 still owns a shard of {table}"
+        );
     }
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
@@ -174,12 +227,18 @@ fn an_account_of(c: &TestCluster, shard: i64, skip: i64) -> i32 {
     let mut on_owner = c.connect(&owner).unwrap();
     let table = format!("remus_shards.pgbench_accounts_{shard}");
     on_owner
-        .query_one(&format!("SELECT aid FROM {table} ORDER BY aid OFFSET $1 LIMIT 1"), &[&skip])
+        .query_one(
+            &format!("SELECT aid FROM {table} ORDER BY aid OFFSET $1 LIMIT 1"),
+            &[&skip],
+        )
         .unwrap()
         .get(0)
 }
 
-fn phase_of(db: &mut postgres::Client, migration: Option<i64>) -> Option<(i64, String, Option<String>)> {
+fn phase_of(
+    db: &mut postgres::Client,
+    migration: Option<i64>,
+) -> Option<(i64, String, Option<String>)> {
     let rows = db
         .query(
             "SELECT migration_id, phase, waiting_on FROM remus_migrations
@@ -190,7 +249,11 @@ fn phase_of(db: &mut postgres::Client, migration: Option<i64>) -> Option<(i64, S
     rows.first().map(|r| (r.get(0), r.get(1), r.get(2)))
 }
 
-fn wait_for_phase(c: &TestCluster, phases: &[&str], limit: Duration) -> (i64, String, Option<String>) {
+fn wait_for_phase(
+    c: &TestCluster,
+    phases: &[&str],
+    limit: Duration,
+) -> (i64, String, Option<String>) {
     let mut db = c.connect("n1").unwrap();
     wait_for(
         limit,
@@ -221,7 +284,13 @@ fn wait_owner(c: &TestCluster, via: &str, shard: i64, target: &str) {
         Duration::from_secs(60),
         Duration::from_millis(10),
         || {
-            let owner: String = db.query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard]).unwrap().get(0);
+            let owner: String = db
+                .query_one(
+                    "SELECT node_name FROM remus_shards WHERE shard_id = $1",
+                    &[&shard],
+                )
+                .unwrap()
+                .get(0);
             owner == target
         },
         || format!("{via} never saw {target} owning shard {shard}"),
@@ -234,8 +303,11 @@ type MigrationCall = thread::JoinHandle<Result<(String, i64), postgres::Error>>;
 fn start_migration(c: &TestCluster, shard: i64) -> MigrationCall {
     let mut db = c.connect("n3").unwrap();
     thread::spawn(move || {
-        db.query_one("SELECT status, aborted_by_migration FROM remus_migrate_shard($1, 'n2')", &[&shard])
-            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+        db.query_one(
+            "SELECT status, aborted_by_migration FROM remus_migrate_shard($1, 'n2')",
+            &[&shard],
+        )
+        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
     })
 }
 
@@ -245,7 +317,10 @@ fn start_migration(c: &TestCluster, shard: i64) -> MigrationCall {
 fn held_at_barrier() -> (TestCluster, i64, String, MigrationCall, postgres::Client) {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
     let holder = hold_barrier(&c, &source, shard);
     let mover = start_migration(&c, shard);
     wait_for_phase(&c, &["barrier"], Duration::from_secs(60));
@@ -259,7 +334,10 @@ const SPANNING_OPEN: Duration = Duration::from_secs(20);
 fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
     let target = "n2";
     let early_aid = an_account_of(&c, shard, 0);
     let span_aid = an_account_of(&c, shard, 1);
@@ -269,7 +347,12 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     // creation waits for it, and the sync barrier would too).
     let mut early = c.connect(&source).unwrap();
     early.batch_execute("BEGIN").unwrap();
-    early.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&early_aid]).unwrap();
+    early
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1",
+            &[&early_aid],
+        )
+        .unwrap();
 
     // The migration stops inside its copy (snapshot exported, no row copied yet) so that the
     // spanning writer below provably begins while the copy is under way.
@@ -286,22 +369,41 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     );
     assert!(said.contains("waits for transactions"), "{said}");
     // The early writer is not blocked: it keeps working and commits.
-    early.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&early_aid]).unwrap();
-    early.batch_execute("COMMIT").expect("a writer from before the migration commits");
+    early
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1",
+            &[&early_aid],
+        )
+        .unwrap();
+    early
+        .batch_execute("COMMIT")
+        .expect("a writer from before the migration commits");
 
     // The copy is under way: a writer begins now and stays open across Tm.
-    let migration = c.wait_paused_at(COPY_SNAPSHOT_EXPORTED, Duration::from_secs(120)).unwrap();
+    let migration = c
+        .wait_paused_at(COPY_SNAPSHOT_EXPORTED, Duration::from_secs(120))
+        .unwrap();
     let (id, phase, _) = phase_of(&mut n1, Some(migration)).expect("the paused migration runs");
     assert_eq!((id, phase.as_str()), (migration, "copy"));
     let mut spanning = c.connect(&source).unwrap();
     spanning.batch_execute("BEGIN").unwrap();
     let spanning_began = Instant::now();
-    spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 11 WHERE aid = $1", &[&span_aid]).unwrap();
+    spanning
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 11 WHERE aid = $1",
+            &[&span_aid],
+        )
+        .unwrap();
     // A long read-only transaction with a snapshot from before Tm, through another node.
     let mut reader = c.connect("n3").unwrap();
-    reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ").unwrap();
+    reader
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .unwrap();
     let sum_before: i64 = reader
-        .query_one("SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1", &[&span_aid])
+        .query_one(
+            "SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1",
+            &[&span_aid],
+        )
         .unwrap()
         .get(0);
     c.release_failpoint(COPY_SNAPSHOT_EXPORTED).unwrap();
@@ -315,18 +417,29 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
     // A transaction that begins after Tm, through any node, runs on the destination: its
     // write lands in the destination's shard table (the source's is still there, draining).
     let mut n3 = c.connect("n3").unwrap();
-    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&new_aid]).unwrap();
+    n3.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1",
+        &[&new_aid],
+    )
+    .unwrap();
     let mut dest = c.connect(target).unwrap();
-    dest.batch_execute("SET remus.migration_session = on").unwrap();
+    dest.batch_execute("SET remus.migration_session = on")
+        .unwrap();
     let on_dest: i32 = dest
-        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&new_aid])
+        .query_one(
+            &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&new_aid],
+        )
         .unwrap()
         .get(0);
     assert_eq!(on_dest, 5);
 
     // The long reader is never blocked and keeps its snapshot.
     let again: i64 = reader
-        .query_one("SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1", &[&span_aid])
+        .query_one(
+            "SELECT sum(abalance)::bigint FROM pgbench_accounts WHERE aid = $1",
+            &[&span_aid],
+        )
         .unwrap()
         .get(0);
     assert_eq!(again, sum_before);
@@ -334,26 +447,51 @@ fn transactions_spanning_the_handover_are_never_blocked_or_aborted() {
 
     // The spanning writer stays open well past Tm, writes once more on the source and commits;
     // then its write is on the destination. The migration is still draining it meanwhile.
-    thread::sleep(SPANNING_OPEN.saturating_sub(spanning_began.elapsed()).max(Duration::from_secs(2)));
-    let (_, phase, _) = phase_of(&mut n1, Some(migration)).expect("the migration waits for the spanning writer");
+    thread::sleep(
+        SPANNING_OPEN
+            .saturating_sub(spanning_began.elapsed())
+            .max(Duration::from_secs(2)),
+    );
+    let (_, phase, _) =
+        phase_of(&mut n1, Some(migration)).expect("the migration waits for the spanning writer");
     assert_eq!(phase, "cleanup");
-    spanning.execute("UPDATE pgbench_accounts SET abalance = abalance + 100 WHERE aid = $1", &[&span_aid]).unwrap();
-    spanning.batch_execute("COMMIT").expect("a transaction spanning Tm commits");
-    println!("the spanning writer was open {:?}, from the copy to after Tm", spanning_began.elapsed());
+    spanning
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 100 WHERE aid = $1",
+            &[&span_aid],
+        )
+        .unwrap();
+    spanning
+        .batch_execute("COMMIT")
+        .expect("a transaction spanning Tm commits");
+    println!(
+        "the spanning writer was open {:?}, from the copy to after Tm",
+        spanning_began.elapsed()
+    );
 
     let (status, aborted) = mover.join().unwrap().expect("migration call");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
     let v: i32 = dest
-        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&span_aid])
+        .query_one(
+            &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&span_aid],
+        )
         .unwrap()
         .get(0);
     assert_eq!(v, 111);
     let v: i32 = dest
-        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&early_aid])
+        .query_one(
+            &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&early_aid],
+        )
         .unwrap()
         .get(0);
     assert_eq!(v, 8);
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 #[test]
@@ -366,14 +504,27 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
     // The loser: a REPEATABLE READ transaction on the source that uses the shard before Tm
     // (so it stays there) and writes the contested row only after the winner committed it.
     let mut loser = c.connect(&source).unwrap();
-    loser.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ").unwrap();
-    loser.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&pin_aid]).unwrap();
+    loser
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .unwrap();
+    loser
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1",
+            &[&pin_aid],
+        )
+        .unwrap();
     // A row written (autocommit) through the source while the stream carries changes: its
     // commit time is checked on the destination afterwards.
     let mut src = c.connect(&source).unwrap();
-    src.execute("UPDATE pgbench_accounts SET abalance = 42 WHERE aid = $1", &[&stamped_aid]).unwrap();
+    src.execute(
+        "UPDATE pgbench_accounts SET abalance = 42 WHERE aid = $1",
+        &[&stamped_aid],
+    )
+    .unwrap();
     let mut src_shadow = c.connect(&source).unwrap();
-    src_shadow.batch_execute("SET remus.migration_session = on").unwrap();
+    src_shadow
+        .batch_execute("SET remus.migration_session = on")
+        .unwrap();
     let source_ts: String = src_shadow
         .query_one(
             &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
@@ -387,24 +538,43 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
     wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
     wait_owner(&c, "n3", shard, "n2");
     let mut winner = c.connect("n3").unwrap();
-    winner.execute("UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1", &[&aid]).unwrap();
+    winner
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
     // On the source the row is as the loser's snapshot has it; the destination has a newer
     // version, written by a transaction that is not the loser's shadow.
-    loser.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&aid]).unwrap();
+    loser
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
 
-    let err = loser.batch_execute("COMMIT").expect_err("the source transaction loses the write-write conflict");
+    let err = loser
+        .batch_execute("COMMIT")
+        .expect_err("the source transaction loses the write-write conflict");
     assert_eq!(err.code().map(|c| c.code()), Some("40001"), "{err:?}");
     assert_eq!(mover.join().unwrap().expect("migration").0, "succeeded");
 
     let mut dest = c.connect("n2").unwrap();
-    dest.batch_execute("SET remus.migration_session = on").unwrap();
+    dest.batch_execute("SET remus.migration_session = on")
+        .unwrap();
     let v: i32 = dest
-        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&aid])
+        .query_one(
+            &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&aid],
+        )
         .unwrap()
         .get(0);
     assert_eq!(v, 1000, "the destination holds the winner's write");
     let v: i32 = dest
-        .query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&pin_aid])
+        .query_one(
+            &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&pin_aid],
+        )
         .unwrap()
         .get(0);
     assert_eq!(v, 0, "nothing of the loser reached the destination");
@@ -417,7 +587,11 @@ fn write_write_conflict_across_the_handover_aborts_exactly_one() {
         .unwrap()
         .get(0);
     assert_eq!(dest_ts, source_ts);
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 #[test]
@@ -429,25 +603,37 @@ fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
     // the source keeps the drain (and the source table) alive meanwhile.
     let mut t = c.connect(&source).unwrap();
     t.batch_execute("BEGIN").unwrap();
-    t.execute("UPDATE pgbench_accounts SET abalance = 777 WHERE aid = $1", &[&aid]).unwrap();
+    t.execute(
+        "UPDATE pgbench_accounts SET abalance = 777 WHERE aid = $1",
+        &[&aid],
+    )
+    .unwrap();
     let mut old_reader = c.connect(&source).unwrap();
-    old_reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").unwrap();
+    old_reader
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .unwrap();
     holder.batch_execute("COMMIT").unwrap();
     wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
     wait_owner(&c, "n1", shard, "n2");
     t.batch_execute("COMMIT").unwrap();
     let mut dest = c.connect("n2").unwrap();
-    dest.batch_execute("SET remus.migration_session = on").unwrap();
+    dest.batch_execute("SET remus.migration_session = on")
+        .unwrap();
     let row = dest
         .query_one(
             &format!("SELECT abalance, pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
             &[&aid],
         )
         .unwrap();
-    assert_eq!(row.get::<_, i32>(0), 777, "read-your-writes across the move");
+    assert_eq!(
+        row.get::<_, i32>(0),
+        777,
+        "read-your-writes across the move"
+    );
     // The validated shadow committed with the source transaction's commit time.
     let mut src = c.connect(&source).unwrap();
-    src.batch_execute("SET remus.migration_session = on").unwrap();
+    src.batch_execute("SET remus.migration_session = on")
+        .unwrap();
     let source_ts: String = src
         .query_one(
             &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
@@ -459,7 +645,11 @@ fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
     old_reader.batch_execute("COMMIT").unwrap();
     let (status, aborted) = mover.join().unwrap().expect("migration");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 /// Holds Tm on `node`: Tm's UPDATE of the shard's map row there waits for this lock, so the
@@ -467,7 +657,11 @@ fn a_validated_commit_is_readable_on_the_destination_when_the_client_gets_it() {
 fn hold_tm(c: &TestCluster, node: &str, shard: i64) -> postgres::Client {
     let mut db = c.connect(node).unwrap();
     db.batch_execute("BEGIN").unwrap();
-    db.execute("SELECT 1 FROM remus.shard_map WHERE shard_id = $1 FOR UPDATE", &[&shard]).unwrap();
+    db.execute(
+        "SELECT 1 FROM remus.shard_map WHERE shard_id = $1 FOR UPDATE",
+        &[&shard],
+    )
+    .unwrap();
     db
 }
 
@@ -492,15 +686,20 @@ fn wait_tm_blocked(c: &TestCluster, node: &str) {
 }
 
 fn balance_on(db: &mut postgres::Client, shard: i64, aid: i32) -> i32 {
-    db.batch_execute("SET remus.migration_session = on").unwrap();
-    db.query_one(&format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"), &[&aid])
-        .unwrap()
-        .get(0)
+    db.batch_execute("SET remus.migration_session = on")
+        .unwrap();
+    db.query_one(
+        &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+        &[&aid],
+    )
+    .unwrap()
+    .get(0)
 }
 
 /// The commit time (text) of the version of account `aid` in the shard table on this node.
 fn row_commit_time(db: &mut postgres::Client, shard: i64, aid: i32) -> String {
-    db.batch_execute("SET remus.migration_session = on").unwrap();
+    db.batch_execute("SET remus.migration_session = on")
+        .unwrap();
     db.query_one(
         &format!("SELECT pg_xact_commit_timestamp(xmin)::text FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
         &[&aid],
@@ -511,9 +710,12 @@ fn row_commit_time(db: &mut postgres::Client, shard: i64, aid: i32) -> String {
 
 /// The commit time (text) of transaction `xid` (a `txid_current()` value) on this node.
 fn xact_commit_time(db: &mut postgres::Client, xid: i64) -> String {
-    db.query_one("SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text", &[&xid])
-        .unwrap()
-        .get(0)
+    db.query_one(
+        "SELECT pg_xact_commit_timestamp(($1 % 4294967296)::text::xid)::text",
+        &[&xid],
+    )
+    .unwrap()
+    .get(0)
 }
 
 /// A user 2PC transaction on n1 that adds `delta` to account `aid` and is prepared as `gid`:
@@ -522,8 +724,13 @@ fn prepared_update(c: &TestCluster, aid: i32, delta: i32, gid: &str) -> (postgre
     let mut db = c.connect("n1").unwrap();
     db.batch_execute("BEGIN").unwrap();
     let xid: i64 = db.query_one("SELECT txid_current()", &[]).unwrap().get(0);
-    db.execute("UPDATE pgbench_accounts SET abalance = abalance + $2 WHERE aid = $1", &[&aid, &delta]).unwrap();
-    db.batch_execute(&format!("PREPARE TRANSACTION '{gid}'")).unwrap();
+    db.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + $2 WHERE aid = $1",
+        &[&aid, &delta],
+    )
+    .unwrap();
+    db.batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .unwrap();
     (db, xid)
 }
 
@@ -539,18 +746,29 @@ fn prepared_update(c: &TestCluster, aid: i32, delta: i32, gid: &str) -> (postgre
 fn a_stream_or_destination_failure_during_dual_execution() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let n1_shards: Vec<i64> =
-        owners(&c, "pgbench_accounts").into_iter().filter(|(_, o)| o == "n1").map(|(s, _)| s).collect();
-    assert!(n1_shards.len() >= 2, "n1 owns two account shards: {n1_shards:?}");
+    let n1_shards: Vec<i64> = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .filter(|(_, o)| o == "n1")
+        .map(|(s, _)| s)
+        .collect();
+    assert!(
+        n1_shards.len() >= 2,
+        "n1 owns two account shards: {n1_shards:?}"
+    );
 
     // ---- after Tm: the stream fails; the migration completes from the shadows ----
     let shard = n1_shards[0];
-    let (prepared_aid, committed_aid, failing_aid) =
-        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let (prepared_aid, committed_aid, failing_aid) = (
+        an_account_of(&c, shard, 0),
+        an_account_of(&c, shard, 1),
+        an_account_of(&c, shard, 2),
+    );
     let mut n1 = c.connect("n1").unwrap();
     let (rows_before, sum_before): (i64, i64) = {
         let mut direct = c.connect("n1").unwrap();
-        direct.batch_execute("SET remus.migration_session = on").unwrap();
+        direct
+            .batch_execute("SET remus.migration_session = on")
+            .unwrap();
         let r = direct
             .query_one(&format!("SELECT count(*), sum(abalance)::bigint FROM remus_shards.pgbench_accounts_{shard}"), &[])
             .unwrap();
@@ -563,10 +781,18 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     // In dual execution: a user 2PC transaction validated at its PREPARE, an autocommit write
     // (validated and committed on both sides), and a writer left open across Tm.
     let (mut x, x_xid) = prepared_update(&c, prepared_aid, 3, "remus_it_x");
-    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&committed_aid]).unwrap();
+    n1.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1",
+        &[&committed_aid],
+    )
+    .unwrap();
     let mut w = c.connect("n1").unwrap();
     w.batch_execute("BEGIN").unwrap();
-    w.execute("UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1", &[&failing_aid]).unwrap();
+    w.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1",
+        &[&failing_aid],
+    )
+    .unwrap();
     tm_holder.batch_execute("COMMIT").unwrap();
     let (migration_id, _, _) = wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
     wait_owner(&c, "n3", shard, "n2");
@@ -583,11 +809,16 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     assert_eq!(killed, 1, "the migration's walsender was running");
     let started = Instant::now();
     loop {
-        let said = phase_of(&mut n1, Some(migration_id)).and_then(|p| p.2).unwrap_or_default();
+        let said = phase_of(&mut n1, Some(migration_id))
+            .and_then(|p| p.2)
+            .unwrap_or_default();
         if said.contains("stream failed") {
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(60), "remus_migrations never reported the failure: {said:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "remus_migrations never reported the failure: {said:?}"
+        );
         thread::sleep(Duration::from_millis(20));
     }
     // The open writer either cannot be validated any more (40001, its write not applied) or
@@ -595,7 +826,10 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     // the destination with the rest): never a hang, never a write lost.
     let w_committed = match w.batch_execute("COMMIT") {
         Ok(()) => {
-            println!("the writer was still validated after the stream failed\n{}", c.daemon_logs(40));
+            println!(
+                "the writer was still validated after the stream failed\n{}",
+                c.daemon_logs(40)
+            );
             true
         }
         Err(e) => {
@@ -619,20 +853,33 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     let w_delta = if w_committed { 13 } else { 0 };
     assert_eq!(balance_on(&mut n2, shard, failing_aid), w_delta);
     let shadow_committed_at = row_commit_time(&mut n2, shard, prepared_aid);
-    assert_eq!(shadow_committed_at, x_committed_at, "the resolved shadow carries the source's commit time");
+    assert_eq!(
+        shadow_committed_at, x_committed_at,
+        "the resolved shadow carries the source's commit time"
+    );
     let (rows_after, sum_after): (i64, i64) = {
         let r = n2
             .query_one(&format!("SELECT count(*), sum(abalance)::bigint FROM remus_shards.pgbench_accounts_{shard}"), &[])
             .unwrap();
         (r.get(0), r.get(1))
     };
-    assert_eq!((rows_after, sum_after), (rows_before, sum_before + 20 + i64::from(w_delta)));
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert_eq!(
+        (rows_after, sum_after),
+        (rows_before, sum_before + 20 + i64::from(w_delta))
+    );
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 
     // ---- before Tm: the replay worker dies; the migration rolls back ----
     let shard = n1_shards[1];
-    let (prepared_aid, failing_aid, later_aid) =
-        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let (prepared_aid, failing_aid, later_aid) = (
+        an_account_of(&c, shard, 0),
+        an_account_of(&c, shard, 1),
+        an_account_of(&c, shard, 2),
+    );
     let mut tm_holder = hold_tm(&c, "n2", shard);
     let mover = start_migration(&c, shard);
     let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
@@ -640,38 +887,66 @@ fn a_stream_or_destination_failure_during_dual_execution() {
     let (mut v, _) = prepared_update(&c, prepared_aid, 19, "remus_it_v");
     let mut u = c.connect("n1").unwrap();
     u.batch_execute("BEGIN").unwrap();
-    u.execute("UPDATE pgbench_accounts SET abalance = abalance + 23 WHERE aid = $1", &[&failing_aid]).unwrap();
-    let worker = c.state().unwrap().replay_worker.live_pid().expect("replay worker runs");
+    u.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 23 WHERE aid = $1",
+        &[&failing_aid],
+    )
+    .unwrap();
+    let worker = c
+        .state()
+        .unwrap()
+        .replay_worker
+        .live_pid()
+        .expect("replay worker runs");
     // SAFETY: SIGKILL to the replay worker this test's cluster started.
     unsafe { libc::kill(worker as i32, libc::SIGKILL) };
-    let e = u.batch_execute("COMMIT").expect_err("no destination to validate on");
+    let e = u
+        .batch_execute("COMMIT")
+        .expect_err("no destination to validate on");
     assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
     tm_holder.batch_execute("COMMIT").unwrap();
     let e = mover.join().unwrap().expect_err("the migration rolls back");
     assert!(format!("{e:?}").contains("rolled_back"), "{e:?}");
     let (status, error): (String, Option<String>) = {
         let r = n1
-            .query_one("SELECT status, error FROM remus_migrations WHERE migration_id = $1", &[&migration_id])
+            .query_one(
+                "SELECT status, error FROM remus_migrations WHERE migration_id = $1",
+                &[&migration_id],
+            )
             .unwrap();
         (r.get(0), r.get(1))
     };
     assert_eq!(status, "rolled_back");
-    assert!(error.unwrap_or_default().contains("replay worker"), "remus_migrations says why");
+    assert!(
+        error.unwrap_or_default().contains("replay worker"),
+        "remus_migrations says why"
+    );
     // The validated transaction commits on the source, which still owns the shard; the source
     // takes writes again.
     v.batch_execute("COMMIT PREPARED 'remus_it_v'").unwrap();
     assert_eq!(owner_of(&c, shard), "n1");
-    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 29 WHERE aid = $1", &[&later_aid]).unwrap();
+    n1.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 29 WHERE aid = $1",
+        &[&later_aid],
+    )
+    .unwrap();
     let mut src = c.connect("n1").unwrap();
     assert_eq!(balance_on(&mut src, shard, prepared_aid), 19);
     assert_eq!(balance_on(&mut src, shard, failing_aid), 0);
     assert_eq!(balance_on(&mut src, shard, later_aid), 29);
     let on_target: bool = n2
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&format!("remus_shards.pgbench_accounts_{shard}")])
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&format!("remus_shards.pgbench_accounts_{shard}")],
+        )
         .unwrap()
         .get(0);
     assert!(!on_target, "the destination's copy is dropped");
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 /// Commits that are not a plain COMMIT, in dual execution:
@@ -685,8 +960,12 @@ fn a_stream_or_destination_failure_during_dual_execution() {
 fn procedure_commits_and_2pc_participants_in_dual_execution() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
-    let (committed_aid, rolled_back_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
+    let (shard, _) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
+    let (committed_aid, rolled_back_aid) =
+        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
     let (proc_a, proc_b) = (an_account_of(&c, shard, 2), an_account_of(&c, shard, 3));
     let mut tm_holder = hold_tm(&c, "n2", shard);
     let mover = start_migration(&c, shard);
@@ -705,10 +984,15 @@ fn procedure_commits_and_2pc_participants_in_dual_execution() {
              END $$",
         )
         .unwrap();
-    caller.execute("CALL remus_it_two_commits($1, $2)", &[&proc_a, &proc_b]).unwrap();
+    caller
+        .execute("CALL remus_it_two_commits($1, $2)", &[&proc_a, &proc_b])
+        .unwrap();
     let mut on_dest = c.connect("n2").unwrap();
     assert_eq!(
-        (balance_on(&mut on_dest, shard, proc_a), balance_on(&mut on_dest, shard, proc_b)),
+        (
+            balance_on(&mut on_dest, shard, proc_a),
+            balance_on(&mut on_dest, shard, proc_b)
+        ),
         (31, 37),
         "both commits of the procedure are on the destination when CALL returns"
     );
@@ -717,37 +1001,67 @@ fn procedure_commits_and_2pc_participants_in_dual_execution() {
     let (_r, _) = prepared_update(&c, rolled_back_aid, 7, "remus_it_r");
     let mut n2 = c.connect("n2").unwrap();
     let shadows = |db: &mut postgres::Client| -> i64 {
-        db.query_one("SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus:%'", &[]).unwrap().get(0)
+        db.query_one(
+            "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus:%'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
     };
-    assert_eq!(shadows(&mut n2), 2, "both participants validated at PREPARE");
+    assert_eq!(
+        shadows(&mut n2),
+        2,
+        "both participants validated at PREPARE"
+    );
 
     let mut n1 = c.connect("n1").unwrap();
     let walsender: i32 = n1
-        .query_one("SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'remus_m' || $1::bigint", &[&migration_id])
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'remus_m' || $1::bigint",
+            &[&migration_id],
+        )
         .unwrap()
         .get(0);
     // SAFETY: stops (and below resumes) the walsender of this test's migration.
     unsafe { libc::kill(walsender, libc::SIGSTOP) };
-    let finished = n1.batch_execute("COMMIT PREPARED 'remus_it_p'").and_then(|_| n1.batch_execute("ROLLBACK PREPARED 'remus_it_r'"));
+    let finished = n1
+        .batch_execute("COMMIT PREPARED 'remus_it_p'")
+        .and_then(|_| n1.batch_execute("ROLLBACK PREPARED 'remus_it_r'"));
     let left = shadows(&mut n2);
     let committed = balance_on(&mut n2, shard, committed_aid);
     let rolled_back = balance_on(&mut n2, shard, rolled_back_aid);
     // SAFETY: as above.
     unsafe { libc::kill(walsender, libc::SIGCONT) };
     finished.unwrap();
-    assert_eq!(left, 0, "the shadows were finished with their source transactions");
+    assert_eq!(
+        left, 0,
+        "the shadows were finished with their source transactions"
+    );
     assert_eq!((committed, rolled_back), (5, 0));
     let source_ts = xact_commit_time(&mut n1, p_xid);
     let dest_ts = row_commit_time(&mut n2, shard, committed_aid);
-    assert_eq!(dest_ts, source_ts, "the shadow carries the source's commit time");
+    assert_eq!(
+        dest_ts, source_ts,
+        "the shadow carries the source's commit time"
+    );
 
     tm_holder.batch_execute("COMMIT").unwrap();
     let (status, aborted) = mover.join().unwrap().expect("migration");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
     assert_eq!(balance_on(&mut n2, shard, committed_aid), 5);
     assert_eq!(balance_on(&mut n2, shard, rolled_back_aid), 0);
-    assert_eq!((balance_on(&mut n2, shard, proc_a), balance_on(&mut n2, shard, proc_b)), (31, 37));
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert_eq!(
+        (
+            balance_on(&mut n2, shard, proc_a),
+            balance_on(&mut n2, shard, proc_b)
+        ),
+        (31, 37)
+    );
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 /// The destination's PostgreSQL goes down after Tm (paper section 3.7): a source transaction
@@ -758,26 +1072,42 @@ fn procedure_commits_and_2pc_participants_in_dual_execution() {
 fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
-    let (prepared_aid, committed_aid, failing_aid) =
-        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let (shard, _) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
+    let (prepared_aid, committed_aid, failing_aid) = (
+        an_account_of(&c, shard, 0),
+        an_account_of(&c, shard, 1),
+        an_account_of(&c, shard, 2),
+    );
     let mut tm_holder = hold_tm(&c, "n2", shard);
     let mover = start_migration(&c, shard);
     let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
     wait_tm_blocked(&c, "n2");
     let (mut x, x_xid) = prepared_update(&c, prepared_aid, 3, "remus_it_x");
     let mut n1 = c.connect("n1").unwrap();
-    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&committed_aid]).unwrap();
+    n1.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1",
+        &[&committed_aid],
+    )
+    .unwrap();
     let mut w = c.connect("n1").unwrap();
     w.batch_execute("BEGIN").unwrap();
-    w.execute("UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1", &[&failing_aid]).unwrap();
+    w.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1",
+        &[&failing_aid],
+    )
+    .unwrap();
     tm_holder.batch_execute("COMMIT").unwrap();
     drop(tm_holder);
     // Down right at the decision: the target may not even have committed Tm yet (its prepared
     // Tm and shadows survive the restart).
     wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
     c.stop_node("n2").unwrap();
-    let e = w.batch_execute("COMMIT").expect_err("no destination to validate on");
+    let e = w
+        .batch_execute("COMMIT")
+        .expect_err("no destination to validate on");
     assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
     x.batch_execute("COMMIT PREPARED 'remus_it_x'").unwrap();
     let x_committed_at = xact_commit_time(&mut n1, x_xid);
@@ -785,16 +1115,20 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
     let started = Instant::now();
     let mut said = String::new();
     while started.elapsed() < Duration::from_secs(30) && !said.contains("n2 is unreachable") {
-        said = phase_of(&mut n1, Some(migration_id)).and_then(|p| p.2).unwrap_or_default();
+        said = phase_of(&mut n1, Some(migration_id))
+            .and_then(|p| p.2)
+            .unwrap_or_default();
         thread::sleep(Duration::from_millis(50));
     }
     println!("remus_migrations.waiting_on while n2 was down: {said:?}");
     c.start_node("n2").unwrap();
 
-    let (status, _) = mover
-        .join()
-        .unwrap()
-        .unwrap_or_else(|e| panic!("the migration completes once the target is back: {e:?}\n{}", c.daemon_logs(80)));
+    let (status, _) = mover.join().unwrap().unwrap_or_else(|e| {
+        panic!(
+            "the migration completes once the target is back: {e:?}\n{}",
+            c.daemon_logs(80)
+        )
+    });
     assert_eq!(status, "succeeded");
     assert_eq!(owner_of(&c, shard), "n2");
     let mut n2 = c.connect("n2").unwrap();
@@ -803,7 +1137,11 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
     assert_eq!(balance_on(&mut n2, shard, failing_aid), 0);
     let shadow_committed_at = row_commit_time(&mut n2, shard, prepared_aid);
     assert_eq!(shadow_committed_at, x_committed_at);
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 /// Paper section 3.7, the destination PostgreSQL itself down before the Tm decision: the
@@ -815,9 +1153,15 @@ fn a_destination_down_after_tm_is_waited_for_and_the_migration_completes() {
 fn a_destination_down_before_tm_rolls_back_and_the_source_keeps_serving() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
-    let (validated_aid, open_aid, later_aid) =
-        (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1), an_account_of(&c, shard, 2));
+    let (shard, _) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
+    let (validated_aid, open_aid, later_aid) = (
+        an_account_of(&c, shard, 0),
+        an_account_of(&c, shard, 1),
+        an_account_of(&c, shard, 2),
+    );
     let tm_holder = hold_tm(&c, "n2", shard);
     let mover = start_migration(&c, shard);
     let (migration_id, _, _) = wait_for_phase(&c, &["handover"], Duration::from_secs(120));
@@ -825,10 +1169,18 @@ fn a_destination_down_before_tm_rolls_back_and_the_source_keeps_serving() {
     // In dual execution: a write validated on the destination (its shadow is prepared there)
     // and a writer still open when the destination goes down.
     let mut n1 = c.connect("n1").unwrap();
-    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1", &[&validated_aid]).unwrap();
+    n1.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 17 WHERE aid = $1",
+        &[&validated_aid],
+    )
+    .unwrap();
     let mut w = c.connect("n1").unwrap();
     w.batch_execute("BEGIN").unwrap();
-    w.execute("UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1", &[&open_aid]).unwrap();
+    w.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 13 WHERE aid = $1",
+        &[&open_aid],
+    )
+    .unwrap();
 
     // The destination stops: Tm's session there fails before any decision.
     c.stop_node("n2").unwrap();
@@ -836,23 +1188,40 @@ fn a_destination_down_before_tm_rolls_back_and_the_source_keeps_serving() {
     let started = Instant::now();
     let mut said = String::new();
     while !said.contains("n2 is unreachable") {
-        assert!(started.elapsed() < Duration::from_secs(60), "the rollback never waited for n2; said {said:?}\n{}", c.daemon_logs(60));
-        said = phase_of(&mut n1, Some(migration_id)).and_then(|p| p.2).unwrap_or_default();
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the rollback never waited for n2; said {said:?}\n{}",
+            c.daemon_logs(60)
+        );
+        said = phase_of(&mut n1, Some(migration_id))
+            .and_then(|p| p.2)
+            .unwrap_or_default();
         thread::sleep(Duration::from_millis(50));
     }
     println!("remus_migrations.waiting_on while n2 was down: {said:?}");
     // The rollback is waiting for n2, and the source takes writes to the shard again: the open
     // writer commits, and so does a new one.
-    w.batch_execute("COMMIT").expect("the open writer commits on the source");
-    n1.execute("UPDATE pgbench_accounts SET abalance = abalance + 29 WHERE aid = $1", &[&later_aid])
-        .expect("a new write on the source while the destination is down");
+    w.batch_execute("COMMIT")
+        .expect("the open writer commits on the source");
+    n1.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 29 WHERE aid = $1",
+        &[&later_aid],
+    )
+    .expect("a new write on the source while the destination is down");
     assert_eq!(owner_of(&c, shard), "n1");
 
     c.start_node("n2").unwrap();
     let e = mover.join().unwrap().expect_err("the migration rolls back");
-    assert!(format!("{e:?}").contains("rolled_back"), "{e:?}\n{}", c.daemon_logs(60));
+    assert!(
+        format!("{e:?}").contains("rolled_back"),
+        "{e:?}\n{}",
+        c.daemon_logs(60)
+    );
     let status: String = n1
-        .query_one("SELECT status FROM remus_migrations WHERE migration_id = $1", &[&migration_id])
+        .query_one(
+            "SELECT status FROM remus_migrations WHERE migration_id = $1",
+            &[&migration_id],
+        )
         .unwrap()
         .get(0);
     assert_eq!(status, "rolled_back");
@@ -864,11 +1233,18 @@ fn a_destination_down_before_tm_rolls_back_and_the_source_keeps_serving() {
     let on_target: bool = c
         .connect("n2")
         .unwrap()
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&format!("remus_shards.pgbench_accounts_{shard}")])
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&format!("remus_shards.pgbench_accounts_{shard}")],
+        )
         .unwrap()
         .get(0);
     assert!(!on_target, "the destination's copy is dropped");
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
     assert_eq!(prepared_everywhere(&c), 0);
 }
 
@@ -889,7 +1265,12 @@ fn wait_lock_waiter(c: &TestCluster, node: &str, query_part: &str) {
                 .get(0);
             n > 0
         },
-        || format!("no session on {node} waits for a lock in {query_part:?}\n{}", c.daemon_logs(40)),
+        || {
+            format!(
+                "no session on {node} waits for a lock in {query_part:?}\n{}",
+                c.daemon_logs(40)
+            )
+        },
     );
 }
 
@@ -904,27 +1285,53 @@ fn a_newer_writer_of_a_hot_row_waits_for_the_older_one_across_tm() {
     let aid = an_account_of(&c, shard, 0);
     let mut older = c.connect(&source).unwrap();
     older.batch_execute("BEGIN").unwrap();
-    older.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&aid]).unwrap();
+    older
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
     holder.batch_execute("COMMIT").unwrap();
     wait_for_phase(&c, &["cleanup"], Duration::from_secs(120));
     wait_owner(&c, "n3", shard, "n2");
 
     let mut n3 = c.connect("n3").unwrap();
     let newer = thread::spawn(move || {
-        n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1", &[&aid])
+        n3.execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 1000 WHERE aid = $1",
+            &[&aid],
+        )
     });
     // The newer writer waits on the source for the older one's row lock.
     wait_lock_waiter(&c, &source, "FOR SHARE");
-    assert!(!newer.is_finished(), "the newer writer went ahead of the older one");
-    older.execute("UPDATE pgbench_accounts SET abalance = abalance + 10 WHERE aid = $1", &[&aid]).unwrap();
-    older.batch_execute("COMMIT").expect("the older writer commits");
+    assert!(
+        !newer.is_finished(),
+        "the newer writer went ahead of the older one"
+    );
+    older
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 10 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
+    older
+        .batch_execute("COMMIT")
+        .expect("the older writer commits");
     assert_eq!(newer.join().unwrap().expect("the newer writer commits"), 1);
 
     let (status, aborted) = mover.join().unwrap().expect("migration call");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
     let mut n2 = c.connect("n2").unwrap();
-    assert_eq!(balance_on(&mut n2, shard, aid), 1011, "both writes, the newer on top of the older");
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert_eq!(
+        balance_on(&mut n2, shard, aid),
+        1011,
+        "both writes, the newer on top of the older"
+    );
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 /// READ COMMITTED, first use of a shard while this node's Tm is prepared but not committed
@@ -934,7 +1341,10 @@ fn a_newer_writer_of_a_hot_row_waits_for_the_older_one_across_tm() {
 fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, _) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (shard, _) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
     let aid = an_account_of(&c, shard, 0);
     // Tm prepares on the target (n2) first and is held on n3.
     let mut tm_holder = hold_tm(&c, "n3", shard);
@@ -943,17 +1353,26 @@ fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
     wait_tm_blocked(&c, "n3");
     let mut n2 = c.connect("n2").unwrap();
     let prepared: i64 = n2
-        .query_one("SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus_tm:%'", &[])
+        .query_one(
+            "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus_tm:%'",
+            &[],
+        )
         .unwrap()
         .get(0);
     assert_eq!(prepared, 1, "Tm is prepared on the target");
 
     let mut via_n2 = c.connect("n2").unwrap();
     let writer = thread::spawn(move || {
-        via_n2.execute("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1", &[&aid])
+        via_n2.execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1",
+            &[&aid],
+        )
     });
     wait_lock_waiter(&c, "n2", "UPDATE pgbench_accounts");
-    assert!(!writer.is_finished(), "the writer routed while Tm was in doubt");
+    assert!(
+        !writer.is_finished(),
+        "the writer routed while Tm was in doubt"
+    );
     tm_holder.batch_execute("COMMIT").unwrap();
     assert_eq!(writer.join().unwrap().expect("the writer commits"), 1);
     let (status, _) = mover.join().unwrap().expect("migration call");
@@ -973,8 +1392,15 @@ fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
         )
         .unwrap()
         .get(0);
-    assert_eq!(origin, None, "the write ran on the destination, not as a shadow of a source transaction");
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert_eq!(
+        origin, None,
+        "the write ran on the destination, not as a shadow of a source transaction"
+    );
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 /// Waits until migration `id` has ended; its status and error.
@@ -985,12 +1411,20 @@ fn wait_ended(c: &TestCluster, id: i64, limit: Duration) -> (String, Option<Stri
         Duration::from_millis(50),
         || {
             let row = db
-                .query_one("SELECT status, error FROM remus_migrations WHERE migration_id = $1", &[&id])
+                .query_one(
+                    "SELECT status, error FROM remus_migrations WHERE migration_id = $1",
+                    &[&id],
+                )
                 .unwrap_or_else(|e| panic!("reading migration {id}: {e:?}"));
             let status: String = row.get(0);
             (status != "running").then(|| (status, row.get(1)))
         },
-        || format!("migration {id} did not end within {limit:?}\n{}", c.daemon_logs(40)),
+        || {
+            format!(
+                "migration {id} did not end within {limit:?}\n{}",
+                c.daemon_logs(40)
+            )
+        },
     )
 }
 
@@ -1001,7 +1435,10 @@ fn owners_everywhere(c: &TestCluster, shard: i64) -> Vec<String> {
         .map(|n| {
             c.connect(n)
                 .unwrap()
-                .query_one("SELECT node_name FROM remus_shards WHERE shard_id = $1", &[&shard])
+                .query_one(
+                    "SELECT node_name FROM remus_shards WHERE shard_id = $1",
+                    &[&shard],
+                )
                 .unwrap()
                 .get(0)
         })
@@ -1019,7 +1456,10 @@ fn commit_across_coordinator_death(writer: &mut postgres::Client) -> bool {
             false
         }
     };
-    println!("the writer open when the coordinator died: {}", if committed { "committed" } else { "40001" });
+    println!(
+        "the writer open when the coordinator died: {}",
+        if committed { "committed" } else { "40001" }
+    );
     committed
 }
 
@@ -1030,54 +1470,96 @@ fn commit_across_coordinator_death(writer: &mut postgres::Client) -> bool {
 fn a_coordinator_killed_before_tm_is_rolled_back_by_its_successor() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
     let (aid, validated_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
     c.arm_pause(DUAL_STARTED).unwrap();
     let mover = start_migration(&c, shard);
-    let migration = c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120)).unwrap();
+    let migration = c
+        .wait_paused_at(DUAL_STARTED, Duration::from_secs(120))
+        .unwrap();
 
     let mut writer = c.connect(&source).unwrap();
     writer.batch_execute("BEGIN").unwrap();
-    writer.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&aid]).unwrap();
+    writer
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
     // Validated on the target and committed on the source while the coordinator lives.
     let mut n3 = c.connect("n3").unwrap();
-    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&validated_aid]).unwrap();
+    n3.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1",
+        &[&validated_aid],
+    )
+    .unwrap();
 
     c.kill_coordinator().unwrap();
     // Disarmed, or the next migration of the shard would stop there too.
     c.release_failpoint(DUAL_STARTED).unwrap();
-    assert!(mover.join().unwrap().is_err(), "the migration call must fail with its coordinator");
+    assert!(
+        mover.join().unwrap().is_err(),
+        "the migration call must fail with its coordinator"
+    );
     let committed = commit_across_coordinator_death(&mut writer);
 
     c.start_coordinator_again().unwrap();
     let (status, error) = wait_ended(&c, migration, Duration::from_secs(180));
     assert_eq!(status, "rolled_back", "{error:?}\n{}", c.daemon_logs(40));
     let error = error.unwrap_or_default();
-    assert!(error.contains("coordinator stopped during phase dual"), "{error}");
+    assert!(
+        error.contains("coordinator stopped during phase dual"),
+        "{error}"
+    );
 
     assert_eq!(owners_everywhere(&c, shard), vec![source.clone(); 3]);
     // The source takes writes on the shard again, with no validation to fail.
-    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&validated_aid])
-        .expect("a write after the rollback");
-    assert_eq!(balance_on(&mut c.connect(&source).unwrap(), shard, validated_aid), 6);
-    assert_eq!(balance_on(&mut c.connect(&source).unwrap(), shard, aid), if committed { 3 } else { 0 });
+    n3.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1",
+        &[&validated_aid],
+    )
+    .expect("a write after the rollback");
+    assert_eq!(
+        balance_on(&mut c.connect(&source).unwrap(), shard, validated_aid),
+        6
+    );
+    assert_eq!(
+        balance_on(&mut c.connect(&source).unwrap(), shard, aid),
+        if committed { 3 } else { 0 }
+    );
     let gone: bool = c
         .connect("n2")
         .unwrap()
-        .query_one(&format!("SELECT to_regclass('remus_shards.pgbench_accounts_{shard}') IS NULL"), &[])
+        .query_one(
+            &format!("SELECT to_regclass('remus_shards.pgbench_accounts_{shard}') IS NULL"),
+            &[],
+        )
         .unwrap()
         .get(0);
     assert!(gone, "the target's copy must be dropped");
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 
     // Nothing of it is in the way of the next migration of the same shard (refused with 57P03
     // only while the new coordinator is still finishing its recovery).
     let mut db = c.connect("n3").unwrap();
     let started = Instant::now();
     let status: String = loop {
-        match db.query_one("SELECT status FROM remus_migrate_shard($1, 'n2')", &[&shard]) {
+        match db.query_one(
+            "SELECT status FROM remus_migrate_shard($1, 'n2')",
+            &[&shard],
+        ) {
             Ok(row) => break row.get(0),
-            Err(e) if e.code().map(|c| c.code()) == Some("57P03") && started.elapsed() < Duration::from_secs(60) => {
+            Err(e)
+                if e.code().map(|c| c.code()) == Some("57P03")
+                    && started.elapsed() < Duration::from_secs(60) =>
+            {
                 thread::sleep(Duration::from_millis(100));
             }
             Err(e) => panic!("moving shard {shard} again: {e:?}"),
@@ -1085,7 +1567,11 @@ fn a_coordinator_killed_before_tm_is_rolled_back_by_its_successor() {
     };
     assert_eq!(status, "succeeded");
     assert_eq!(owners_everywhere(&c, shard), vec!["n2".to_string(); 3]);
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
 }
 
 /// The coordinator is killed right after the Tm decision, before any node committed Tm: its
@@ -1095,24 +1581,42 @@ fn a_coordinator_killed_before_tm_is_rolled_back_by_its_successor() {
 fn a_coordinator_killed_after_the_tm_decision_is_completed_by_its_successor() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    let (shard, source) = owners(&c, "pgbench_accounts").into_iter().find(|(_, o)| o == "n1").unwrap();
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
     let (aid, validated_aid) = (an_account_of(&c, shard, 0), an_account_of(&c, shard, 1));
     c.arm_pause(DUAL_STARTED).unwrap();
     c.arm_pause(HANDOVER_DECIDED).unwrap();
     let mover = start_migration(&c, shard);
-    c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120)).unwrap();
+    c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120))
+        .unwrap();
     // A writer whose view predates Tm, open when the coordinator dies.
     let mut writer = c.connect(&source).unwrap();
     writer.batch_execute("BEGIN").unwrap();
-    writer.execute("UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1", &[&aid]).unwrap();
+    writer
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
     let mut n3 = c.connect("n3").unwrap();
-    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1", &[&validated_aid]).unwrap();
+    n3.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = $1",
+        &[&validated_aid],
+    )
+    .unwrap();
     c.release_failpoint(DUAL_STARTED).unwrap();
-    let migration = c.wait_paused_at(HANDOVER_DECIDED, Duration::from_secs(120)).unwrap();
+    let migration = c
+        .wait_paused_at(HANDOVER_DECIDED, Duration::from_secs(120))
+        .unwrap();
 
     c.kill_coordinator().unwrap();
     c.release_failpoint(HANDOVER_DECIDED).unwrap();
-    assert!(mover.join().unwrap().is_err(), "the migration call must fail with its coordinator");
+    assert!(
+        mover.join().unwrap().is_err(),
+        "the migration call must fail with its coordinator"
+    );
     let committed = commit_across_coordinator_death(&mut writer);
 
     c.start_coordinator_again().unwrap();
@@ -1121,19 +1625,40 @@ fn a_coordinator_killed_after_the_tm_decision_is_completed_by_its_successor() {
 
     assert_eq!(owners_everywhere(&c, shard), vec!["n2".to_string(); 3]);
     let mut dest = c.connect("n2").unwrap();
-    assert_eq!(balance_on(&mut dest, shard, validated_aid), 1, "a write validated before the crash is on the target");
-    assert_eq!(balance_on(&mut dest, shard, aid), if committed { 3 } else { 0 }, "the writer's fate decides its shadow");
+    assert_eq!(
+        balance_on(&mut dest, shard, validated_aid),
+        1,
+        "a write validated before the crash is on the target"
+    );
+    assert_eq!(
+        balance_on(&mut dest, shard, aid),
+        if committed { 3 } else { 0 },
+        "the writer's fate decides its shadow"
+    );
     // New writes, through any node, go to the target.
-    n3.execute("UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1", &[&validated_aid]).unwrap();
+    n3.execute(
+        "UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1",
+        &[&validated_aid],
+    )
+    .unwrap();
     assert_eq!(balance_on(&mut dest, shard, validated_aid), 6);
     let gone: bool = c
         .connect(&source)
         .unwrap()
-        .query_one(&format!("SELECT to_regclass('remus_shards.pgbench_accounts_{shard}') IS NULL"), &[])
+        .query_one(
+            &format!("SELECT to_regclass('remus_shards.pgbench_accounts_{shard}') IS NULL"),
+            &[],
+        )
         .unwrap()
         .get(0);
     assert!(gone, "the source's copy must be dropped");
-    assert!(c.migration_artifacts().is_empty(), "{:?}", c.migration_artifacts());
-    let twice = c.start_coordinator_again().expect_err("a running coordinator is not started twice");
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
+    let twice = c
+        .start_coordinator_again()
+        .expect_err("a running coordinator is not started twice");
     assert!(twice.to_string().contains("is running"), "{twice}");
 }

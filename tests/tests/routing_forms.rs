@@ -20,10 +20,22 @@ fn check_everywhere(c: &TestCluster, model: &Model) {
             .map(|r| (r.get(0), (r.get(1), r.get(2))))
             .collect();
         assert_eq!(&rows, model, "kv as seen through {name}");
-        let r = db.query_one("SELECT count(*), sum(n)::bigint, min(k), max(k), avg(n)::float8 FROM kv", &[]).unwrap();
+        let r = db
+            .query_one(
+                "SELECT count(*), sum(n)::bigint, min(k), max(k), avg(n)::float8 FROM kv",
+                &[],
+            )
+            .unwrap();
         let sum: i64 = model.values().map(|(_, n)| *n as i64).sum();
-        assert_eq!(r.get::<_, i64>(0), model.len() as i64, "count through {name}");
-        assert_eq!(r.get::<_, Option<i64>>(1), if model.is_empty() { None } else { Some(sum) });
+        assert_eq!(
+            r.get::<_, i64>(0),
+            model.len() as i64,
+            "count through {name}"
+        );
+        assert_eq!(
+            r.get::<_, Option<i64>>(1),
+            if model.is_empty() { None } else { Some(sum) }
+        );
         assert_eq!(r.get::<_, Option<i64>>(2), model.keys().next().copied());
         assert_eq!(r.get::<_, Option<i64>>(3), model.keys().last().copied());
         if !model.is_empty() {
@@ -60,19 +72,28 @@ fn every_form_through_every_node() {
         let mut ks: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
         ks.sort();
         assert_eq!(ks, vec![base, base + 1, base + 2, base + 3]);
-        for (k, v, n) in [(base, "a", 1), (base + 1, "b", 2), (base + 2, "c", 3), (base + 3, "d", 4)] {
+        for (k, v, n) in [
+            (base, "a", 1),
+            (base + 1, "b", 2),
+            (base + 2, "c", 3),
+            (base + 3, "d", 4),
+        ] {
             model.insert(k, (v.into(), n));
         }
 
         // Simple protocol, literal keys.
-        let r = db.simple_query(&format!("UPDATE kv SET n = n + 10 WHERE k = {base}")).unwrap();
+        let r = db
+            .simple_query(&format!("UPDATE kv SET n = n + 10 WHERE k = {base}"))
+            .unwrap();
         let tag = r.iter().find_map(|m| match m {
             postgres::SimpleQueryMessage::CommandComplete(n) => Some(*n),
             _ => None,
         });
         assert_eq!(tag, Some(1));
         model.get_mut(&base).unwrap().1 += 10;
-        let r = db.simple_query(&format!("SELECT v FROM kv WHERE k = {}", base + 1)).unwrap();
+        let r = db
+            .simple_query(&format!("SELECT v FROM kv WHERE k = {}", base + 1))
+            .unwrap();
         let v = r.iter().find_map(|m| match m {
             postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
             _ => None,
@@ -80,9 +101,19 @@ fn every_form_through_every_node() {
         assert_eq!(v.as_deref(), Some("b"));
 
         // Extended protocol, bind parameters (including an int4 parameter for an int8 key).
-        assert_eq!(db.execute("UPDATE kv SET v = $2 WHERE k = $1", &[&(base + 2), &"C"]).unwrap(), 1);
+        assert_eq!(
+            db.execute("UPDATE kv SET v = $2 WHERE k = $1", &[&(base + 2), &"C"])
+                .unwrap(),
+            1
+        );
         model.get_mut(&(base + 2)).unwrap().0 = "C".into();
-        let v: String = db.query_one("SELECT v FROM kv WHERE k = $1::int4", &[&((base + 2) as i32)]).unwrap().get(0);
+        let v: String = db
+            .query_one(
+                "SELECT v FROM kv WHERE k = $1::int4",
+                &[&((base + 2) as i32)],
+            )
+            .unwrap()
+            .get(0);
         assert_eq!(v, "C");
 
         // Named prepared statement, executed often enough for a generic plan.
@@ -92,7 +123,9 @@ fn every_form_through_every_node() {
             let n: i32 = db.query_one(&stmt, &[&k]).unwrap().get(0);
             assert_eq!(n, model[&k].1, "prepared round {round} via {name}");
         }
-        let del = db.prepare("DELETE FROM kv WHERE k = $1 RETURNING v").unwrap();
+        let del = db
+            .prepare("DELETE FROM kv WHERE k = $1 RETURNING v")
+            .unwrap();
         let gone: String = db.query_one(&del, &[&(base + 3)]).unwrap().get(0);
         assert_eq!(gone, "d");
         model.remove(&(base + 3));
@@ -101,29 +134,59 @@ fn every_form_through_every_node() {
         let r = db
             .query_one(&format!("INSERT INTO kv VALUES ({base}, 'x', 0) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v || '!' RETURNING v, n"), &[])
             .unwrap();
-        assert_eq!((r.get::<_, String>(0), r.get::<_, i32>(1)), ("x!".to_string(), model[&base].1));
+        assert_eq!(
+            (r.get::<_, String>(0), r.get::<_, i32>(1)),
+            ("x!".to_string(), model[&base].1)
+        );
         model.get_mut(&base).unwrap().0 = "x!".into();
-        assert_eq!(db.execute(&format!("INSERT INTO kv VALUES ({}, 'y', 0) ON CONFLICT DO NOTHING", base + 1), &[]).unwrap(), 0);
+        assert_eq!(
+            db.execute(
+                &format!(
+                    "INSERT INTO kv VALUES ({}, 'y', 0) ON CONFLICT DO NOTHING",
+                    base + 1
+                ),
+                &[]
+            )
+            .unwrap(),
+            0
+        );
 
         // Co-located join on one key value.
-        db.batch_execute(&format!("INSERT INTO kv_log VALUES ({base}, 1, 'one'), ({base}, 2, 'two')")).unwrap();
+        db.batch_execute(&format!(
+            "INSERT INTO kv_log VALUES ({base}, 1, 'one'), ({base}, 2, 'two')"
+        ))
+        .unwrap();
         let joined: Vec<(String, String)> = db
             .query("SELECT kv.v, l.note FROM kv JOIN kv_log l ON kv.k = l.k WHERE kv.k = $1 ORDER BY l.id", &[&base])
             .unwrap()
             .iter()
             .map(|r| (r.get(0), r.get(1)))
             .collect();
-        assert_eq!(joined, vec![("x!".to_string(), "one".to_string()), ("x!".to_string(), "two".to_string())]);
+        assert_eq!(
+            joined,
+            vec![
+                ("x!".to_string(), "one".to_string()),
+                ("x!".to_string(), "two".to_string())
+            ]
+        );
 
         check_everywhere(&c, &model);
     }
 
     // Fan-out: GROUP BY, ORDER BY … LIMIT.
     let mut n2 = c.connect("n2").unwrap();
-    let top: Vec<i64> = n2.query("SELECT k FROM kv ORDER BY n DESC, k LIMIT 2", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    let top: Vec<i64> = n2
+        .query("SELECT k FROM kv ORDER BY n DESC, k LIMIT 2", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     let mut expect: Vec<(i32, i64)> = model.iter().map(|(k, (_, n))| (*n, *k)).collect();
     expect.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-    assert_eq!(top, expect.iter().take(2).map(|(_, k)| *k).collect::<Vec<_>>());
+    assert_eq!(
+        top,
+        expect.iter().take(2).map(|(_, k)| *k).collect::<Vec<_>>()
+    );
     let groups: BTreeMap<i64, i64> = n2
         .query("SELECT k / 100 AS g, count(*) FROM kv GROUP BY 1", &[])
         .unwrap()
@@ -134,9 +197,13 @@ fn every_form_through_every_node() {
 
     // Multi-shard UPDATE / DELETE in one transaction, and their rollback.
     let mut n3 = c.connect("n3").unwrap();
-    n3.batch_execute("BEGIN; UPDATE kv SET n = n * 2; DELETE FROM kv WHERE n > 20; ROLLBACK;").unwrap();
+    n3.batch_execute("BEGIN; UPDATE kv SET n = n * 2; DELETE FROM kv WHERE n > 20; ROLLBACK;")
+        .unwrap();
     check_everywhere(&c, &model);
-    assert_eq!(n3.execute("UPDATE kv SET n = n + 1", &[]).unwrap(), model.len() as u64);
+    assert_eq!(
+        n3.execute("UPDATE kv SET n = n + 1", &[]).unwrap(),
+        model.len() as u64
+    );
     for v in model.values_mut() {
         v.1 += 1;
     }
@@ -160,7 +227,9 @@ fn every_form_through_every_node() {
             let e = db.batch_execute(sql).unwrap_err();
             assert_eq!(sqlstate(&e), "0A000", "{sql} via {name}: {e:?}");
         }
-        let e = db.batch_execute("INSERT INTO kv (v) VALUES ('no key')").unwrap_err();
+        let e = db
+            .batch_execute("INSERT INTO kv (v) VALUES ('no key')")
+            .unwrap_err();
         assert_eq!(sqlstate(&e), "23502");
     }
     check_everywhere(&c, &model);
@@ -178,9 +247,16 @@ fn read_only_transactions_take_no_xid(c: &TestCluster, model: &Model) {
         for k in &keys {
             db.query_one("SELECT v FROM kv WHERE k = $1", &[k]).unwrap();
         }
-        db.query_one("SELECT count(*) FROM kv JOIN kv_log USING (k)", &[]).unwrap();
-        let xid: Option<String> = db.query_one("SELECT pg_current_xact_id_if_assigned()::text", &[]).unwrap().get(0);
-        assert_eq!(xid, None, "a read-only transaction through {name} took an xid there");
+        db.query_one("SELECT count(*) FROM kv JOIN kv_log USING (k)", &[])
+            .unwrap();
+        let xid: Option<String> = db
+            .query_one("SELECT pg_current_xact_id_if_assigned()::text", &[])
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            xid, None,
+            "a read-only transaction through {name} took an xid there"
+        );
         for other in c.node_names() {
             let holders: Vec<String> = c
                 .connect(&other)
@@ -194,7 +270,10 @@ fn read_only_transactions_take_no_xid(c: &TestCluster, model: &Model) {
                 .iter()
                 .map(|r| r.get(0))
                 .collect();
-            assert!(holders.is_empty(), "reading through {name}: participants on {other} hold an xid: {holders:?}");
+            assert!(
+                holders.is_empty(),
+                "reading through {name}: participants on {other} hold an xid: {holders:?}"
+            );
         }
         db.batch_execute("COMMIT").unwrap();
     }

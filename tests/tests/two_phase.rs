@@ -12,15 +12,31 @@ fn count(db: &mut postgres::Client, sql: &str) -> i64 {
 
 /// Runs `sql` in a new session on n1, cancels that session once `under_way` (a count on n2)
 /// finds a row, and returns how `sql` ended.
-fn cancel_once_under_way(c: &TestCluster, sql: &str, under_way: &str, never: &str) -> Result<(), postgres::Error> {
+fn cancel_once_under_way(
+    c: &TestCluster,
+    sql: &str,
+    under_way: &str,
+    never: &str,
+) -> Result<(), postgres::Error> {
     let mut session = c.connect("n1").unwrap();
-    let pid: i32 = session.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let pid: i32 = session
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
     let sql = sql.to_string();
     let running = std::thread::spawn(move || session.batch_execute(&sql));
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    wait_until(Duration::from_secs(60), Duration::from_millis(20), || count(&mut n2, under_way) > 0, || never.to_string());
-    let cancelled: bool = n1.query_one("SELECT pg_cancel_backend($1)", &[&pid]).unwrap().get(0);
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || count(&mut n2, under_way) > 0,
+        || never.to_string(),
+    );
+    let cancelled: bool = n1
+        .query_one("SELECT pg_cancel_backend($1)", &[&pid])
+        .unwrap()
+        .get(0);
     assert!(cancelled);
     running.join().unwrap()
 }
@@ -31,7 +47,8 @@ fn cross_node_transactions_are_atomic() {
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     for db in [&mut n1, &mut n2] {
-        db.batch_execute("CREATE TABLE t (id int PRIMARY KEY, v text)").unwrap();
+        db.batch_execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+            .unwrap();
     }
     n2.batch_execute(
         "CREATE TABLE d (id int, CONSTRAINT d_u UNIQUE (id) DEFERRABLE INITIALLY DEFERRED);
@@ -52,7 +69,10 @@ fn cross_node_transactions_are_atomic() {
 
     // The remote count of affected rows comes back.
     let affected: i64 = n1
-        .query_one("SELECT remus_run_on_node('n2', 'UPDATE public.t SET v = ''x''')", &[])
+        .query_one(
+            "SELECT remus_run_on_node('n2', 'UPDATE public.t SET v = ''x''')",
+            &[],
+        )
         .unwrap()
         .get(0);
     assert_eq!(affected, 1);
@@ -83,11 +103,17 @@ fn cross_node_transactions_are_atomic() {
     assert_eq!(count(&mut n2, "SELECT count(*) FROM t WHERE id = 4"), 0);
 
     // Remote errors keep their SQLSTATE; bad input is refused with its own.
-    let e = n1.query_one("SELECT remus_run_on_node('n2', 'SELECT 1/0')", &[]).unwrap_err();
+    let e = n1
+        .query_one("SELECT remus_run_on_node('n2', 'SELECT 1/0')", &[])
+        .unwrap_err();
     assert_eq!(sqlstate(&e), "22012");
-    let e = n1.query_one("SELECT remus_run_on_node('n1', 'SELECT 1')", &[]).unwrap_err();
+    let e = n1
+        .query_one("SELECT remus_run_on_node('n1', 'SELECT 1')", &[])
+        .unwrap_err();
     assert_eq!(sqlstate(&e), "22023");
-    let e = n1.query_one("SELECT remus_run_on_node('n9', 'SELECT 1')", &[]).unwrap_err();
+    let e = n1
+        .query_one("SELECT remus_run_on_node('n9', 'SELECT 1')", &[])
+        .unwrap_err();
     assert_eq!(sqlstate(&e), "42704");
 
     // A statement timeout cancels the remote command too.
@@ -102,7 +128,9 @@ fn cross_node_transactions_are_atomic() {
     wait_until(
         Duration::from_secs(10),
         Duration::from_millis(100),
-        || count(&mut n2, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(60)%' AND state = 'active' AND pid <> pg_backend_pid()") == 0,
+        || {
+            count(&mut n2, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(60)%' AND state = 'active' AND pid <> pg_backend_pid()") == 0
+        },
         || "remote pg_sleep was not cancelled".into(),
     );
 }
@@ -112,16 +140,29 @@ fn in_doubt_transactions_follow_the_recorded_decision() {
     let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)").unwrap();
+    n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)")
+        .unwrap();
     // Two transactions left prepared on n2 as if n1 had crashed between PREPARE and COMMIT
     // PREPARED: one whose decision n1 recorded (commit), one without a record (roll back).
     // Their xids are finished transactions of n1.
-    let xid_commit: String = n1.query_one("SELECT txid_current()::text", &[]).unwrap().get(0);
-    let xid_abort: String = n1.query_one("SELECT txid_current()::text", &[]).unwrap().get(0);
+    let xid_commit: String = n1
+        .query_one("SELECT txid_current()::text", &[])
+        .unwrap()
+        .get(0);
+    let xid_abort: String = n1
+        .query_one("SELECT txid_current()::text", &[])
+        .unwrap()
+        .get(0);
     let gid_commit = format!("remus_n1_{xid_commit}_n2");
     let gid_abort = format!("remus_n1_{xid_abort}_n2");
-    n2.batch_execute(&format!("BEGIN; INSERT INTO r VALUES (1); PREPARE TRANSACTION '{gid_commit}'")).unwrap();
-    n2.batch_execute(&format!("BEGIN; INSERT INTO r VALUES (2); PREPARE TRANSACTION '{gid_abort}'")).unwrap();
+    n2.batch_execute(&format!(
+        "BEGIN; INSERT INTO r VALUES (1); PREPARE TRANSACTION '{gid_commit}'"
+    ))
+    .unwrap();
+    n2.batch_execute(&format!(
+        "BEGIN; INSERT INTO r VALUES (2); PREPARE TRANSACTION '{gid_abort}'"
+    ))
+    .unwrap();
     n1.execute(
         "INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, 'n2')",
         &[&gid_commit],
@@ -135,13 +176,33 @@ fn in_doubt_transactions_follow_the_recorded_decision() {
         || count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") == 0,
         || "in-doubt transactions not resolved within a minute".into(),
     );
-    let ids: Vec<i32> = n2.query("SELECT id FROM r", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    let ids: Vec<i32> = n2
+        .query("SELECT id FROM r", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     assert_eq!(ids, vec![1]);
     // Nothing is left for a manual round.
-    let row = n1.query_one("SELECT committed, rolled_back, in_progress FROM remus_recover_prepared()", &[]).unwrap();
-    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1), row.get::<_, i64>(2)), (0, 0, 0));
+    let row = n1
+        .query_one(
+            "SELECT committed, rolled_back, in_progress FROM remus_recover_prepared()",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, i64>(2)
+        ),
+        (0, 0, 0)
+    );
     // Decision rows of finished work are cleaned up.
-    assert_eq!(count(&mut n1, "SELECT count(*) FROM remus.commit_decisions"), 0);
+    assert_eq!(
+        count(&mut n1, "SELECT count(*) FROM remus.commit_decisions"),
+        0
+    );
 }
 
 /// A client that disappears mid-transaction does not leave its remote work holding locks.
@@ -157,15 +218,25 @@ fn a_vanished_client_releases_remote_locks() {
         .get(0);
     {
         let mut doomed = c.connect("n1").unwrap();
-        doomed.batch_execute(&format!("BEGIN; UPDATE k SET v = 1 WHERE id = {id};")).unwrap();
+        doomed
+            .batch_execute(&format!("BEGIN; UPDATE k SET v = 1 WHERE id = {id};"))
+            .unwrap();
         // Dropped without COMMIT or ROLLBACK: the connection just closes.
     }
     let mut other = c.connect("n2").unwrap();
     other.batch_execute("SET lock_timeout = '20s'").unwrap();
     let t0 = Instant::now();
-    assert_eq!(other.execute(&format!("UPDATE k SET v = 2 WHERE id = {id}"), &[]).unwrap(), 1);
+    assert_eq!(
+        other
+            .execute(&format!("UPDATE k SET v = 2 WHERE id = {id}"), &[])
+            .unwrap(),
+        1
+    );
     assert!(t0.elapsed() < Duration::from_secs(20));
-    let v: i32 = other.query_one(&format!("SELECT v FROM k WHERE id = {id}"), &[]).unwrap().get(0);
+    let v: i32 = other
+        .query_one(&format!("SELECT v FROM k WHERE id = {id}"), &[])
+        .unwrap()
+        .get(0);
     assert_eq!(v, 2, "the vanished client's update must not have committed");
 }
 
@@ -175,16 +246,24 @@ fn subtransactions_reach_the_participants() {
     let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     n1.batch_execute("CREATE TABLE s (id int PRIMARY KEY, v int); SELECT remus_create_distributed_table('s', 'id', 3);").unwrap();
-    n1.batch_execute("INSERT INTO s VALUES (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0)").unwrap();
+    n1.batch_execute("INSERT INTO s VALUES (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0)")
+        .unwrap();
     let remote: Vec<i32> = n1
         .query("SELECT id FROM s WHERE (SELECT node_name FROM remus_shards r WHERE r.shard_id = remus_shard_id_for('s', s.id)) <> 'n1' ORDER BY id", &[])
         .unwrap()
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert!(remote.len() >= 2, "need two keys owned by other nodes: {remote:?}");
+    assert!(
+        remote.len() >= 2,
+        "need two keys owned by other nodes: {remote:?}"
+    );
     let (a, b) = (remote[0], remote[1]);
-    let v = |db: &mut postgres::Client, id: i32| -> i32 { db.query_one("SELECT v FROM s WHERE id = $1", &[&id]).unwrap().get(0) };
+    let v = |db: &mut postgres::Client, id: i32| -> i32 {
+        db.query_one("SELECT v FROM s WHERE id = $1", &[&id])
+            .unwrap()
+            .get(0)
+    };
 
     // ROLLBACK TO SAVEPOINT undoes the remote update made after it, keeps the one before.
     n1.batch_execute(&format!(
@@ -215,7 +294,11 @@ fn subtransactions_reach_the_participants() {
     .unwrap();
     assert_eq!((v(&mut n1, a), v(&mut n1, b)), (5, 0));
     let mut n2 = c.connect("n2").unwrap();
-    assert_eq!((v(&mut n2, a), v(&mut n2, b)), (5, 0), "seen through another node");
+    assert_eq!(
+        (v(&mut n2, a), v(&mut n2, b)),
+        (5, 0),
+        "seen through another node"
+    );
 }
 
 /// A participant that is down while the coordinator's recovery runs keeps its in-doubt
@@ -225,17 +308,37 @@ fn decisions_survive_an_unreachable_participant() {
     let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)").unwrap();
-    let xid: String = n1.query_one("SELECT txid_current()::text", &[]).unwrap().get(0);
+    n2.batch_execute("CREATE TABLE r (id int PRIMARY KEY)")
+        .unwrap();
+    let xid: String = n1
+        .query_one("SELECT txid_current()::text", &[])
+        .unwrap()
+        .get(0);
     let gid = format!("remus_n1_{xid}_n2");
-    n2.batch_execute(&format!("BEGIN; INSERT INTO r VALUES (7); PREPARE TRANSACTION '{gid}'")).unwrap();
+    n2.batch_execute(&format!(
+        "BEGIN; INSERT INTO r VALUES (7); PREPARE TRANSACTION '{gid}'"
+    ))
+    .unwrap();
     drop(n2);
     c.stop_node("n2").unwrap();
-    n1.execute("INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, 'n2')", &[&gid]).unwrap();
+    n1.execute(
+        "INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, 'n2')",
+        &[&gid],
+    )
+    .unwrap();
     // Several recovery rounds (every 2 s) pass while n2 is unreachable.
     std::thread::sleep(Duration::from_secs(7));
-    let kept: i64 = n1.query_one("SELECT count(*) FROM remus.commit_decisions WHERE gid = $1", &[&gid]).unwrap().get(0);
-    assert_eq!(kept, 1, "the decision of an unreachable participant was dropped");
+    let kept: i64 = n1
+        .query_one(
+            "SELECT count(*) FROM remus.commit_decisions WHERE gid = $1",
+            &[&gid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        kept, 1,
+        "the decision of an unreachable participant was dropped"
+    );
     c.start_node("n2").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     wait_until(
@@ -244,7 +347,11 @@ fn decisions_survive_an_unreachable_participant() {
         || count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") == 0,
         || "not resolved within a minute".into(),
     );
-    assert_eq!(count(&mut n2, "SELECT count(*) FROM r WHERE id = 7"), 1, "the decided commit was rolled back");
+    assert_eq!(
+        count(&mut n2, "SELECT count(*) FROM r WHERE id = 7"),
+        1,
+        "the decided commit was rolled back"
+    );
 }
 
 /// A COMMIT interrupted while a participant is still running its PREPARE (a cancel, a
@@ -256,7 +363,8 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
     let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();
+    n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)")
+        .unwrap();
     // On n2 the PREPARE runs a deferred trigger that sleeps and survives one cancel, so the
     // PREPARE completes even after the coordinator's abort path has cancelled it.
     n2.batch_execute(
@@ -284,7 +392,11 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
     assert_eq!(sqlstate(&err), "57014", "{err:?}");
     // The coordinator's session has finished its abort processing when the error reaches the
     // client (ReadyForQuery follows it), well inside recovery's grace period.
-    assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0, "an orphan prepared transaction was left on n2");
+    assert_eq!(
+        count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"),
+        0,
+        "an orphan prepared transaction was left on n2"
+    );
     assert_eq!(count(&mut n1, "SELECT count(*) FROM t"), 0);
     assert_eq!(count(&mut n2, "SELECT count(*) FROM t"), 0);
 }
@@ -299,7 +411,8 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
     let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
-    n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();
+    n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)")
+        .unwrap();
     // n2's COMMIT runs a deferred trigger that sleeps; `swallow` decides whether it survives
     // the cancel (then the COMMIT completes) or lets it abort the COMMIT.
     n2.batch_execute(
@@ -335,7 +448,8 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
     assert_eq!(count(&mut n2, "SELECT count(*) FROM t"), 0);
 
     // The participant's COMMIT survives the cancel: the client is told it committed.
-    n2.batch_execute("UPDATE swallow SET on_cancel = true").unwrap();
+    n2.batch_execute("UPDATE swallow SET on_cancel = true")
+        .unwrap();
     commit_cancelled(2).expect("the participant committed, so the client must hear COMMIT succeed");
     assert_eq!(count(&mut n2, "SELECT count(*) FROM t WHERE id = 2"), 1);
     assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);

@@ -29,19 +29,45 @@ fn copy_truncate_guards_and_ownership() {
         assert_eq!(w.finish().unwrap(), 101);
     }
     let mut n1 = c.connect("n1").unwrap();
-    let r = n1.query_one("SELECT count(*), sum(g)::bigint, count(*) FILTER (WHERE d = 'dflt'), count(v) FROM c", &[]).unwrap();
-    let expected_g: i64 = (0..3).map(|i| (0..100).map(|k| 2 * (i * 1000 + k) as i64).sum::<i64>() + 2 * (i * 1000 + 500) as i64).sum();
-    assert_eq!((r.get::<_, i64>(0), r.get::<_, i64>(1), r.get::<_, i64>(2), r.get::<_, i64>(3)), (303, expected_g, 303, 300));
-    let v: String = n1.query_one("SELECT v FROM c WHERE id = 1007", &[]).unwrap().get(0);
+    let r = n1
+        .query_one(
+            "SELECT count(*), sum(g)::bigint, count(*) FILTER (WHERE d = 'dflt'), count(v) FROM c",
+            &[],
+        )
+        .unwrap();
+    let expected_g: i64 = (0..3)
+        .map(|i| {
+            (0..100).map(|k| 2 * (i * 1000 + k) as i64).sum::<i64>() + 2 * (i * 1000 + 500) as i64
+        })
+        .sum();
+    assert_eq!(
+        (
+            r.get::<_, i64>(0),
+            r.get::<_, i64>(1),
+            r.get::<_, i64>(2),
+            r.get::<_, i64>(3)
+        ),
+        (303, expected_g, 303, 300)
+    );
+    let v: String = n1
+        .query_one("SELECT v FROM c WHERE id = 1007", &[])
+        .unwrap()
+        .get(0);
     assert_eq!(v, "v7\tx");
     // Every row is in the shard its key hashes to.
     let misplaced: i64 = n1
-        .query_one("SELECT count(*) FROM c WHERE remus_shard_id_for('c', id) IS NULL", &[])
+        .query_one(
+            "SELECT count(*) FROM c WHERE remus_shard_id_for('c', id) IS NULL",
+            &[],
+        )
         .unwrap()
         .get(0);
     assert_eq!(misplaced, 0);
     for (shard_id, owner) in n1
-        .query("SELECT shard_id, node_name FROM remus_shards WHERE table_name = 'c'", &[])
+        .query(
+            "SELECT shard_id, node_name FROM remus_shards WHERE table_name = 'c'",
+            &[],
+        )
         .unwrap()
         .iter()
         .map(|r| (r.get::<_, i64>(0), r.get::<_, String>(1)))
@@ -55,7 +81,9 @@ fn copy_truncate_guards_and_ownership() {
     }
     // CSV input too; a NULL key is refused and nothing of that COPY stays.
     {
-        let mut w = n1.copy_in("COPY c (id, v) FROM STDIN WITH (FORMAT csv)").unwrap();
+        let mut w = n1
+            .copy_in("COPY c (id, v) FROM STDIN WITH (FORMAT csv)")
+            .unwrap();
         std::io::Write::write_all(&mut w, b"9001,\"a, b\"\n").unwrap();
         assert_eq!(w.finish().unwrap(), 1);
     }
@@ -65,10 +93,19 @@ fn copy_truncate_guards_and_ownership() {
         w.finish().unwrap_err()
     };
     assert_eq!(sqlstate(&e), "23502");
-    assert_eq!(n1.query_one("SELECT count(*) FROM c WHERE id = 9002", &[]).unwrap().get::<_, i64>(0), 0);
+    assert_eq!(
+        n1.query_one("SELECT count(*) FROM c WHERE id = 9002", &[])
+            .unwrap()
+            .get::<_, i64>(0),
+        0
+    );
 
     // Statements that would act on the empty shell or make shards diverge are refused.
-    for sql in ["ALTER TABLE c ADD COLUMN x int", "DROP TABLE c", "COPY c TO STDOUT"] {
+    for sql in [
+        "ALTER TABLE c ADD COLUMN x int",
+        "DROP TABLE c",
+        "COPY c TO STDOUT",
+    ] {
         let e = n1.batch_execute(sql).unwrap_err();
         assert_eq!(sqlstate(&e), "0A000", "{sql}");
     }
@@ -76,13 +113,22 @@ fn copy_truncate_guards_and_ownership() {
     // A shard table read directly on a node that does not own it in the statement's snapshot:
     // RM001. (Simulated by changing the owner inside an uncommitted transaction.)
     let local: i64 = n1
-        .query_one("SELECT min(shard_id) FROM remus_shards WHERE table_name = 'c' AND node_name = 'n1'", &[])
+        .query_one(
+            "SELECT min(shard_id) FROM remus_shards WHERE table_name = 'c' AND node_name = 'n1'",
+            &[],
+        )
         .unwrap()
         .get(0);
-    n1.batch_execute(&format!("SELECT count(*) FROM remus_shards.c_{local}")).unwrap();
+    n1.batch_execute(&format!("SELECT count(*) FROM remus_shards.c_{local}"))
+        .unwrap();
     n1.batch_execute("BEGIN").unwrap();
-    n1.batch_execute(&format!("UPDATE remus.shard_map SET node_name = 'n2' WHERE shard_id = {local}")).unwrap();
-    let e = n1.batch_execute(&format!("SELECT count(*) FROM remus_shards.c_{local}")).unwrap_err();
+    n1.batch_execute(&format!(
+        "UPDATE remus.shard_map SET node_name = 'n2' WHERE shard_id = {local}"
+    ))
+    .unwrap();
+    let e = n1
+        .batch_execute(&format!("SELECT count(*) FROM remus_shards.c_{local}"))
+        .unwrap_err();
     assert_eq!(sqlstate(&e), "RM001", "{e:?}");
     n1.batch_execute("ROLLBACK").unwrap();
 
@@ -90,7 +136,13 @@ fn copy_truncate_guards_and_ownership() {
     n2.batch_execute("TRUNCATE c").unwrap();
     for name in c.node_names() {
         let mut db = c.connect(&name).unwrap();
-        assert_eq!(db.query_one("SELECT count(*) FROM c", &[]).unwrap().get::<_, i64>(0), 0, "{name}");
+        assert_eq!(
+            db.query_one("SELECT count(*) FROM c", &[])
+                .unwrap()
+                .get::<_, i64>(0),
+            0,
+            "{name}"
+        );
     }
 }
 
@@ -109,25 +161,43 @@ fn shard_map_cache_follows_generation_and_read_through() {
     let set_owner = |to: &str| {
         for name in c.node_names() {
             let mut db = c.connect(&name).unwrap();
-            db.execute("UPDATE remus.shard_map SET node_name = $1 WHERE shard_id = $2", &[&to, &shard]).unwrap();
+            db.execute(
+                "UPDATE remus.shard_map SET node_name = $1 WHERE shard_id = $2",
+                &[&to, &shard],
+            )
+            .unwrap();
         }
     };
     let bump = || {
         for name in c.node_names() {
-            c.connect(&name).unwrap().batch_execute("SELECT remus.bump_map_generation()").unwrap();
+            c.connect(&name)
+                .unwrap()
+                .batch_execute("SELECT remus.bump_map_generation()")
+                .unwrap();
         }
     };
     // A session that has routed to the shard once.
     let mut s = c.connect("n2").unwrap();
-    let read = |s: &mut postgres::Client| s.query_one("SELECT v FROM t WHERE id = 1", &[]).map(|r| r.get::<_, String>(0));
+    let read = |s: &mut postgres::Client| {
+        s.query_one("SELECT v FROM t WHERE id = 1", &[])
+            .map(|r| r.get::<_, String>(0))
+    };
     assert_eq!(read(&mut s).unwrap(), "x");
 
     // The map now names a node without the shard table (a simulated flip, data not moved).
     set_owner(&other);
-    assert_eq!(read(&mut s).unwrap(), "x", "the cached map is used until the change is announced");
+    assert_eq!(
+        read(&mut s).unwrap(),
+        "x",
+        "the cached map is used until the change is announced"
+    );
     bump();
     let e = read(&mut s).unwrap_err();
-    assert_eq!(sqlstate(&e), "RM001", "after the bump the new owner is used: {e:?}");
+    assert_eq!(
+        sqlstate(&e),
+        "RM001",
+        "after the bump the new owner is used: {e:?}"
+    );
 
     // Back, announced: routing works again.
     set_owner(&owner);
@@ -135,7 +205,8 @@ fn shard_map_cache_follows_generation_and_read_through() {
     assert_eq!(read(&mut s).unwrap(), "x");
 
     // With read-through on, a change is seen at once, without a bump.
-    s.batch_execute("SELECT remus.begin_read_through()").unwrap();
+    s.batch_execute("SELECT remus.begin_read_through()")
+        .unwrap();
     set_owner(&other);
     let e = read(&mut s).unwrap_err();
     assert_eq!(sqlstate(&e), "RM001");
