@@ -22,7 +22,7 @@ fn address() -> Result<String, RemusError> {
 fn status_error(address: &str, status: tonic::Status) -> RemusError {
     let sqlstate = status
         .metadata()
-        .get("remus-sqlstate")
+        .get(remus_proto::names::SQLSTATE_METADATA_KEY)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .unwrap_or_else(|| {

@@ -26,7 +26,8 @@ mod validate;
 use move_rows::{copy_escape, move_rows, ShardPlan};
 use validate::inspect;
 
-const MAX_SHARDS: i32 = 4096;
+/// Most shards a distributed table may have.
+const MAX_SHARD_COUNT: i32 = 4096;
 
 /// CREATE TABLE (columns, defaults, constraints) plus the table's other indexes, for shells on
 /// other nodes. Deparsed with search_path = pg_catalog so every name is schema-qualified.
@@ -104,9 +105,9 @@ fn create(
     colocate_with: Option<pg_sys::Oid>,
 ) -> Result<(), RemusError> {
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
-    if !(1..=MAX_SHARDS).contains(&shard_count) {
+    if !(1..=MAX_SHARD_COUNT).contains(&shard_count) {
         return Err(RemusError::InvalidArgument(format!(
-            "shard_count must be between 1 and {MAX_SHARDS}, not {shard_count}"
+            "shard_count must be between 1 and {MAX_SHARD_COUNT}, not {shard_count}"
         )));
     }
     let nodes = crate::cluster::nodes::all_nodes()?;

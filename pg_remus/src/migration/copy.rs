@@ -8,7 +8,7 @@ use pgrx::prelude::*;
 use crate::error::RemusError;
 use crate::migration::state::{
     active, exempt, migration_of, recount, require_superuser, MigrationEntry, ShardEntry,
-    MAX_MIGRATIONS, MAX_SHARDS, STATE,
+    MAX_MIGRATING_SHARDS, MAX_MIGRATIONS, STATE,
 };
 
 /// Before DDL on a relation: `shard_ids` are the shards the relation is (a shard table) or has
@@ -75,7 +75,7 @@ mod remus {
             let Some(slot) = s.shards.iter_mut().find(|e| e.migration_id == 0) else {
                 drop(s);
                 RemusError::ObjectInUse(format!(
-                    "too many migrating shards on this node (at most {MAX_SHARDS})"
+                    "too many migrating shards on this node (at most {MAX_MIGRATING_SHARDS})"
                 ))
                 .raise()
             };

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use remus_proto::names;
 use remus_proto::v1::{ResolveRequest, RowChange, ValidateRequest};
 
 use crate::cluster::rpc::{block_on, client_for, forget_client};
@@ -39,9 +40,6 @@ use crate::migration::state::{
 };
 use crate::pg::ffi::LogLogicalMessage;
 
-/// Logical message prefix marking a validated transaction in the WAL stream (the propagator's
-/// `REMUS_MESSAGE_PREFIX`).
-const MESSAGE_PREFIX: &std::ffi::CStr = c"remus";
 /// Longest wait of the post-commit shadow commit (the client's COMMIT waits for it).
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -86,8 +84,9 @@ pub(crate) fn pre_commit() -> Result<(), RemusError> {
 
 /// The gid of the shadow of source transaction `fxid` (what the replay worker and the
 /// coordinator's cleanup expect).
+/// (Registered migration ids are positive.)
 fn shadow_gid(migration_id: i64, fxid: u64) -> String {
-    format!("remus:{migration_id}:{fxid}")
+    names::shadow_gid(migration_id as u64, fxid)
 }
 
 fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Result<(), RemusError> {
@@ -146,7 +145,7 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
     // SAFETY: transactional message inside this transaction; the strings outlive the call.
     unsafe {
         LogLogicalMessage(
-            MESSAGE_PREFIX.as_ptr(),
+            names::MESSAGE_PREFIX_C.as_ptr(),
             content.as_ptr(),
             content.as_bytes().len(),
             true,

@@ -9,7 +9,8 @@ use pgrx::{pg_shmem_init, pg_sys, PGRXSharedMemory, PgAtomic, PgLwLock};
 
 use crate::error::RemusError;
 
-pub(crate) const MAX_SHARDS: usize = 512;
+/// Shards registered by migrations on this node at once.
+pub(crate) const MAX_MIGRATING_SHARDS: usize = 512;
 pub(crate) const MAX_MIGRATIONS: usize = 64;
 pub(crate) const MAX_VICTIMS: usize = 512;
 
@@ -114,7 +115,7 @@ pub(crate) struct PreparedShadow {
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub(crate) struct HandoverState {
-    pub(crate) shards: [ShardEntry; MAX_SHARDS],
+    pub(crate) shards: [ShardEntry; MAX_MIGRATING_SHARDS],
     pub(crate) migrations: [MigrationEntry; MAX_MIGRATIONS],
     pub(crate) victims: [Victim; MAX_VICTIMS],
     pub(crate) gate: Gate,
@@ -128,7 +129,7 @@ pub(crate) struct HandoverState {
 impl Default for HandoverState {
     fn default() -> Self {
         Self {
-            shards: [ShardEntry::default(); MAX_SHARDS],
+            shards: [ShardEntry::default(); MAX_MIGRATING_SHARDS],
             migrations: [MigrationEntry::default(); MAX_MIGRATIONS],
             victims: [Victim::default(); MAX_VICTIMS],
             gate: Gate::default(),
