@@ -2,3 +2,4 @@
 //! `remus_test_support::cluster`; what is here is workload, not harness.
 
 pub mod pgbench;
+pub mod shards;

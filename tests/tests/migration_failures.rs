@@ -3,19 +3,9 @@
 //! copy (rolled back completely) or at its first step (a pre-existing table on the target is
 //! not touched), and the `remusctl migrate` CLI.
 
+use integration::shards::shards_of;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
-
-fn shards_of(db: &mut postgres::Client, table: &str) -> Vec<(i64, String)> {
-    db.query(
-        "SELECT shard_id, node_name FROM remus_shards WHERE table_name = $1 ORDER BY shard_id",
-        &[&table],
-    )
-    .unwrap()
-    .iter()
-    .map(|r| (r.get(0), r.get(1)))
-    .collect()
-}
 
 #[test]
 fn failures_change_nothing_and_leave_nothing() {

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use coordinator::failpoint::{COPY_SNAPSHOT_EXPORTED, DUAL_STARTED, HANDOVER_DECIDED};
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
+use integration::shards::owners;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::{wait_for, wait_until};
 
@@ -64,18 +65,6 @@ fn migrate(c: &TestCluster, via: &str, shard: i64, target: &str) -> Moved {
         m.aborted
     );
     m
-}
-
-fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
-    let mut db = c.connect("n1").unwrap();
-    db.query(
-        "SELECT shard_id, node_name FROM remus_shards WHERE table_name = $1 ORDER BY shard_id",
-        &[&table],
-    )
-    .unwrap()
-    .iter()
-    .map(|r| (r.get(0), r.get(1)))
-    .collect()
 }
 
 fn owner_of(c: &TestCluster, shard: i64) -> String {
