@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
 
-use super::{pg_bindir, ClusterState, START_TIMEOUT};
+use super::postgres::pg_bindir;
+use super::state::{ClusterState, START_TIMEOUT};
 use crate::process::{self, pid_alive};
 
 /// A daemon binary next to remusctl's own.

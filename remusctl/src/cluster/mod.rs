@@ -21,7 +21,6 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
@@ -36,20 +35,13 @@ pub use daemons::{start_coordinator_again, stop_all};
 use daemons::{sibling_binary, start_coordinator, start_etcd, start_replay_worker};
 pub use postgres::{connect, pg_bindir};
 use postgres::{init_node, start_node};
-pub use state::{ClusterState, DaemonState, NodeState};
+pub use state::{ClusterState, DaemonState, NodeState, UpOptions};
 use state::{plan, read_pgpass_password};
 pub use status::{env_lines, status, ComponentStatus};
 
 pub const DEFAULT_DIR: &str = ".remus/cluster";
 pub const DEFAULT_BASE_PORT: u16 = 6001;
 pub const DEFAULT_NODES: usize = 3;
-const START_TIMEOUT: Duration = Duration::from_secs(60);
-
-pub struct UpOptions {
-    pub dir: PathBuf,
-    pub nodes: usize,
-    pub base_port: u16,
-}
 
 fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use super::{ClusterState, NodeState, START_TIMEOUT};
+use super::state::{ClusterState, NodeState, START_TIMEOUT};
 use crate::process;
 
 pub fn pg_bindir() -> PathBuf {
@@ -143,7 +143,7 @@ pub async fn connect(node: &NodeState, password: &str) -> Result<tokio_postgres:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::{state::plan, UpOptions};
+    use crate::cluster::state::{plan, UpOptions};
 
     #[test]
     fn conf_has_remus_requirements() {

@@ -3,13 +3,23 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use remus_proto::names::ports;
 use serde::{Deserialize, Serialize};
 
-use super::UpOptions;
 use crate::process::pid_alive;
+
+/// How long `up` waits for each server or daemon to accept connections.
+pub(super) const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What `remusctl cluster up` was asked for: the cluster's directory, size and first port.
+pub struct UpOptions {
+    pub dir: PathBuf,
+    pub nodes: usize,
+    pub base_port: u16,
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeState {
