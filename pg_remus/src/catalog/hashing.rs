@@ -40,17 +40,21 @@ pub unsafe fn hash_datum(
     typid: pg_sys::Oid,
     collation: pg_sys::Oid,
 ) -> Result<i32, RemusError> {
-    let tc = pg_sys::lookup_type_cache(typid, pg_sys::TYPECACHE_HASH_PROC_FINFO as i32);
-    if tc.is_null() || (*tc).hash_proc_finfo.fn_oid == pg_sys::InvalidOid {
-        return Err(RemusError::NoHashFunction(typid.to_u32()));
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let tc = pg_sys::lookup_type_cache(typid, pg_sys::TYPECACHE_HASH_PROC_FINFO as i32);
+        if tc.is_null() || (*tc).hash_proc_finfo.fn_oid == pg_sys::InvalidOid {
+            return Err(RemusError::NoHashFunction(typid.to_u32()));
+        }
+        let collation = if collation == pg_sys::InvalidOid {
+            pg_sys::DEFAULT_COLLATION_OID
+        } else {
+            collation
+        };
+        let d = pg_sys::FunctionCall1Coll(&mut (*tc).hash_proc_finfo, collation, value);
+        Ok(d.value() as i32)
     }
-    let collation = if collation == pg_sys::InvalidOid {
-        pg_sys::DEFAULT_COLLATION_OID
-    } else {
-        collation
-    };
-    let d = pg_sys::FunctionCall1Coll(&mut (*tc).hash_proc_finfo, collation, value);
-    Ok(d.value() as i32)
 }
 
 pub fn type_has_hash(typid: pg_sys::Oid) -> bool {

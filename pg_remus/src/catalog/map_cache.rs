@@ -22,9 +22,10 @@ use pgrx::{pg_shmem_init, PgAtomic};
 
 use super::ShardPlacement;
 
-// SAFETY (both): the atomics are set up by `init_shmem` (pg_shmem_init!) while the library is
-// preloaded, before any backend reads them.
+// SAFETY: the atomic is set up by `init_shmem` (pg_shmem_init!) while the library is
+// preloaded, before any backend reads it.
 static MAP_GENERATION: PgAtomic<AtomicU64> = unsafe { PgAtomic::new(c"remus_map_generation") };
+// SAFETY: as for MAP_GENERATION: set up by `init_shmem` before any backend reads it.
 static READ_THROUGH: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_map_read_through") };
 
 thread_local! {

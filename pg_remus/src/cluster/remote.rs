@@ -552,6 +552,7 @@ impl ResultGuard {
     fn field(&self, code: u8) -> Option<String> {
         // SAFETY: live PGresult; a NULL means the field is absent.
         let v = unsafe { pq::PQresultErrorField(self.0.as_ptr(), code as i32) };
+        // SAFETY: a non-NULL field is a NUL-terminated string owned by the live PGresult.
         (!v.is_null()).then(|| unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned())
     }
 

@@ -19,21 +19,25 @@ pub(crate) fn remember(message: String, code: i32) {
 /// # Safety
 /// `edata` must be NULL or the ErrorData being emitted.
 pub(crate) unsafe fn restore_sqlstate(edata: *mut pgrx::pg_sys::ErrorData) {
-    if !edata.is_null()
-        && (*edata).elevel >= PgLogLevel::ERROR as i32
-        && (*edata).sqlerrcode == PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32
-        && !(*edata).message.is_null()
-    {
-        let msg = std::ffi::CStr::from_ptr((*edata).message).to_string_lossy();
-        PENDING_CODE.with(|p| {
-            let mut p = p.borrow_mut();
-            if let Some((m, code)) = p.as_ref() {
-                if *m == msg {
-                    (*edata).sqlerrcode = *code;
-                    *p = None;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if !edata.is_null()
+            && (*edata).elevel >= PgLogLevel::ERROR as i32
+            && (*edata).sqlerrcode == PgSqlErrorCode::ERRCODE_INTERNAL_ERROR as i32
+            && !(*edata).message.is_null()
+        {
+            let msg = std::ffi::CStr::from_ptr((*edata).message).to_string_lossy();
+            PENDING_CODE.with(|p| {
+                let mut p = p.borrow_mut();
+                if let Some((m, code)) = p.as_ref() {
+                    if *m == msg {
+                        (*edata).sqlerrcode = *code;
+                        *p = None;
+                    }
                 }
-            }
-        });
+            });
+        }
     }
 }
 

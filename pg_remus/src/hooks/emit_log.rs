@@ -15,9 +15,13 @@ pub(super) fn install() {
 
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn emit_log(edata: *mut pg_sys::ErrorData) {
-    crate::migration::handover::lock_abort::rewrite_cancel(edata);
-    crate::error::report::restore_sqlstate(edata);
-    if let Some(prev) = PREV_EMIT_LOG_HOOK {
-        prev(edata);
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        crate::migration::handover::lock_abort::rewrite_cancel(edata);
+        crate::error::report::restore_sqlstate(edata);
+        if let Some(prev) = PREV_EMIT_LOG_HOOK {
+            prev(edata);
+        }
     }
 }

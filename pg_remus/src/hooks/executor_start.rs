@@ -16,11 +16,15 @@ pub(super) fn install() {
 
 #[pg_guard]
 unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, eflags: i32) {
-    if let Err(e) = crate::router::ownership::check(query_desc) {
-        e.raise();
-    }
-    match PREV_EXECUTOR_START {
-        Some(prev) => prev(query_desc, eflags),
-        None => pg_sys::standard_ExecutorStart(query_desc, eflags),
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        if let Err(e) = crate::router::ownership::check(query_desc) {
+            e.raise();
+        }
+        match PREV_EXECUTOR_START {
+            Some(prev) => prev(query_desc, eflags),
+            None => pg_sys::standard_ExecutorStart(query_desc, eflags),
+        }
     }
 }

@@ -22,8 +22,12 @@ unsafe extern "C-unwind" fn pathlist_hook(
     rti: pg_sys::Index,
     rte: *mut pg_sys::RangeTblEntry,
 ) {
-    if let Some(prev) = PREV_PATHLIST {
-        prev(root, rel, rti, rte);
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        if let Some(prev) = PREV_PATHLIST {
+            prev(root, rel, rti, rte);
+        }
+        crate::router::scan::add_path(rel, rte);
     }
-    crate::router::scan::add_path(rel, rte);
 }

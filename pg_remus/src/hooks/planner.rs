@@ -20,18 +20,22 @@ unsafe extern "C-unwind" fn remus_planner(
     cursor_options: std::ffi::c_int,
     bound_params: pg_sys::ParamListInfo,
 ) -> *mut pg_sys::PlannedStmt {
-    // A gated transaction waits before its statement is routed, so that the routing decision
-    // is taken after the gate opens.
-    if let Err(e) = crate::migration::handover::admit_statement() {
-        e.raise();
-    }
-    match crate::router::planner::route(parse, query_string) {
-        Ok(Some(stmt)) => return stmt,
-        Ok(None) => {}
-        Err(e) => e.raise(),
-    }
-    match PREV_PLANNER {
-        Some(prev) => prev(parse, query_string, cursor_options, bound_params),
-        None => pg_sys::standard_planner(parse, query_string, cursor_options, bound_params),
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        // A gated transaction waits before its statement is routed, so that the routing decision
+        // is taken after the gate opens.
+        if let Err(e) = crate::migration::handover::admit_statement() {
+            e.raise();
+        }
+        match crate::router::planner::route(parse, query_string) {
+            Ok(Some(stmt)) => return stmt,
+            Ok(None) => {}
+            Err(e) => e.raise(),
+        }
+        match PREV_PLANNER {
+            Some(prev) => prev(parse, query_string, cursor_options, bound_params),
+            None => pg_sys::standard_planner(parse, query_string, cursor_options, bound_params),
+        }
     }
 }

@@ -28,35 +28,39 @@ unsafe extern "C-unwind" fn process_utility(
     dest: *mut pg_sys::DestReceiver,
     qc: *mut pg_sys::QueryCompletion,
 ) {
-    match crate::router::utility::intercept(pstmt, query_string, qc) {
-        Ok(true) => return,
-        Ok(false) => {}
-        Err(e) => e.raise(),
-    }
-    let finishing = dual::finishing_prepared(pstmt);
-    match PREV_UTILITY {
-        Some(prev) => prev(
-            pstmt,
-            query_string,
-            read_only_tree,
-            context,
-            params,
-            query_env,
-            dest,
-            qc,
-        ),
-        None => pg_sys::standard_ProcessUtility(
-            pstmt,
-            query_string,
-            read_only_tree,
-            context,
-            params,
-            query_env,
-            dest,
-            qc,
-        ),
-    }
-    if let Some((xid, commit)) = finishing {
-        dual::prepared_finished(xid, commit);
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        match crate::router::utility::intercept(pstmt, query_string, qc) {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(e) => e.raise(),
+        }
+        let finishing = dual::finishing_prepared(pstmt);
+        match PREV_UTILITY {
+            Some(prev) => prev(
+                pstmt,
+                query_string,
+                read_only_tree,
+                context,
+                params,
+                query_env,
+                dest,
+                qc,
+            ),
+            None => pg_sys::standard_ProcessUtility(
+                pstmt,
+                query_string,
+                read_only_tree,
+                context,
+                params,
+                query_env,
+                dest,
+                qc,
+            ),
+        }
+        if let Some((xid, commit)) = finishing {
+            dual::prepared_finished(xid, commit);
+        }
     }
 }

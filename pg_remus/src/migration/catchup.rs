@@ -107,25 +107,29 @@ unsafe fn row_values(
     tuple: pg_sys::HeapTuple,
     tupdesc: pg_sys::TupleDesc,
 ) -> Vec<ColumnValue> {
-    meta.attrs
-        .iter()
-        .map(|&(attnum, output)| {
-            let value = match NonZeroUsize::new(attnum)
-                .and_then(|a| pgrx::heap_getattr_raw(tuple, a, tupdesc))
-            {
-                None => column_value::Value::Null(true),
-                Some(datum) => {
-                    let text = pg_sys::OidOutputFunctionCall(output, datum);
-                    let s = std::ffi::CStr::from_ptr(text)
-                        .to_string_lossy()
-                        .into_owned();
-                    pg_sys::pfree(text.cast());
-                    column_value::Value::Text(s)
-                }
-            };
-            ColumnValue { value: Some(value) }
-        })
-        .collect()
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        meta.attrs
+            .iter()
+            .map(|&(attnum, output)| {
+                let value = match NonZeroUsize::new(attnum)
+                    .and_then(|a| pgrx::heap_getattr_raw(tuple, a, tupdesc))
+                {
+                    None => column_value::Value::Null(true),
+                    Some(datum) => {
+                        let text = pg_sys::OidOutputFunctionCall(output, datum);
+                        let s = std::ffi::CStr::from_ptr(text)
+                            .to_string_lossy()
+                            .into_owned();
+                        pg_sys::pfree(text.cast());
+                        column_value::Value::Text(s)
+                    }
+                };
+                ColumnValue { value: Some(value) }
+            })
+            .collect()
+    }
 }
 
 fn shard_of(trigger: &PgTrigger<'_>) -> Option<i64> {

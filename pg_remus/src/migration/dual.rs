@@ -280,21 +280,25 @@ fn take_prepared_shadows(xid: u32) -> Vec<(i64, String)> {
 /// # Safety
 /// `pstmt` must be the utility statement about to run.
 pub(crate) unsafe fn finishing_prepared(pstmt: *mut pg_sys::PlannedStmt) -> Option<(u32, bool)> {
-    let stmt = (*pstmt).utilityStmt;
-    if stmt.is_null() || (*stmt).type_ != pg_sys::NodeTag::T_TransactionStmt {
-        return None;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let stmt = (*pstmt).utilityStmt;
+        if stmt.is_null() || (*stmt).type_ != pg_sys::NodeTag::T_TransactionStmt {
+            return None;
+        }
+        let t = stmt as *mut pg_sys::TransactionStmt;
+        let commit = match (*t).kind {
+            pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED => true,
+            pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK_PREPARED => false,
+            _ => return None,
+        };
+        if (*t).gid.is_null() {
+            return None;
+        }
+        let gid = std::ffi::CStr::from_ptr((*t).gid).to_string_lossy();
+        prepared_xid(&gid).map(|xid| (xid, commit))
     }
-    let t = stmt as *mut pg_sys::TransactionStmt;
-    let commit = match (*t).kind {
-        pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED => true,
-        pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK_PREPARED => false,
-        _ => return None,
-    };
-    if (*t).gid.is_null() {
-        return None;
-    }
-    let gid = std::ffi::CStr::from_ptr((*t).gid).to_string_lossy();
-    prepared_xid(&gid).map(|xid| (xid, commit))
 }
 
 /// The xid of prepared transaction `gid`, if its shadows are noted here (looked up before

@@ -29,12 +29,16 @@ pub(crate) unsafe fn register(
     exec: *mut pg_sys::CustomExecMethods,
     methods: &Methods,
 ) {
-    (*scan).CustomName = methods.name.as_ptr();
-    (*scan).CreateCustomScanState = Some(methods.create_state);
-    (*exec).CustomName = methods.name.as_ptr();
-    (*exec).BeginCustomScan = Some(methods.begin);
-    (*exec).ExecCustomScan = Some(methods.exec);
-    (*exec).EndCustomScan = Some(methods.end);
-    (*exec).ReScanCustomScan = Some(methods.rescan);
-    pg_sys::RegisterCustomScanMethods(scan);
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        (*scan).CustomName = methods.name.as_ptr();
+        (*scan).CreateCustomScanState = Some(methods.create_state);
+        (*exec).CustomName = methods.name.as_ptr();
+        (*exec).BeginCustomScan = Some(methods.begin);
+        (*exec).ExecCustomScan = Some(methods.exec);
+        (*exec).EndCustomScan = Some(methods.end);
+        (*exec).ReScanCustomScan = Some(methods.rescan);
+        pg_sys::RegisterCustomScanMethods(scan);
+    }
 }

@@ -9,11 +9,15 @@ use pgrx::pg_sys;
 /// # Safety
 /// `value` must be a valid datum of type `ty`.
 pub unsafe fn datum_to_text(value: pg_sys::Datum, ty: pg_sys::Oid) -> String {
-    let mut out_fn = pg_sys::InvalidOid;
-    let mut varlena = false;
-    pg_sys::getTypeOutputInfo(ty, &mut out_fn, &mut varlena);
-    let c = pg_sys::OidOutputFunctionCall(out_fn, value);
-    CStr::from_ptr(c).to_string_lossy().into_owned()
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let mut out_fn = pg_sys::InvalidOid;
+        let mut varlena = false;
+        pg_sys::getTypeOutputInfo(ty, &mut out_fn, &mut varlena);
+        let c = pg_sys::OidOutputFunctionCall(out_fn, value);
+        CStr::from_ptr(c).to_string_lossy().into_owned()
+    }
 }
 
 /// Converts a datum between types through their text representations.
@@ -25,17 +29,21 @@ pub unsafe fn coerce_via_text(
     from: pg_sys::Oid,
     to: pg_sys::Oid,
 ) -> pg_sys::Datum {
-    if from == to {
-        return value;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if from == to {
+            return value;
+        }
+        let mut out_fn = pg_sys::InvalidOid;
+        let mut varlena = false;
+        pg_sys::getTypeOutputInfo(from, &mut out_fn, &mut varlena);
+        let text = pg_sys::OidOutputFunctionCall(out_fn, value);
+        let mut in_fn = pg_sys::InvalidOid;
+        let mut ioparam = pg_sys::InvalidOid;
+        pg_sys::getTypeInputInfo(to, &mut in_fn, &mut ioparam);
+        pg_sys::OidInputFunctionCall(in_fn, text, ioparam, -1)
     }
-    let mut out_fn = pg_sys::InvalidOid;
-    let mut varlena = false;
-    pg_sys::getTypeOutputInfo(from, &mut out_fn, &mut varlena);
-    let text = pg_sys::OidOutputFunctionCall(out_fn, value);
-    let mut in_fn = pg_sys::InvalidOid;
-    let mut ioparam = pg_sys::InvalidOid;
-    pg_sys::getTypeInputInfo(to, &mut in_fn, &mut ioparam);
-    pg_sys::OidInputFunctionCall(in_fn, text, ioparam, -1)
 }
 
 /// A copy of a datum in the current memory context (PostgreSQL's datumCopy is not exported to
@@ -44,17 +52,21 @@ pub unsafe fn coerce_via_text(
 /// # Safety
 /// `d` must be a valid datum of a type with `byval` and `len` (its `attbyval` / `attlen`).
 pub(crate) unsafe fn copy_datum(d: pg_sys::Datum, byval: bool, len: i16) -> pg_sys::Datum {
-    if byval {
-        return d;
-    }
-    let src = d.cast_mut_ptr::<u8>();
-    match len {
-        -1 => pg_sys::Datum::from(pg_sys::pg_detoast_datum_copy(src as *mut pg_sys::varlena)),
-        -2 => pg_sys::Datum::from(pg_sys::pstrdup(src as *const std::ffi::c_char)),
-        n => {
-            let dst = pg_sys::palloc(n as usize) as *mut u8;
-            std::ptr::copy_nonoverlapping(src, dst, n as usize);
-            pg_sys::Datum::from(dst)
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if byval {
+            return d;
+        }
+        let src = d.cast_mut_ptr::<u8>();
+        match len {
+            -1 => pg_sys::Datum::from(pg_sys::pg_detoast_datum_copy(src as *mut pg_sys::varlena)),
+            -2 => pg_sys::Datum::from(pg_sys::pstrdup(src as *const std::ffi::c_char)),
+            n => {
+                let dst = pg_sys::palloc(n as usize) as *mut u8;
+                std::ptr::copy_nonoverlapping(src, dst, n as usize);
+                pg_sys::Datum::from(dst)
+            }
         }
     }
 }

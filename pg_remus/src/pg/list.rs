@@ -7,13 +7,17 @@ use pgrx::pg_sys;
 /// # Safety
 /// `list` must be NIL or a valid pointer List whose cells point at `T`.
 pub unsafe fn list_ptrs<T>(list: *mut pg_sys::List) -> Vec<*mut T> {
-    if list.is_null() {
-        return Vec::new();
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if list.is_null() {
+            return Vec::new();
+        }
+        let n = (*list).length as usize;
+        (0..n)
+            .map(|i| (*(*list).elements.add(i)).ptr_value as *mut T)
+            .collect()
     }
-    let n = (*list).length as usize;
-    (0..n)
-        .map(|i| (*(*list).elements.add(i)).ptr_value as *mut T)
-        .collect()
 }
 
 /// Is `node` a non-NULL node of type `tag`?
@@ -21,7 +25,8 @@ pub unsafe fn list_ptrs<T>(list: *mut pg_sys::List) -> Vec<*mut T> {
 /// # Safety
 /// `node` must be NULL or point at a valid `Node`.
 pub(crate) unsafe fn is_tag(node: *const pg_sys::Node, tag: pg_sys::NodeTag) -> bool {
-    !node.is_null() && (*node).type_ == tag
+    // SAFETY: `node` is checked for NULL first; otherwise the caller guarantees a valid Node.
+    unsafe { !node.is_null() && (*node).type_ == tag }
 }
 
 /// `node` with any `RelabelType` wrappers (binary-compatible casts) taken off.
@@ -29,8 +34,12 @@ pub(crate) unsafe fn is_tag(node: *const pg_sys::Node, tag: pg_sys::NodeTag) -> 
 /// # Safety
 /// `node` must be NULL or a valid expression node.
 pub(crate) unsafe fn strip_relabel(mut node: *mut pg_sys::Node) -> *mut pg_sys::Node {
-    while is_tag(node, pg_sys::NodeTag::T_RelabelType) {
-        node = (*(node as *mut pg_sys::RelabelType)).arg as *mut _;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        while is_tag(node, pg_sys::NodeTag::T_RelabelType) {
+            node = (*(node as *mut pg_sys::RelabelType)).arg as *mut _;
+        }
+        node
     }
-    node
 }

@@ -39,50 +39,58 @@ impl Params {
     /// # Safety
     /// `list` must be NULL or the estate's live ParamListInfo.
     pub unsafe fn from_list(list: pg_sys::ParamListInfo) -> Self {
-        let mut p = Params::none();
-        if list.is_null() {
-            return p;
+        // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+        // and FFI operations below rely.
+        unsafe {
+            let mut p = Params::none();
+            if list.is_null() {
+                return p;
+            }
+            let n = (*list).numParams as usize;
+            for i in 0..n {
+                let mut workspace: pg_sys::ParamExternData = std::mem::zeroed();
+                let prm: *mut pg_sys::ParamExternData = match (*list).paramFetch {
+                    Some(fetch) => fetch(list, (i + 1) as i32, false, &mut workspace),
+                    None => (*list).params.as_mut_ptr().add(i),
+                };
+                let ty = if prm.is_null() || (*prm).ptype == pg_sys::InvalidOid {
+                    pg_sys::TEXTOID
+                } else {
+                    (*prm).ptype
+                };
+                p.types.push(ty);
+                p.values.push(if prm.is_null() {
+                    pg_sys::Datum::from(0usize)
+                } else {
+                    (*prm).value
+                });
+                p.nulls.push(prm.is_null() || (*prm).isnull);
+            }
+            p
         }
-        let n = (*list).numParams as usize;
-        for i in 0..n {
-            let mut workspace: pg_sys::ParamExternData = std::mem::zeroed();
-            let prm: *mut pg_sys::ParamExternData = match (*list).paramFetch {
-                Some(fetch) => fetch(list, (i + 1) as i32, false, &mut workspace),
-                None => (*list).params.as_mut_ptr().add(i),
-            };
-            let ty = if prm.is_null() || (*prm).ptype == pg_sys::InvalidOid {
-                pg_sys::TEXTOID
-            } else {
-                (*prm).ptype
-            };
-            p.types.push(ty);
-            p.values.push(if prm.is_null() {
-                pg_sys::Datum::from(0usize)
-            } else {
-                (*prm).value
-            });
-            p.nulls.push(prm.is_null() || (*prm).isnull);
-        }
-        p
     }
 
     unsafe fn as_text(&self) -> (Vec<Option<String>>, Vec<u32>) {
-        let mut vals = Vec::with_capacity(self.values.len());
-        let mut types = Vec::with_capacity(self.values.len());
-        for i in 0..self.values.len() {
-            vals.push(if self.nulls[i] {
-                None
-            } else {
-                Some(datum_to_text(self.values[i], self.types[i]))
-            });
-            // User types have a different OID on every node: let the remote infer them.
-            types.push(if self.types[i].to_u32() < pg_sys::FirstNormalObjectId {
-                self.types[i].to_u32()
-            } else {
-                0
-            });
+        // SAFETY: the pointers this private function takes come from its callers in this module,
+        // which pass what PostgreSQL handed them for the current call; they are live throughout.
+        unsafe {
+            let mut vals = Vec::with_capacity(self.values.len());
+            let mut types = Vec::with_capacity(self.values.len());
+            for i in 0..self.values.len() {
+                vals.push(if self.nulls[i] {
+                    None
+                } else {
+                    Some(datum_to_text(self.values[i], self.types[i]))
+                });
+                // User types have a different OID on every node: let the remote infer them.
+                types.push(if self.types[i].to_u32() < pg_sys::FirstNormalObjectId {
+                    self.types[i].to_u32()
+                } else {
+                    0
+                });
+            }
+            (vals, types)
         }
-        (vals, types)
     }
 }
 
@@ -98,41 +106,46 @@ pub unsafe fn run_on_shard(
     out_types: &[(pg_sys::Oid, i32)],
     writes: bool,
 ) -> Result<ShardResult, RemusError> {
-    let sql = marked(placement.shard_id, sql);
-    if crate::guc::node_name().as_deref() == Some(placement.node_name.as_str()) {
-        return run_local(&sql, params, out_types.len(), !writes);
-    }
-    let addr = crate::cluster::nodes::lookup(&placement.node_name)?;
-    let (vals, types) = params.as_text();
-    let r = crate::twophase::exec_params_in_transaction(&addr, &sql, &vals, &types, writes)?;
-    let mut rows = Vec::with_capacity(r.rows.len());
-    for row in r.rows {
-        let mut out = Vec::with_capacity(out_types.len());
-        for (i, v) in row.into_iter().enumerate().take(out_types.len()) {
-            out.push(match v {
-                None => None,
-                Some(text) => {
-                    let (ty, typmod) = out_types[i];
-                    let mut in_fn = pg_sys::InvalidOid;
-                    let mut ioparam = pg_sys::InvalidOid;
-                    pg_sys::getTypeInputInfo(ty, &mut in_fn, &mut ioparam);
-                    let c = CString::new(text)
-                        .map_err(|_| RemusError::InvalidArgument("NUL in remote value".into()))?;
-                    Some(pg_sys::OidInputFunctionCall(
-                        in_fn,
-                        c.as_ptr() as *mut _,
-                        ioparam,
-                        typmod,
-                    ))
-                }
-            });
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let sql = marked(placement.shard_id, sql);
+        if crate::guc::node_name().as_deref() == Some(placement.node_name.as_str()) {
+            return run_local(&sql, params, out_types.len(), !writes);
         }
-        rows.push(out);
+        let addr = crate::cluster::nodes::lookup(&placement.node_name)?;
+        let (vals, types) = params.as_text();
+        let r = crate::twophase::exec_params_in_transaction(&addr, &sql, &vals, &types, writes)?;
+        let mut rows = Vec::with_capacity(r.rows.len());
+        for row in r.rows {
+            let mut out = Vec::with_capacity(out_types.len());
+            for (i, v) in row.into_iter().enumerate().take(out_types.len()) {
+                out.push(match v {
+                    None => None,
+                    Some(text) => {
+                        let (ty, typmod) = out_types[i];
+                        let mut in_fn = pg_sys::InvalidOid;
+                        let mut ioparam = pg_sys::InvalidOid;
+                        pg_sys::getTypeInputInfo(ty, &mut in_fn, &mut ioparam);
+                        let c = CString::new(text).map_err(|_| {
+                            RemusError::InvalidArgument("NUL in remote value".into())
+                        })?;
+                        Some(pg_sys::OidInputFunctionCall(
+                            in_fn,
+                            c.as_ptr() as *mut _,
+                            ioparam,
+                            typmod,
+                        ))
+                    }
+                });
+            }
+            rows.push(out);
+        }
+        Ok(ShardResult {
+            rows,
+            affected: r.affected,
+        })
     }
-    Ok(ShardResult {
-        rows,
-        affected: r.affected,
-    })
 }
 
 unsafe fn run_local(
@@ -141,67 +154,71 @@ unsafe fn run_local(
     ncols: usize,
     read_only: bool,
 ) -> Result<ShardResult, RemusError> {
-    let c =
-        CString::new(sql).map_err(|_| RemusError::InvalidArgument("NUL in statement".into()))?;
-    // Datums copied out of SPI memory must survive SPI_finish: copy them in the caller's context.
-    let caller_cxt = pg_sys::CurrentMemoryContext;
-    pg_sys::SPI_connect();
-    let _depth = LocalShard::enter();
-    let nulls: Vec<std::ffi::c_char> = params
-        .nulls
-        .iter()
-        .map(|n| if *n { b'n' as _ } else { b' ' as _ })
-        .collect();
-    let mut types = params.types.clone();
-    let mut values = params.values.clone();
-    let rc = pg_sys::SPI_execute_with_args(
-        c.as_ptr(),
-        types.len() as i32,
-        types.as_mut_ptr(),
-        values.as_mut_ptr(),
-        if nulls.is_empty() {
-            std::ptr::null()
-        } else {
-            nulls.as_ptr()
-        },
-        read_only,
-        0,
-    );
-    if rc < 0 {
-        pg_sys::SPI_finish();
-        return Err(RemusError::InvalidArgument(format!(
-            "local shard statement failed (SPI code {rc})"
-        )));
-    }
-    let processed = pg_sys::SPI_processed;
-    let mut rows = Vec::new();
-    let tt = pg_sys::SPI_tuptable;
-    if !tt.is_null() && ncols > 0 {
-        let desc = (*tt).tupdesc;
-        for i in 0..processed as usize {
-            let tuple = *(*tt).vals.add(i);
-            let mut row = Vec::with_capacity(ncols);
-            for col in 0..ncols {
-                let mut isnull = false;
-                let d = pg_sys::SPI_getbinval(tuple, desc, (col + 1) as i32, &mut isnull);
-                if isnull {
-                    row.push(None);
-                } else {
-                    let attr = (*desc).attrs.as_ptr().add(col);
-                    let old = pg_sys::MemoryContextSwitchTo(caller_cxt);
-                    let copied = copy_datum(d, (*attr).attbyval, (*attr).attlen);
-                    pg_sys::MemoryContextSwitchTo(old);
-                    row.push(Some(copied));
-                }
-            }
-            rows.push(row);
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let c = CString::new(sql)
+            .map_err(|_| RemusError::InvalidArgument("NUL in statement".into()))?;
+        // Datums copied out of SPI memory must survive SPI_finish: copy them in the caller's context.
+        let caller_cxt = pg_sys::CurrentMemoryContext;
+        pg_sys::SPI_connect();
+        let _depth = LocalShard::enter();
+        let nulls: Vec<std::ffi::c_char> = params
+            .nulls
+            .iter()
+            .map(|n| if *n { b'n' as _ } else { b' ' as _ })
+            .collect();
+        let mut types = params.types.clone();
+        let mut values = params.values.clone();
+        let rc = pg_sys::SPI_execute_with_args(
+            c.as_ptr(),
+            types.len() as i32,
+            types.as_mut_ptr(),
+            values.as_mut_ptr(),
+            if nulls.is_empty() {
+                std::ptr::null()
+            } else {
+                nulls.as_ptr()
+            },
+            read_only,
+            0,
+        );
+        if rc < 0 {
+            pg_sys::SPI_finish();
+            return Err(RemusError::InvalidArgument(format!(
+                "local shard statement failed (SPI code {rc})"
+            )));
         }
+        let processed = pg_sys::SPI_processed;
+        let mut rows = Vec::new();
+        let tt = pg_sys::SPI_tuptable;
+        if !tt.is_null() && ncols > 0 {
+            let desc = (*tt).tupdesc;
+            for i in 0..processed as usize {
+                let tuple = *(*tt).vals.add(i);
+                let mut row = Vec::with_capacity(ncols);
+                for col in 0..ncols {
+                    let mut isnull = false;
+                    let d = pg_sys::SPI_getbinval(tuple, desc, (col + 1) as i32, &mut isnull);
+                    if isnull {
+                        row.push(None);
+                    } else {
+                        let attr = (*desc).attrs.as_ptr().add(col);
+                        let old = pg_sys::MemoryContextSwitchTo(caller_cxt);
+                        let copied = copy_datum(d, (*attr).attbyval, (*attr).attlen);
+                        pg_sys::MemoryContextSwitchTo(old);
+                        row.push(Some(copied));
+                    }
+                }
+                rows.push(row);
+            }
+        }
+        pg_sys::SPI_finish();
+        Ok(ShardResult {
+            rows,
+            affected: processed,
+        })
     }
-    pg_sys::SPI_finish();
-    Ok(ShardResult {
-        rows,
-        affected: processed,
-    })
 }
 
 /// Next row of a tuplestore, in the scan slot. Expressions above a CustomScan are compiled for
@@ -215,16 +232,20 @@ pub unsafe fn next_from_store(
     store_slot: *mut pg_sys::TupleTableSlot,
     scan_slot: *mut pg_sys::TupleTableSlot,
 ) -> *mut pg_sys::TupleTableSlot {
-    if store.is_null() || !pg_sys::tuplestore_gettupleslot(store, true, false, store_slot) {
-        pg_sys::ExecClearTuple(scan_slot);
-        return scan_slot;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if store.is_null() || !pg_sys::tuplestore_gettupleslot(store, true, false, store_slot) {
+            pg_sys::ExecClearTuple(scan_slot);
+            return scan_slot;
+        }
+        // ExecCopySlot is a static inline in tuptable.h: call the slot type's copyslot directly.
+        let copy = (*(*scan_slot).tts_ops)
+            .copyslot
+            .expect("every slot type can copy");
+        copy(scan_slot, store_slot);
+        scan_slot
     }
-    // ExecCopySlot is a static inline in tuptable.h: call the slot type's copyslot directly.
-    let copy = (*(*scan_slot).tts_ops)
-        .copyslot
-        .expect("every slot type can copy");
-    copy(scan_slot, store_slot);
-    scan_slot
 }
 
 /// Evaluates a Var-free expression (Const, Param, casts of those) in the node's context.
@@ -235,11 +256,15 @@ pub unsafe fn eval_expr(
     expr: *mut pg_sys::Expr,
     ps: *mut pg_sys::PlanState,
 ) -> (pg_sys::Datum, bool, pg_sys::Oid) {
-    let state = pg_sys::ExecInitExpr(expr, ps);
-    let mut isnull = false;
-    let econtext = (*ps).ps_ExprContext;
-    let old = pg_sys::MemoryContextSwitchTo((*econtext).ecxt_per_query_memory);
-    let d = pg_sys::ExecEvalExprSwitchContext(state, econtext, &mut isnull);
-    pg_sys::MemoryContextSwitchTo(old);
-    (d, isnull, pg_sys::exprType(expr as *const pg_sys::Node))
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let state = pg_sys::ExecInitExpr(expr, ps);
+        let mut isnull = false;
+        let econtext = (*ps).ps_ExprContext;
+        let old = pg_sys::MemoryContextSwitchTo((*econtext).ecxt_per_query_memory);
+        let d = pg_sys::ExecEvalExprSwitchContext(state, econtext, &mut isnull);
+        pg_sys::MemoryContextSwitchTo(old);
+        (d, isnull, pg_sys::exprType(expr as *const pg_sys::Node))
+    }
 }

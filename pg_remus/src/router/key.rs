@@ -19,19 +19,23 @@ pub(crate) unsafe fn placement_for(
     value: pg_sys::Datum,
     value_type: pg_sys::Oid,
 ) -> Result<ShardPlacement, RemusError> {
-    let d = crate::pg::datum::coerce_via_text(value, value_type, table.key_type);
-    let hash = crate::catalog::hashing::hash_datum(d, table.key_type, pg_sys::InvalidOid)?;
-    let idx = crate::catalog::hashing::shard_index(hash, table.shard_count as u32) as i32;
-    placements
-        .iter()
-        .find(|p| p.shard_index == idx)
-        .cloned()
-        .ok_or_else(|| {
-            RemusError::InvalidArgument(format!(
-                "no shard {idx} in the shard map of {}",
-                table.qualified_name
-            ))
-        })
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let d = crate::pg::datum::coerce_via_text(value, value_type, table.key_type);
+        let hash = crate::catalog::hashing::hash_datum(d, table.key_type, pg_sys::InvalidOid)?;
+        let idx = crate::catalog::hashing::shard_index(hash, table.shard_count as u32) as i32;
+        placements
+            .iter()
+            .find(|p| p.shard_index == idx)
+            .cloned()
+            .ok_or_else(|| {
+                RemusError::InvalidArgument(format!(
+                    "no shard {idx} in the shard map of {}",
+                    table.qualified_name
+                ))
+            })
+    }
 }
 
 /// A value usable for routing: constants, external parameters, and casts of those.
@@ -39,26 +43,30 @@ pub(crate) unsafe fn placement_for(
 /// # Safety
 /// `node` must be NULL or a valid expression node.
 pub(crate) unsafe fn is_routable_value(node: *mut pg_sys::Node) -> bool {
-    use pg_sys::NodeTag::*;
-    if node.is_null() {
-        return false;
-    }
-    match (*node).type_ {
-        T_Const => true,
-        T_Param => (*(node as *mut pg_sys::Param)).paramkind == pg_sys::ParamKind::PARAM_EXTERN,
-        T_RelabelType => is_routable_value((*(node as *mut pg_sys::RelabelType)).arg as *mut _),
-        T_CoerceViaIO => is_routable_value((*(node as *mut pg_sys::CoerceViaIO)).arg as *mut _),
-        T_FuncExpr => {
-            let f = node as *mut pg_sys::FuncExpr;
-            let args = list_ptrs::<pg_sys::Node>((*f).args);
-            matches!(
-                (*f).funcformat,
-                pg_sys::CoercionForm::COERCE_IMPLICIT_CAST
-                    | pg_sys::CoercionForm::COERCE_EXPLICIT_CAST
-            ) && args.len() == 1
-                && is_routable_value(args[0])
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        use pg_sys::NodeTag::*;
+        if node.is_null() {
+            return false;
         }
-        _ => false,
+        match (*node).type_ {
+            T_Const => true,
+            T_Param => (*(node as *mut pg_sys::Param)).paramkind == pg_sys::ParamKind::PARAM_EXTERN,
+            T_RelabelType => is_routable_value((*(node as *mut pg_sys::RelabelType)).arg as *mut _),
+            T_CoerceViaIO => is_routable_value((*(node as *mut pg_sys::CoerceViaIO)).arg as *mut _),
+            T_FuncExpr => {
+                let f = node as *mut pg_sys::FuncExpr;
+                let args = list_ptrs::<pg_sys::Node>((*f).args);
+                matches!(
+                    (*f).funcformat,
+                    pg_sys::CoercionForm::COERCE_IMPLICIT_CAST
+                        | pg_sys::CoercionForm::COERCE_EXPLICIT_CAST
+                ) && args.len() == 1
+                    && is_routable_value(args[0])
+            }
+            _ => false,
+        }
     }
 }
 
@@ -71,32 +79,36 @@ pub(crate) unsafe fn key_equality_value(
     varno: i32,
     key_attno: i16,
 ) -> Option<*mut pg_sys::Expr> {
-    if !is_tag(clause, pg_sys::NodeTag::T_OpExpr) {
-        return None;
-    }
-    let op = clause as *mut pg_sys::OpExpr;
-    let args = list_ptrs::<pg_sys::Node>((*op).args);
-    if args.len() != 2 || (*op).opno.to_u32() >= pg_sys::FirstNormalObjectId {
-        return None;
-    }
-    let name = pg_sys::get_opname((*op).opno);
-    if name.is_null() || CStr::from_ptr(name).to_bytes() != b"=" {
-        return None;
-    }
-    for (a, b) in [(args[0], args[1]), (args[1], args[0])] {
-        let v = strip_relabel(a);
-        if is_tag(v, pg_sys::NodeTag::T_Var) {
-            let var = v as *mut pg_sys::Var;
-            if (*var).varno == varno
-                && (*var).varattno == key_attno
-                && (*var).varlevelsup == 0
-                && is_routable_value(b)
-            {
-                return Some(b as *mut pg_sys::Expr);
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if !is_tag(clause, pg_sys::NodeTag::T_OpExpr) {
+            return None;
+        }
+        let op = clause as *mut pg_sys::OpExpr;
+        let args = list_ptrs::<pg_sys::Node>((*op).args);
+        if args.len() != 2 || (*op).opno.to_u32() >= pg_sys::FirstNormalObjectId {
+            return None;
+        }
+        let name = pg_sys::get_opname((*op).opno);
+        if name.is_null() || CStr::from_ptr(name).to_bytes() != b"=" {
+            return None;
+        }
+        for (a, b) in [(args[0], args[1]), (args[1], args[0])] {
+            let v = strip_relabel(a);
+            if is_tag(v, pg_sys::NodeTag::T_Var) {
+                let var = v as *mut pg_sys::Var;
+                if (*var).varno == varno
+                    && (*var).varattno == key_attno
+                    && (*var).varlevelsup == 0
+                    && is_routable_value(b)
+                {
+                    return Some(b as *mut pg_sys::Expr);
+                }
             }
         }
+        None
     }
-    None
 }
 
 /// The key's attribute number in the shell.

@@ -50,77 +50,81 @@ pub(crate) unsafe fn pin_to_local_shard(
     parse: *mut pg_sys::Query,
     shard_id: i64,
 ) -> Result<(), RemusError> {
-    let shells = shells_in(parse)?;
-    if shells.is_empty() {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "a statement for shard {shard_id} must reference its distributed table"
-        )));
-    }
-    // The marker names one shard; every distributed table of the statement uses the shard with
-    // the same index in the same co-location group (the same table twice for ON CONFLICT's
-    // `excluded`).
-    let index = looking_up(|| {
-        read_one::<i32>(
-            "SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1",
-            &[shard_id.into()],
-        )
-    });
-    let index = index?.ok_or_else(|| RemusError::NotShardOwner {
-        shard_id,
-        node: crate::guc::node_name().unwrap_or_default(),
-    })?;
-    let single_table = shells.iter().all(|(_, t)| t.relid == shells[0].1.relid);
-    let colocation = shells[0].1.colocation_id;
-    if !single_table
-        && shells
-            .iter()
-            .any(|(_, t)| t.colocation_id != colocation || t.kind != 'h')
-    {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "a statement for shard {shard_id} may only reference tables co-located with it"
-        )));
-    }
-    let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
-    let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable);
-    for (rti, table) in &shells {
-        let sid = if single_table {
-            shard_id
-        } else {
-            let sid = looking_up(|| {
-                read_one::<i64>(
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let shells = shells_in(parse)?;
+        if shells.is_empty() {
+            return Err(RemusError::FeatureNotSupported(format!(
+                "a statement for shard {shard_id} must reference its distributed table"
+            )));
+        }
+        // The marker names one shard; every distributed table of the statement uses the shard with
+        // the same index in the same co-location group (the same table twice for ON CONFLICT's
+        // `excluded`).
+        let index = looking_up(|| {
+            read_one::<i32>(
+                "SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1",
+                &[shard_id.into()],
+            )
+        });
+        let index = index?.ok_or_else(|| RemusError::NotShardOwner {
+            shard_id,
+            node: crate::guc::node_name().unwrap_or_default(),
+        })?;
+        let single_table = shells.iter().all(|(_, t)| t.relid == shells[0].1.relid);
+        let colocation = shells[0].1.colocation_id;
+        if !single_table
+            && shells
+                .iter()
+                .any(|(_, t)| t.colocation_id != colocation || t.kind != 'h')
+        {
+            return Err(RemusError::FeatureNotSupported(format!(
+                "a statement for shard {shard_id} may only reference tables co-located with it"
+            )));
+        }
+        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
+        let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable);
+        for (rti, table) in &shells {
+            let sid = if single_table {
+                shard_id
+            } else {
+                let sid = looking_up(|| {
+                    read_one::<i64>(
                     "SELECT max(shard_id) FROM remus.shards WHERE logicalrelid = $1 AND shard_index = $2",
                     &[table.relid.into(), index.into()],
                 )
-            });
-            sid?.unwrap_or(shard_id)
-        };
-        let shard_name =
-            CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");
-        let shard_relid = pg_sys::get_relname_relid(shard_name.as_ptr(), nsp);
-        if shard_relid == pg_sys::InvalidOid {
-            return Err(RemusError::NotShardOwner {
-                shard_id: sid,
-                node: crate::guc::node_name().unwrap_or_default(),
-            });
+                });
+                sid?.unwrap_or(shard_id)
+            };
+            let shard_name =
+                CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");
+            let shard_relid = pg_sys::get_relname_relid(shard_name.as_ptr(), nsp);
+            if shard_relid == pg_sys::InvalidOid {
+                return Err(RemusError::NotShardOwner {
+                    shard_id: sid,
+                    node: crate::guc::node_name().unwrap_or_default(),
+                });
+            }
+            let rte = rtes[rti - 1];
+            // The parser locked the shell, not the shard; the executor expects its relations locked.
+            pg_sys::LockRelationOid(shard_relid, (*rte).rellockmode);
+            // The lock may have been granted only because a migration's cleanup dropped the shard
+            // meanwhile: then it is not here any more.
+            if !pg_sys::SearchSysCacheExists(
+                pg_sys::SysCacheIdentifier::RELOID as i32,
+                pg_sys::Datum::from(shard_relid),
+                pg_sys::Datum::from(0),
+                pg_sys::Datum::from(0),
+                pg_sys::Datum::from(0),
+            ) {
+                return Err(RemusError::NotShardOwner {
+                    shard_id: sid,
+                    node: crate::guc::node_name().unwrap_or_default(),
+                });
+            }
+            (*rte).relid = shard_relid;
         }
-        let rte = rtes[rti - 1];
-        // The parser locked the shell, not the shard; the executor expects its relations locked.
-        pg_sys::LockRelationOid(shard_relid, (*rte).rellockmode);
-        // The lock may have been granted only because a migration's cleanup dropped the shard
-        // meanwhile: then it is not here any more.
-        if !pg_sys::SearchSysCacheExists(
-            pg_sys::SysCacheIdentifier::RELOID as i32,
-            pg_sys::Datum::from(shard_relid),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-        ) {
-            return Err(RemusError::NotShardOwner {
-                shard_id: sid,
-                node: crate::guc::node_name().unwrap_or_default(),
-            });
-        }
-        (*rte).relid = shard_relid;
+        Ok(())
     }
-    Ok(())
 }

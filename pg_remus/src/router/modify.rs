@@ -66,103 +66,109 @@ pub unsafe fn plan(
     parse: *mut pg_sys::Query,
     table: &DistTable,
 ) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
-    let q = &*parse;
-    if !q.cteList.is_null() {
-        return Err(unsupported("WITH in INSERT/UPDATE/DELETE"));
-    }
-    if q.hasSubLinks {
-        return Err(unsupported("a subquery in INSERT/UPDATE/DELETE"));
-    }
-    if q.hasTargetSRFs {
-        return Err(unsupported(
-            "a set-returning function in INSERT/UPDATE/DELETE",
-        ));
-    }
-    // Reference tables have no key; 0 never matches a column.
-    let key_attno = if table.kind == 'r' {
-        0
-    } else {
-        super::key::key_attno(table)?
-    };
-    if table.kind == 'r' {
-        // Every node evaluates the statement for its own copy: a volatile expression (now(),
-        // random(), a gen_random_uuid() default) would give each copy a different value.
-        let mut exprs = q.targetList as *mut pg_sys::Node;
-        if pg_sys::contain_volatile_functions(exprs) {
-            return Err(unsupported("a volatile expression (such as now(), random() or a gen_random_uuid() default) in a write to a reference table"));
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let q = &*parse;
+        if !q.cteList.is_null() {
+            return Err(unsupported("WITH in INSERT/UPDATE/DELETE"));
         }
-        exprs = q.returningList as *mut pg_sys::Node;
-        let quals = if q.jointree.is_null() {
-            std::ptr::null_mut()
-        } else {
-            (*q.jointree).quals
-        };
-        if pg_sys::contain_volatile_functions(exprs) || pg_sys::contain_volatile_functions(quals) {
+        if q.hasSubLinks {
+            return Err(unsupported("a subquery in INSERT/UPDATE/DELETE"));
+        }
+        if q.hasTargetSRFs {
             return Err(unsupported(
-                "a volatile expression in a write to a reference table",
+                "a set-returning function in INSERT/UPDATE/DELETE",
             ));
         }
-        for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
-            if (*rte).rtekind == pg_sys::RTEKind::RTE_VALUES
-                && pg_sys::contain_volatile_functions((*rte).values_lists as *mut pg_sys::Node)
+        // Reference tables have no key; 0 never matches a column.
+        let key_attno = if table.kind == 'r' {
+            0
+        } else {
+            super::key::key_attno(table)?
+        };
+        if table.kind == 'r' {
+            // Every node evaluates the statement for its own copy: a volatile expression (now(),
+            // random(), a gen_random_uuid() default) would give each copy a different value.
+            let mut exprs = q.targetList as *mut pg_sys::Node;
+            if pg_sys::contain_volatile_functions(exprs) {
+                return Err(unsupported("a volatile expression (such as now(), random() or a gen_random_uuid() default) in a write to a reference table"));
+            }
+            exprs = q.returningList as *mut pg_sys::Node;
+            let quals = if q.jointree.is_null() {
+                std::ptr::null_mut()
+            } else {
+                (*q.jointree).quals
+            };
+            if pg_sys::contain_volatile_functions(exprs)
+                || pg_sys::contain_volatile_functions(quals)
             {
                 return Err(unsupported(
                     "a volatile expression in a write to a reference table",
                 ));
             }
-        }
-    }
-    let rtes = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable);
-    match q.commandType {
-        pg_sys::CmdType::CMD_INSERT => {
-            let excluded = if q.onConflict.is_null() {
-                0
-            } else {
-                (*q.onConflict).exclRelIndex as usize
-            };
-            for (i, rte) in rtes.iter().enumerate() {
-                // ON CONFLICT DO UPDATE adds the `excluded` pseudo-relation.
-                if i + 1 != q.resultRelation as usize
-                    && i + 1 != excluded
-                    && (**rte).rtekind != pg_sys::RTEKind::RTE_VALUES
+            for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
+                if (*rte).rtekind == pg_sys::RTEKind::RTE_VALUES
+                    && pg_sys::contain_volatile_functions((*rte).values_lists as *mut pg_sys::Node)
                 {
-                    return Err(unsupported("INSERT … SELECT"));
-                }
-            }
-            if !q.onConflict.is_null() {
-                let oc = q.onConflict;
-                if (*oc).constraint != pg_sys::InvalidOid {
                     return Err(unsupported(
-                        "ON CONFLICT ON CONSTRAINT (name the conflict columns instead)",
+                        "a volatile expression in a write to a reference table",
                     ));
                 }
-                for te in list_ptrs::<pg_sys::TargetEntry>((*oc).onConflictSet) {
-                    if (*te).resno == key_attno {
-                        return Err(unsupported("ON CONFLICT DO UPDATE of the shard key"));
+            }
+        }
+        let rtes = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable);
+        match q.commandType {
+            pg_sys::CmdType::CMD_INSERT => {
+                let excluded = if q.onConflict.is_null() {
+                    0
+                } else {
+                    (*q.onConflict).exclRelIndex as usize
+                };
+                for (i, rte) in rtes.iter().enumerate() {
+                    // ON CONFLICT DO UPDATE adds the `excluded` pseudo-relation.
+                    if i + 1 != q.resultRelation as usize
+                        && i + 1 != excluded
+                        && (**rte).rtekind != pg_sys::RTEKind::RTE_VALUES
+                    {
+                        return Err(unsupported("INSERT … SELECT"));
+                    }
+                }
+                if !q.onConflict.is_null() {
+                    let oc = q.onConflict;
+                    if (*oc).constraint != pg_sys::InvalidOid {
+                        return Err(unsupported(
+                            "ON CONFLICT ON CONSTRAINT (name the conflict columns instead)",
+                        ));
+                    }
+                    for te in list_ptrs::<pg_sys::TargetEntry>((*oc).onConflictSet) {
+                        if (*te).resno == key_attno {
+                            return Err(unsupported("ON CONFLICT DO UPDATE of the shard key"));
+                        }
+                    }
+                }
+            }
+            _ => {
+                if rtes.len() != 1 {
+                    return Err(unsupported("UPDATE … FROM / DELETE … USING"));
+                }
+                if q.commandType == pg_sys::CmdType::CMD_UPDATE {
+                    for te in list_ptrs::<pg_sys::TargetEntry>(q.targetList) {
+                        if (*te).resno == key_attno && !(*te).resjunk {
+                            return Err(unsupported("UPDATE of the shard key"));
+                        }
                     }
                 }
             }
         }
-        _ => {
-            if rtes.len() != 1 {
-                return Err(unsupported("UPDATE … FROM / DELETE … USING"));
-            }
-            if q.commandType == pg_sys::CmdType::CMD_UPDATE {
-                for te in list_ptrs::<pg_sys::TargetEntry>(q.targetList) {
-                    if (*te).resno == key_attno && !(*te).resjunk {
-                        return Err(unsupported("UPDATE of the shard key"));
-                    }
-                }
-            }
-        }
-    }
 
-    let returning = list_ptrs::<pg_sys::TargetEntry>(q.returningList);
-    let private = pg_sys::lappend(
-        std::ptr::null_mut(),
-        pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
-    );
-    Ok(build_stmt(parse, &returning, &[table.relid], private))
+        let returning = list_ptrs::<pg_sys::TargetEntry>(q.returningList);
+        let private = pg_sys::lappend(
+            std::ptr::null_mut(),
+            pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
+        );
+        Ok(build_stmt(parse, &returning, &[table.relid], private))
+    }
 }
 
 /// A SELECT that reads one shard group of co-located tables runs there as one statement. The
@@ -175,36 +181,40 @@ pub unsafe fn plan_single_shard_select(
     anchor: &DistTable,
     value: *mut pg_sys::Expr,
 ) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
-    let q = &*parse;
-    let outputs: Vec<*mut pg_sys::TargetEntry> = list_ptrs::<pg_sys::TargetEntry>(q.targetList)
-        .into_iter()
-        .filter(|te| !(**te).resjunk)
-        .collect();
-    let mut relids = Vec::new();
-    for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
-        if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
-            relids.push((*rte).relid);
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let q = &*parse;
+        let outputs: Vec<*mut pg_sys::TargetEntry> = list_ptrs::<pg_sys::TargetEntry>(q.targetList)
+            .into_iter()
+            .filter(|te| !(**te).resjunk)
+            .collect();
+        let mut relids = Vec::new();
+        for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
+            if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
+                relids.push((*rte).relid);
+            }
         }
+        let mut private = pg_sys::lappend(
+            std::ptr::null_mut(),
+            pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
+        );
+        private = pg_sys::lappend(
+            private,
+            pg_sys::copyObjectImpl(value as *const std::ffi::c_void),
+        );
+        let anchor_const = pg_sys::makeConst(
+            pg_sys::OIDOID,
+            -1,
+            pg_sys::InvalidOid,
+            4,
+            pg_sys::Datum::from(anchor.relid.to_u32() as usize),
+            false,
+            true,
+        );
+        private = pg_sys::lappend(private, anchor_const as *mut std::ffi::c_void);
+        Ok(build_stmt(parse, &outputs, &relids, private))
     }
-    let mut private = pg_sys::lappend(
-        std::ptr::null_mut(),
-        pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
-    );
-    private = pg_sys::lappend(
-        private,
-        pg_sys::copyObjectImpl(value as *const std::ffi::c_void),
-    );
-    let anchor_const = pg_sys::makeConst(
-        pg_sys::OIDOID,
-        -1,
-        pg_sys::InvalidOid,
-        4,
-        pg_sys::Datum::from(anchor.relid.to_u32() as usize),
-        false,
-        true,
-    );
-    private = pg_sys::lappend(private, anchor_const as *mut std::ffi::c_void);
-    Ok(build_stmt(parse, &outputs, &relids, private))
 }
 
 /// A PlannedStmt whose whole plan is one CustomScan returning `outputs` (by position).
@@ -214,62 +224,71 @@ unsafe fn build_stmt(
     relids: &[pg_sys::Oid],
     private: *mut pg_sys::List,
 ) -> *mut pg_sys::PlannedStmt {
-    let q = &*parse;
-    let cscan =
-        pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
-    (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
-    (*cscan).scan.plan.plan_rows = 1.0;
-    (*cscan).scan.scanrelid = 0;
-    (*cscan).methods = &raw const SCAN_METHODS;
-    // The scan tuple has the output columns; the plan's target list reads them back by
-    // position (INDEX_VAR), so no projection happens.
-    let mut scan_tlist: *mut pg_sys::List = std::ptr::null_mut();
-    let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
-    for (i, te) in outputs.iter().enumerate() {
-        let resno = (i + 1) as i16;
-        let expr = (**te).expr as *mut pg_sys::Node;
-        let st = pg_sys::makeTargetEntry((**te).expr, resno, (**te).resname, false);
-        scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
-        let var = pg_sys::makeVar(
-            pg_sys::INDEX_VAR,
-            resno,
-            pg_sys::exprType(expr),
-            pg_sys::exprTypmod(expr),
-            pg_sys::exprCollation(expr),
-            0,
-        );
-        let out = pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (**te).resname, false);
-        tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
-    }
-    (*cscan).custom_scan_tlist = scan_tlist;
-    (*cscan).scan.plan.targetlist = tlist;
-    (*cscan).custom_private = private;
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let q = &*parse;
+        let cscan =
+            pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
+        (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
+        (*cscan).scan.plan.plan_rows = 1.0;
+        (*cscan).scan.scanrelid = 0;
+        (*cscan).methods = &raw const SCAN_METHODS;
+        // The scan tuple has the output columns; the plan's target list reads them back by
+        // position (INDEX_VAR), so no projection happens.
+        let mut scan_tlist: *mut pg_sys::List = std::ptr::null_mut();
+        let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
+        for (i, te) in outputs.iter().enumerate() {
+            let resno = (i + 1) as i16;
+            let expr = (**te).expr as *mut pg_sys::Node;
+            let st = pg_sys::makeTargetEntry((**te).expr, resno, (**te).resname, false);
+            scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
+            let var = pg_sys::makeVar(
+                pg_sys::INDEX_VAR,
+                resno,
+                pg_sys::exprType(expr),
+                pg_sys::exprTypmod(expr),
+                pg_sys::exprCollation(expr),
+                0,
+            );
+            let out =
+                pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (**te).resname, false);
+            tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
+        }
+        (*cscan).custom_scan_tlist = scan_tlist;
+        (*cscan).scan.plan.targetlist = tlist;
+        (*cscan).custom_private = private;
 
-    let stmt =
-        pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannedStmt>()) as *mut pg_sys::PlannedStmt;
-    (*stmt).type_ = pg_sys::NodeTag::T_PlannedStmt;
-    (*stmt).commandType = q.commandType;
-    (*stmt).queryId = q.queryId;
-    (*stmt).hasReturning = !q.returningList.is_null();
-    (*stmt).canSetTag = q.canSetTag;
-    (*stmt).planTree = cscan as *mut pg_sys::Plan;
-    // Kept for permission checks on the shells; no relation of it is scanned here.
-    (*stmt).rtable = q.rtable;
-    // A change to a shell (distribution, DDL) invalidates cached plans of this statement.
-    for relid in relids {
-        (*stmt).relationOids = pg_sys::lappend_oid((*stmt).relationOids, *relid);
+        let stmt =
+            pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannedStmt>()) as *mut pg_sys::PlannedStmt;
+        (*stmt).type_ = pg_sys::NodeTag::T_PlannedStmt;
+        (*stmt).commandType = q.commandType;
+        (*stmt).queryId = q.queryId;
+        (*stmt).hasReturning = !q.returningList.is_null();
+        (*stmt).canSetTag = q.canSetTag;
+        (*stmt).planTree = cscan as *mut pg_sys::Plan;
+        // Kept for permission checks on the shells; no relation of it is scanned here.
+        (*stmt).rtable = q.rtable;
+        // A change to a shell (distribution, DDL) invalidates cached plans of this statement.
+        for relid in relids {
+            (*stmt).relationOids = pg_sys::lappend_oid((*stmt).relationOids, *relid);
+        }
+        (*stmt).stmt_location = q.stmt_location;
+        (*stmt).stmt_len = q.stmt_len;
+        stmt
     }
-    (*stmt).stmt_location = q.stmt_location;
-    (*stmt).stmt_len = q.stmt_len;
-    stmt
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn create_state(_cscan: *mut pg_sys::CustomScan) -> *mut pg_sys::Node {
-    let s = pg_sys::palloc0(std::mem::size_of::<ModifyState>()) as *mut ModifyState;
-    (*s).css.ss.ps.type_ = pg_sys::NodeTag::T_CustomScanState;
-    (*s).css.methods = &raw const EXEC_METHODS;
-    s as *mut pg_sys::Node
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = pg_sys::palloc0(std::mem::size_of::<ModifyState>()) as *mut ModifyState;
+        (*s).css.ss.ps.type_ = pg_sys::NodeTag::T_CustomScanState;
+        (*s).css.methods = &raw const EXEC_METHODS;
+        s as *mut pg_sys::Node
+    }
 }
 
 #[pg_guard]
@@ -278,24 +297,32 @@ unsafe extern "C-unwind" fn begin(
     estate: *mut pg_sys::EState,
     _eflags: i32,
 ) {
-    let s = node as *mut ModifyState;
-    let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
-    (*s).store_slot =
-        pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = node as *mut ModifyState;
+        let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+        (*s).store_slot =
+            pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+    }
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn exec(
     node: *mut pg_sys::CustomScanState,
 ) -> *mut pg_sys::TupleTableSlot {
-    let s = node as *mut ModifyState;
-    if !(*s).done {
-        (*s).done = true;
-        if let Err(e) = run(s) {
-            e.raise();
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = node as *mut ModifyState;
+        if !(*s).done {
+            (*s).done = true;
+            if let Err(e) = run(s) {
+                e.raise();
+            }
         }
+        super::execute::next_from_store((*s).tstore, (*s).store_slot, (*node).ss.ss_ScanTupleSlot)
     }
-    super::execute::next_from_store((*s).tstore, (*s).store_slot, (*node).ss.ss_ScanTupleSlot)
 }
 
 /// One statement per target shard.
@@ -307,72 +334,80 @@ struct ShardWork {
 }
 
 unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
-    let ps = &mut (*s).css.ss.ps;
-    let estate = ps.state;
-    let cscan = ps.plan as *mut pg_sys::CustomScan;
-    let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
-    let query = private[0] as *mut pg_sys::Query;
-    if (*query).commandType == pg_sys::CmdType::CMD_SELECT {
-        return run_select(
-            s,
-            query,
-            private[1] as *mut pg_sys::Expr,
-            private[2] as *mut pg_sys::Const,
-        );
-    }
-    let rt = (*query).resultRelation as usize;
-    let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
-    let table = super::placement::dist_table(shell)?
-        .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
-    let all = super::placement::placements(shell)?;
-    let reference = table.kind == 'r';
-    let work = if reference {
-        // One copy per node, all in this transaction (2PC).
-        all.iter()
-            .map(|p| ShardWork {
-                placement: p.clone(),
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let ps = &mut (*s).css.ss.ps;
+        let estate = ps.state;
+        let cscan = ps.plan as *mut pg_sys::CustomScan;
+        let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
+        let query = private[0] as *mut pg_sys::Query;
+        if (*query).commandType == pg_sys::CmdType::CMD_SELECT {
+            return run_select(
+                s,
                 query,
-                key: None,
-            })
-            .collect()
-    } else {
-        let key_attno = super::key::key_attno(&table)?;
-        targets(query, &table, key_attno, &all, ps)?
-    };
-    let me = crate::guc::node_name().unwrap_or_default();
+                private[1] as *mut pg_sys::Expr,
+                private[2] as *mut pg_sys::Const,
+            );
+        }
+        let rt = (*query).resultRelation as usize;
+        let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
+        let table = super::placement::dist_table(shell)?
+            .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
+        let all = super::placement::placements(shell)?;
+        let reference = table.kind == 'r';
+        let work = if reference {
+            // One copy per node, all in this transaction (2PC).
+            all.iter()
+                .map(|p| ShardWork {
+                    placement: p.clone(),
+                    query,
+                    key: None,
+                })
+                .collect()
+        } else {
+            let key_attno = super::key::key_attno(&table)?;
+            targets(query, &table, key_attno, &all, ps)?
+        };
+        let me = crate::guc::node_name().unwrap_or_default();
 
-    let params = Params::from_list((*estate).es_param_list_info);
-    let out_types: Vec<(pg_sys::Oid, i32)> =
-        list_ptrs::<pg_sys::TargetEntry>((*query).returningList)
-            .into_iter()
-            .map(|te| {
-                let e = (*te).expr as *const pg_sys::Node;
-                (pg_sys::exprType(e), pg_sys::exprTypmod(e))
-            })
-            .collect();
-    let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
-    if !out_types.is_empty() {
-        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
-        (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
-        pg_sys::MemoryContextSwitchTo(old);
-    }
-    let mut affected = 0u64;
-    for w in work {
-        if let Some(key) = &w.key {
-            crate::migration::handover::remus::wait_for_older_writers(&table, &w.placement, key)?;
+        let params = Params::from_list((*estate).es_param_list_info);
+        let out_types: Vec<(pg_sys::Oid, i32)> =
+            list_ptrs::<pg_sys::TargetEntry>((*query).returningList)
+                .into_iter()
+                .map(|te| {
+                    let e = (*te).expr as *const pg_sys::Node;
+                    (pg_sys::exprType(e), pg_sys::exprTypmod(e))
+                })
+                .collect();
+        let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+        if !out_types.is_empty() {
+            let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+            (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
+            pg_sys::MemoryContextSwitchTo(old);
         }
-        let sql = super::deparse::deparse(w.query);
-        let r = super::execute::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
-        // A reference table's copies all change alike: report (and return) one of them.
-        if reference && w.placement.node_name != me {
-            continue;
+        let mut affected = 0u64;
+        for w in work {
+            if let Some(key) = &w.key {
+                crate::migration::handover::remus::wait_for_older_writers(
+                    &table,
+                    &w.placement,
+                    key,
+                )?;
+            }
+            let sql = super::deparse::deparse(w.query);
+            let r = super::execute::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
+            // A reference table's copies all change alike: report (and return) one of them.
+            if reference && w.placement.node_name != me {
+                continue;
+            }
+            affected += r.affected;
+            store_rows((*s).tstore, desc, r.rows, out_types.len());
         }
-        affected += r.affected;
-        store_rows((*s).tstore, desc, r.rows, out_types.len());
+        // The executor counts only SELECT rows itself; DML reports what the shards changed.
+        (*estate).es_processed += affected;
+        Ok(())
     }
-    // The executor counts only SELECT rows itself; DML reports what the shards changed.
-    (*estate).es_processed += affected;
-    Ok(())
 }
 
 /// A co-located single-shard-group SELECT: one statement on the group's owner.
@@ -382,35 +417,40 @@ unsafe fn run_select(
     value: *mut pg_sys::Expr,
     anchor: *mut pg_sys::Const,
 ) -> Result<(), RemusError> {
-    let ps = &mut (*s).css.ss.ps;
-    let estate = ps.state;
-    let anchor_relid = pg_sys::Oid::from((*anchor).constvalue.value() as u32);
-    let table = super::placement::dist_table(anchor_relid)?
-        .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
-    let all = super::placement::placements(anchor_relid)?;
-    let (v, isnull, ty) = super::execute::eval_expr(value, ps);
-    if isnull {
-        // `key = NULL` selects nothing.
-        return Ok(());
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let ps = &mut (*s).css.ss.ps;
+        let estate = ps.state;
+        let anchor_relid = pg_sys::Oid::from((*anchor).constvalue.value() as u32);
+        let table = super::placement::dist_table(anchor_relid)?
+            .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
+        let all = super::placement::placements(anchor_relid)?;
+        let (v, isnull, ty) = super::execute::eval_expr(value, ps);
+        if isnull {
+            // `key = NULL` selects nothing.
+            return Ok(());
+        }
+        let placement = super::key::placement_for(&table, &all, v, ty)?;
+        let out_types: Vec<(pg_sys::Oid, i32)> =
+            list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
+                .into_iter()
+                .filter(|te| !(**te).resjunk)
+                .map(|te| {
+                    let e = (*te).expr as *const pg_sys::Node;
+                    (pg_sys::exprType(e), pg_sys::exprTypmod(e))
+                })
+                .collect();
+        let params = Params::from_list((*estate).es_param_list_info);
+        let sql = super::deparse::deparse(query);
+        let r = super::execute::run_on_shard(&placement, &sql, &params, &out_types, false)?;
+        let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+        (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
+        pg_sys::MemoryContextSwitchTo(old);
+        store_rows((*s).tstore, desc, r.rows, out_types.len());
+        Ok(())
     }
-    let placement = super::key::placement_for(&table, &all, v, ty)?;
-    let out_types: Vec<(pg_sys::Oid, i32)> = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
-        .into_iter()
-        .filter(|te| !(**te).resjunk)
-        .map(|te| {
-            let e = (*te).expr as *const pg_sys::Node;
-            (pg_sys::exprType(e), pg_sys::exprTypmod(e))
-        })
-        .collect();
-    let params = Params::from_list((*estate).es_param_list_info);
-    let sql = super::deparse::deparse(query);
-    let r = super::execute::run_on_shard(&placement, &sql, &params, &out_types, false)?;
-    let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
-    let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
-    (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
-    pg_sys::MemoryContextSwitchTo(old);
-    store_rows((*s).tstore, desc, r.rows, out_types.len());
-    Ok(())
 }
 
 /// Appends shard result rows (padded or cut to `n` columns) to the node's tuplestore.
@@ -420,18 +460,22 @@ unsafe fn store_rows(
     rows: Vec<Vec<Option<pg_sys::Datum>>>,
     n: usize,
 ) {
-    if store.is_null() {
-        return;
-    }
-    for row in rows {
-        let mut values: Vec<pg_sys::Datum> = row
-            .iter()
-            .map(|v| v.unwrap_or(pg_sys::Datum::from(0usize)))
-            .collect();
-        let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
-        values.resize(n, pg_sys::Datum::from(0usize));
-        nulls.resize(n, true);
-        pg_sys::tuplestore_putvalues(store, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        if store.is_null() {
+            return;
+        }
+        for row in rows {
+            let mut values: Vec<pg_sys::Datum> = row
+                .iter()
+                .map(|v| v.unwrap_or(pg_sys::Datum::from(0usize)))
+                .collect();
+            let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
+            values.resize(n, pg_sys::Datum::from(0usize));
+            nulls.resize(n, true);
+            pg_sys::tuplestore_putvalues(store, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+        }
     }
 }
 
@@ -443,135 +487,141 @@ unsafe fn targets(
     all: &[ShardPlacement],
     ps: *mut pg_sys::PlanState,
 ) -> Result<Vec<ShardWork>, RemusError> {
-    let rt = (*query).resultRelation;
-    if (*query).commandType != pg_sys::CmdType::CMD_INSERT {
-        let quals = (*(*query).jointree).quals;
-        let mut conjuncts = vec![quals];
-        if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
-            && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
-        {
-            conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
-        }
-        for c in conjuncts {
-            if let Some(v) = super::key::key_equality_value(c, rt, key_attno) {
-                let (value, isnull, ty) = super::execute::eval_expr(v, ps);
-                if isnull {
-                    return Ok(vec![]);
-                }
-                let p = super::key::placement_for(table, all, value, ty)?;
-                let key = Some(crate::pg::datum::datum_to_text(value, ty));
-                return Ok(vec![ShardWork {
-                    placement: p,
-                    query,
-                    key,
-                }]);
-            }
-        }
-        // No key filter: every shard, in the same transaction.
-        return Ok(all
-            .iter()
-            .map(|p| ShardWork {
-                placement: p.clone(),
-                query,
-                key: None,
-            })
-            .collect());
-    }
-
-    // INSERT: the key's target entry is either the value itself (one row) or a column of a
-    // VALUES list (several rows), which is then split by shard.
-    let key_te = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
-        .into_iter()
-        .find(|te| (**te).resno == key_attno)
-        .ok_or_else(|| null_key(table))?;
-    let expr = (*key_te).expr as *mut pg_sys::Node;
-    let values_rte = list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)
-        .into_iter()
-        .enumerate()
-        .find(|(_, r)| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES);
-    let stripped = {
-        let mut n = expr;
-        while is_tag(n, pg_sys::NodeTag::T_RelabelType) {
-            n = (*(n as *mut pg_sys::RelabelType)).arg as *mut _;
-        }
-        n
-    };
-    match values_rte {
-        None => {
-            if !super::key::is_routable_value(expr) {
-                return Err(RemusError::FeatureNotSupported(format!(
-                    "the shard key of an INSERT into {} must be a constant or a parameter",
-                    table.qualified_name
-                )));
-            }
-            let (value, isnull, ty) = super::execute::eval_expr(expr as *mut pg_sys::Expr, ps);
-            if isnull {
-                return Err(null_key(table));
-            }
-            let p = super::key::placement_for(table, all, value, ty)?;
-            Ok(vec![ShardWork {
-                placement: p,
-                query,
-                key: None,
-            }])
-        }
-        Some((vidx, vrte)) => {
-            if !is_tag(stripped, pg_sys::NodeTag::T_Var)
-                || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let rt = (*query).resultRelation;
+        if (*query).commandType != pg_sys::CmdType::CMD_INSERT {
+            let quals = (*(*query).jointree).quals;
+            let mut conjuncts = vec![quals];
+            if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
+                && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
             {
-                return Err(RemusError::FeatureNotSupported(
-                    "the shard key of a multi-row INSERT must come straight from its VALUES list"
-                        .into(),
-                ));
+                conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
             }
-            let col = (*(stripped as *mut pg_sys::Var)).varattno as usize - 1;
-            let mut groups: BTreeMap<i64, (ShardPlacement, *mut pg_sys::List)> = BTreeMap::new();
-            for row in list_ptrs::<pg_sys::List>((*vrte).values_lists) {
-                let cell = list_ptrs::<pg_sys::Node>(row)[col];
-                if !super::key::is_routable_value(cell) {
-                    return Err(RemusError::FeatureNotSupported(
-                        "shard key values of a multi-row INSERT must be constants or parameters"
-                            .into(),
-                    ));
+            for c in conjuncts {
+                if let Some(v) = super::key::key_equality_value(c, rt, key_attno) {
+                    let (value, isnull, ty) = super::execute::eval_expr(v, ps);
+                    if isnull {
+                        return Ok(vec![]);
+                    }
+                    let p = super::key::placement_for(table, all, value, ty)?;
+                    let key = Some(crate::pg::datum::datum_to_text(value, ty));
+                    return Ok(vec![ShardWork {
+                        placement: p,
+                        query,
+                        key,
+                    }]);
                 }
-                let (value, isnull, ty) = super::execute::eval_expr(cell as *mut pg_sys::Expr, ps);
+            }
+            // No key filter: every shard, in the same transaction.
+            return Ok(all
+                .iter()
+                .map(|p| ShardWork {
+                    placement: p.clone(),
+                    query,
+                    key: None,
+                })
+                .collect());
+        }
+
+        // INSERT: the key's target entry is either the value itself (one row) or a column of a
+        // VALUES list (several rows), which is then split by shard.
+        let key_te = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
+            .into_iter()
+            .find(|te| (**te).resno == key_attno)
+            .ok_or_else(|| null_key(table))?;
+        let expr = (*key_te).expr as *mut pg_sys::Node;
+        let values_rte = list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)
+            .into_iter()
+            .enumerate()
+            .find(|(_, r)| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES);
+        let stripped = {
+            let mut n = expr;
+            while is_tag(n, pg_sys::NodeTag::T_RelabelType) {
+                n = (*(n as *mut pg_sys::RelabelType)).arg as *mut _;
+            }
+            n
+        };
+        match values_rte {
+            None => {
+                if !super::key::is_routable_value(expr) {
+                    return Err(RemusError::FeatureNotSupported(format!(
+                        "the shard key of an INSERT into {} must be a constant or a parameter",
+                        table.qualified_name
+                    )));
+                }
+                let (value, isnull, ty) = super::execute::eval_expr(expr as *mut pg_sys::Expr, ps);
                 if isnull {
                     return Err(null_key(table));
                 }
                 let p = super::key::placement_for(table, all, value, ty)?;
-                let entry = groups
-                    .entry(p.shard_id)
-                    .or_insert((p, std::ptr::null_mut()));
-                entry.1 = pg_sys::lappend(entry.1, row as *mut std::ffi::c_void);
-            }
-            let mut out = Vec::new();
-            for (_, (placement, rows)) in groups {
-                let q =
-                    pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
-                let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
-                (*r).values_lists = rows;
-                // The rewriter added the defaults of unlisted columns to the target list, which
-                // ruleutils cannot print next to a VALUES list; the shard fills them in itself.
-                let mut kept: *mut pg_sys::List = std::ptr::null_mut();
-                for te in list_ptrs::<pg_sys::TargetEntry>((*q).targetList) {
-                    let mut e = (*te).expr as *mut pg_sys::Node;
-                    while is_tag(e, pg_sys::NodeTag::T_RelabelType) {
-                        e = (*(e as *mut pg_sys::RelabelType)).arg as *mut _;
-                    }
-                    if is_tag(e, pg_sys::NodeTag::T_Var)
-                        && (*(e as *mut pg_sys::Var)).varno as usize == vidx + 1
-                    {
-                        kept = pg_sys::lappend(kept, te as *mut std::ffi::c_void);
-                    }
-                }
-                (*q).targetList = kept;
-                out.push(ShardWork {
-                    placement,
-                    query: q,
+                Ok(vec![ShardWork {
+                    placement: p,
+                    query,
                     key: None,
-                });
+                }])
             }
-            Ok(out)
+            Some((vidx, vrte)) => {
+                if !is_tag(stripped, pg_sys::NodeTag::T_Var)
+                    || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1
+                {
+                    return Err(RemusError::FeatureNotSupported(
+                    "the shard key of a multi-row INSERT must come straight from its VALUES list"
+                        .into(),
+                ));
+                }
+                let col = (*(stripped as *mut pg_sys::Var)).varattno as usize - 1;
+                let mut groups: BTreeMap<i64, (ShardPlacement, *mut pg_sys::List)> =
+                    BTreeMap::new();
+                for row in list_ptrs::<pg_sys::List>((*vrte).values_lists) {
+                    let cell = list_ptrs::<pg_sys::Node>(row)[col];
+                    if !super::key::is_routable_value(cell) {
+                        return Err(RemusError::FeatureNotSupported(
+                        "shard key values of a multi-row INSERT must be constants or parameters"
+                            .into(),
+                    ));
+                    }
+                    let (value, isnull, ty) =
+                        super::execute::eval_expr(cell as *mut pg_sys::Expr, ps);
+                    if isnull {
+                        return Err(null_key(table));
+                    }
+                    let p = super::key::placement_for(table, all, value, ty)?;
+                    let entry = groups
+                        .entry(p.shard_id)
+                        .or_insert((p, std::ptr::null_mut()));
+                    entry.1 = pg_sys::lappend(entry.1, row as *mut std::ffi::c_void);
+                }
+                let mut out = Vec::new();
+                for (_, (placement, rows)) in groups {
+                    let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void)
+                        as *mut pg_sys::Query;
+                    let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
+                    (*r).values_lists = rows;
+                    // The rewriter added the defaults of unlisted columns to the target list, which
+                    // ruleutils cannot print next to a VALUES list; the shard fills them in itself.
+                    let mut kept: *mut pg_sys::List = std::ptr::null_mut();
+                    for te in list_ptrs::<pg_sys::TargetEntry>((*q).targetList) {
+                        let mut e = (*te).expr as *mut pg_sys::Node;
+                        while is_tag(e, pg_sys::NodeTag::T_RelabelType) {
+                            e = (*(e as *mut pg_sys::RelabelType)).arg as *mut _;
+                        }
+                        if is_tag(e, pg_sys::NodeTag::T_Var)
+                            && (*(e as *mut pg_sys::Var)).varno as usize == vidx + 1
+                        {
+                            kept = pg_sys::lappend(kept, te as *mut std::ffi::c_void);
+                        }
+                    }
+                    (*q).targetList = kept;
+                    out.push(ShardWork {
+                        placement,
+                        query: q,
+                        key: None,
+                    });
+                }
+                Ok(out)
+            }
         }
     }
 }
@@ -585,18 +635,26 @@ fn null_key(table: &DistTable) -> RemusError {
 
 #[pg_guard]
 unsafe extern "C-unwind" fn end(node: *mut pg_sys::CustomScanState) {
-    let s = node as *mut ModifyState;
-    if !(*s).tstore.is_null() {
-        pg_sys::tuplestore_end((*s).tstore);
-        (*s).tstore = std::ptr::null_mut();
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = node as *mut ModifyState;
+        if !(*s).tstore.is_null() {
+            pg_sys::tuplestore_end((*s).tstore);
+            (*s).tstore = std::ptr::null_mut();
+        }
     }
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn rescan(node: *mut pg_sys::CustomScanState) {
-    // Never re-run DML: rewind what it returned.
-    let s = node as *mut ModifyState;
-    if !(*s).tstore.is_null() {
-        pg_sys::tuplestore_rescan((*s).tstore);
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        // Never re-run DML: rewind what it returned.
+        let s = node as *mut ModifyState;
+        if !(*s).tstore.is_null() {
+            pg_sys::tuplestore_rescan((*s).tstore);
+        }
     }
 }

@@ -22,61 +22,65 @@ use crate::error::RemusError;
 /// # Safety
 /// `query_desc` must be the QueryDesc that ExecutorStart is starting.
 pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), RemusError> {
-    if !crate::pg::extension::extension_present()
-        || pg_sys::replorigin_session_origin != 0
-        || crate::guc::MIGRATION_SESSION.get()
-    {
-        return Ok(());
-    }
-    crate::migration::handover::admit_statement()?;
-    let stmt = (*query_desc).plannedstmt;
-    if stmt.is_null() {
-        return Ok(());
-    }
-    let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
-    if shard_nsp == pg_sys::InvalidOid {
-        return Ok(());
-    }
-    let mut shards = Vec::new();
-    for rte in crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
-        if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
-            || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if !crate::pg::extension::extension_present()
+            || pg_sys::replorigin_session_origin != 0
+            || crate::guc::MIGRATION_SESSION.get()
         {
-            continue;
+            return Ok(());
         }
-        let name = pg_sys::get_rel_name((*rte).relid);
-        if name.is_null() {
-            continue;
+        crate::migration::handover::admit_statement()?;
+        let stmt = (*query_desc).plannedstmt;
+        if stmt.is_null() {
+            return Ok(());
         }
-        let name = CStr::from_ptr(name).to_string_lossy();
-        if let Some(id) = name.rsplit('_').next().and_then(|s| s.parse::<i64>().ok()) {
-            shards.push(id);
+        let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        if shard_nsp == pg_sys::InvalidOid {
+            return Ok(());
         }
-    }
-    if shards.is_empty() {
-        return Ok(());
-    }
-    // A write reaching a fenced shard was routed with a stale map, marker or not.
-    if (*query_desc).operation != pg_sys::CmdType::CMD_SELECT {
-        crate::migration::handover::lock_abort::check_write(&shards)?;
-    }
-    if crate::router::marker::marker_honoured()
-        && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some()
-    {
-        return Ok(());
-    }
-    let me = crate::guc::node_name().unwrap_or_default();
-    for shard_id in shards {
-        // Read with the statement's snapshot (the active one): what this statement may see.
-        let owner = crate::pg::spi::read_one::<String>(
-            "SELECT max(node_name) FROM remus.shard_map WHERE shard_id = $1",
-            &[shard_id.into()],
-        )?;
-        if let Some(owner) = owner {
-            if owner != me {
-                return Err(RemusError::NotShardOwner { shard_id, node: me });
+        let mut shards = Vec::new();
+        for rte in crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
+            if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
+                || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
+            {
+                continue;
+            }
+            let name = pg_sys::get_rel_name((*rte).relid);
+            if name.is_null() {
+                continue;
+            }
+            let name = CStr::from_ptr(name).to_string_lossy();
+            if let Some(id) = name.rsplit('_').next().and_then(|s| s.parse::<i64>().ok()) {
+                shards.push(id);
             }
         }
+        if shards.is_empty() {
+            return Ok(());
+        }
+        // A write reaching a fenced shard was routed with a stale map, marker or not.
+        if (*query_desc).operation != pg_sys::CmdType::CMD_SELECT {
+            crate::migration::handover::lock_abort::check_write(&shards)?;
+        }
+        if crate::router::marker::marker_honoured()
+            && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some()
+        {
+            return Ok(());
+        }
+        let me = crate::guc::node_name().unwrap_or_default();
+        for shard_id in shards {
+            // Read with the statement's snapshot (the active one): what this statement may see.
+            let owner = crate::pg::spi::read_one::<String>(
+                "SELECT max(node_name) FROM remus.shard_map WHERE shard_id = $1",
+                &[shard_id.into()],
+            )?;
+            if let Some(owner) = owner {
+                if owner != me {
+                    return Err(RemusError::NotShardOwner { shard_id, node: me });
+                }
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }

@@ -124,18 +124,22 @@ pub(crate) fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, Remu
 pub(crate) unsafe fn shells_in(
     parse: *mut pg_sys::Query,
 ) -> Result<Vec<(usize, DistTable)>, RemusError> {
-    let mut out = Vec::new();
-    for (i, rte) in list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable)
-        .into_iter()
-        .enumerate()
-    {
-        if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
-            if let Some(t) = dist_table((*rte).relid)? {
-                out.push((i + 1, t));
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let mut out = Vec::new();
+        for (i, rte) in list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable)
+            .into_iter()
+            .enumerate()
+        {
+            if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
+                if let Some(t) = dist_table((*rte).relid)? {
+                    out.push((i + 1, t));
+                }
             }
         }
+        Ok(out)
     }
-    Ok(out)
 }
 
 /// The owner this transaction uses for `shard_id`: the pinned one, or `seen` (which becomes

@@ -22,52 +22,58 @@ pub(crate) unsafe fn route(
     parse: *mut pg_sys::Query,
     query_string: *const std::ffi::c_char,
 ) -> Result<Option<*mut pg_sys::PlannedStmt>, RemusError> {
-    if parse.is_null()
-        || (*parse).commandType == pg_sys::CmdType::CMD_UTILITY
-        || !extension_present()
-    {
-        return Ok(None);
-    }
-    if marker_honoured() {
-        if let Some(shard_id) = shard_marker::parse(query_string) {
-            pin_to_local_shard(parse, shard_id)?;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if parse.is_null()
+            || (*parse).commandType == pg_sys::CmdType::CMD_UTILITY
+            || !extension_present()
+        {
             return Ok(None);
         }
-    }
-    let cmd = (*parse).commandType;
-    if cmd == pg_sys::CmdType::CMD_INSERT
-        || cmd == pg_sys::CmdType::CMD_UPDATE
-        || cmd == pg_sys::CmdType::CMD_DELETE
-    {
-        let rt = (*parse).resultRelation as usize;
-        let shells = shells_in(parse)?;
-        if let Some((_, t)) = shells.iter().find(|(i, _)| *i == rt) {
-            return modify::plan(parse, t).map(Some);
+        if marker_honoured() {
+            if let Some(shard_id) = shard_marker::parse(query_string) {
+                pin_to_local_shard(parse, shard_id)?;
+                return Ok(None);
+            }
         }
-        if !shells.is_empty() {
+        let cmd = (*parse).commandType;
+        if cmd == pg_sys::CmdType::CMD_INSERT
+            || cmd == pg_sys::CmdType::CMD_UPDATE
+            || cmd == pg_sys::CmdType::CMD_DELETE
+        {
+            let rt = (*parse).resultRelation as usize;
+            let shells = shells_in(parse)?;
+            if let Some((_, t)) = shells.iter().find(|(i, _)| *i == rt) {
+                return modify::plan(parse, t).map(Some);
+            }
+            if !shells.is_empty() {
+                return Err(RemusError::FeatureNotSupported(
+                    "a statement that modifies a local table cannot read distributed tables yet"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        }
+        if cmd == pg_sys::CmdType::CMD_MERGE && !shells_in(parse)?.is_empty() {
             return Err(RemusError::FeatureNotSupported(
-                "a statement that modifies a local table cannot read distributed tables yet".into(),
+                "MERGE on distributed tables is not supported".into(),
             ));
         }
-        return Ok(None);
-    }
-    if cmd == pg_sys::CmdType::CMD_MERGE && !shells_in(parse)?.is_empty() {
-        return Err(RemusError::FeatureNotSupported(
-            "MERGE on distributed tables is not supported".into(),
-        ));
-    }
-    if cmd == pg_sys::CmdType::CMD_SELECT
-        && !(*parse).rowMarks.is_null()
-        && !shells_in(parse)?.is_empty()
-    {
-        return Err(RemusError::FeatureNotSupported(
-            "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet".into(),
-        ));
-    }
-    if cmd == pg_sys::CmdType::CMD_SELECT {
-        if let Some((anchor_table, anchor_value)) = colocated::colocated_anchor(parse)? {
-            return modify::plan_single_shard_select(parse, &anchor_table, anchor_value).map(Some);
+        if cmd == pg_sys::CmdType::CMD_SELECT
+            && !(*parse).rowMarks.is_null()
+            && !shells_in(parse)?.is_empty()
+        {
+            return Err(RemusError::FeatureNotSupported(
+                "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet".into(),
+            ));
         }
+        if cmd == pg_sys::CmdType::CMD_SELECT {
+            if let Some((anchor_table, anchor_value)) = colocated::colocated_anchor(parse)? {
+                return modify::plan_single_shard_select(parse, &anchor_table, anchor_value)
+                    .map(Some);
+            }
+        }
+        Ok(None)
     }
-    Ok(None)
 }

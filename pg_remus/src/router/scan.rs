@@ -64,31 +64,35 @@ pub(crate) fn register_methods() {
 /// # Safety
 /// `rel` and `rte` must be the planner's base relation and its range-table entry.
 pub(crate) unsafe fn add_path(rel: *mut pg_sys::RelOptInfo, rte: *mut pg_sys::RangeTblEntry) {
-    if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
-        || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL
-    {
-        return;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
+            || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL
+        {
+            return;
+        }
+        match super::placement::dist_table((*rte).relid) {
+            Ok(Some(_)) => {}
+            Ok(None) => return,
+            Err(e) => e.raise(),
+        }
+        let path =
+            pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomPath>()) as *mut pg_sys::CustomPath;
+        (*path).path.type_ = pg_sys::NodeTag::T_CustomPath;
+        (*path).path.pathtype = pg_sys::NodeTag::T_CustomScan;
+        (*path).path.parent = rel;
+        (*path).path.pathtarget = (*rel).reltarget;
+        (*path).path.rows = (*rel).rows.max(1.0);
+        // Remote work is expensive; the numbers only need to rank our single path sensibly.
+        (*path).path.startup_cost = 100.0;
+        (*path).path.total_cost = 100.0 + (*path).path.rows;
+        (*path).methods = &raw const PATH_METHODS;
+        // Ours is the only way to read a shell: its heap is empty by construction.
+        (*rel).pathlist = std::ptr::null_mut();
+        (*rel).partial_pathlist = std::ptr::null_mut();
+        pg_sys::add_path(rel, path as *mut pg_sys::Path);
     }
-    match super::placement::dist_table((*rte).relid) {
-        Ok(Some(_)) => {}
-        Ok(None) => return,
-        Err(e) => e.raise(),
-    }
-    let path =
-        pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomPath>()) as *mut pg_sys::CustomPath;
-    (*path).path.type_ = pg_sys::NodeTag::T_CustomPath;
-    (*path).path.pathtype = pg_sys::NodeTag::T_CustomScan;
-    (*path).path.parent = rel;
-    (*path).path.pathtarget = (*rel).reltarget;
-    (*path).path.rows = (*rel).rows.max(1.0);
-    // Remote work is expensive; the numbers only need to rank our single path sensibly.
-    (*path).path.startup_cost = 100.0;
-    (*path).path.total_cost = 100.0 + (*path).path.rows;
-    (*path).methods = &raw const PATH_METHODS;
-    // Ours is the only way to read a shell: its heap is empty by construction.
-    (*rel).pathlist = std::ptr::null_mut();
-    (*rel).partial_pathlist = std::ptr::null_mut();
-    pg_sys::add_path(rel, path as *mut pg_sys::Path);
 }
 
 #[pg_guard]
@@ -100,41 +104,49 @@ unsafe extern "C-unwind" fn plan_custom_path(
     clauses: *mut pg_sys::List,
     _custom_plans: *mut pg_sys::List,
 ) -> *mut pg_sys::Plan {
-    let cscan =
-        pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
-    (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
-    (*cscan).scan.plan.targetlist = tlist;
-    (*cscan).scan.plan.qual = pg_sys::extract_actual_clauses(clauses, false);
-    (*cscan).scan.scanrelid = (*rel).relid;
-    (*cscan).methods = &raw const SCAN_METHODS;
-    // Remember the routable `key = value` restriction, if any, as the scan's only custom expr.
-    let rte = pg_sys::planner_rt_fetch((*rel).relid, _root);
-    if let Ok(Some(table)) = super::placement::dist_table((*rte).relid) {
-        if let Ok(attno) = super::key::key_attno(&table) {
-            for rinfo in list_ptrs::<pg_sys::RestrictInfo>(clauses) {
-                if let Some(v) = super::key::key_equality_value(
-                    (*rinfo).clause as *mut _,
-                    (*rel).relid as i32,
-                    attno,
-                ) {
-                    (*cscan).custom_exprs =
-                        pg_sys::lappend(std::ptr::null_mut(), v as *mut std::ffi::c_void);
-                    break;
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let cscan =
+            pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
+        (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
+        (*cscan).scan.plan.targetlist = tlist;
+        (*cscan).scan.plan.qual = pg_sys::extract_actual_clauses(clauses, false);
+        (*cscan).scan.scanrelid = (*rel).relid;
+        (*cscan).methods = &raw const SCAN_METHODS;
+        // Remember the routable `key = value` restriction, if any, as the scan's only custom expr.
+        let rte = pg_sys::planner_rt_fetch((*rel).relid, _root);
+        if let Ok(Some(table)) = super::placement::dist_table((*rte).relid) {
+            if let Ok(attno) = super::key::key_attno(&table) {
+                for rinfo in list_ptrs::<pg_sys::RestrictInfo>(clauses) {
+                    if let Some(v) = super::key::key_equality_value(
+                        (*rinfo).clause as *mut _,
+                        (*rel).relid as i32,
+                        attno,
+                    ) {
+                        (*cscan).custom_exprs =
+                            pg_sys::lappend(std::ptr::null_mut(), v as *mut std::ffi::c_void);
+                        break;
+                    }
                 }
             }
         }
+        cscan as *mut pg_sys::Plan
     }
-    cscan as *mut pg_sys::Plan
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn create_state(cscan: *mut pg_sys::CustomScan) -> *mut pg_sys::Node {
-    let s = pg_sys::palloc0(std::mem::size_of::<ShardScanState>()) as *mut ShardScanState;
-    (*s).css.ss.ps.type_ = pg_sys::NodeTag::T_CustomScanState;
-    (*s).css.methods = &raw const EXEC_METHODS;
-    let exprs = list_ptrs::<pg_sys::Expr>((*cscan).custom_exprs);
-    (*s).key_expr = exprs.first().copied().unwrap_or(std::ptr::null_mut());
-    s as *mut pg_sys::Node
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = pg_sys::palloc0(std::mem::size_of::<ShardScanState>()) as *mut ShardScanState;
+        (*s).css.ss.ps.type_ = pg_sys::NodeTag::T_CustomScanState;
+        (*s).css.methods = &raw const EXEC_METHODS;
+        let exprs = list_ptrs::<pg_sys::Expr>((*cscan).custom_exprs);
+        (*s).key_expr = exprs.first().copied().unwrap_or(std::ptr::null_mut());
+        s as *mut pg_sys::Node
+    }
 }
 
 #[pg_guard]
@@ -143,18 +155,23 @@ unsafe extern "C-unwind" fn begin(
     estate: *mut pg_sys::EState,
     _eflags: i32,
 ) {
-    // No I/O here: Begin also runs for EXPLAIN and at Bind time.
-    let s = node as *mut ShardScanState;
-    let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
-    (*s).store_slot =
-        pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        // No I/O here: Begin also runs for EXPLAIN and at Bind time.
+        let s = node as *mut ShardScanState;
+        let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+        (*s).store_slot =
+            pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+    }
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn exec(
     node: *mut pg_sys::CustomScanState,
 ) -> *mut pg_sys::TupleTableSlot {
-    pg_sys::ExecScan(&mut (*node).ss, Some(next_tuple), Some(recheck))
+    // SAFETY: the executor calls ExecCustomScan with this scan's live state node.
+    unsafe { pg_sys::ExecScan(&mut (*node).ss, Some(next_tuple), Some(recheck)) }
 }
 
 #[pg_guard]
@@ -167,125 +184,141 @@ unsafe extern "C-unwind" fn recheck(
 
 #[pg_guard]
 unsafe extern "C-unwind" fn next_tuple(ss: *mut pg_sys::ScanState) -> *mut pg_sys::TupleTableSlot {
-    let s = ss as *mut ShardScanState;
-    if !(*s).fetched {
-        if let Err(e) = fetch(s) {
-            e.raise();
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = ss as *mut ShardScanState;
+        if !(*s).fetched {
+            if let Err(e) = fetch(s) {
+                e.raise();
+            }
+            (*s).fetched = true;
         }
-        (*s).fetched = true;
+        super::execute::next_from_store((*s).tstore, (*s).store_slot, (*ss).ss_ScanTupleSlot)
     }
-    super::execute::next_from_store((*s).tstore, (*s).store_slot, (*ss).ss_ScanTupleSlot)
 }
 
 /// Reads the rows of every shard this scan needs into a tuplestore.
 unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
-    let ss = &mut (*s).css.ss;
-    let estate = ss.ps.state;
-    let relid = (*ss.ss_currentRelation).rd_id;
-    let table = super::placement::dist_table(relid)?.ok_or_else(|| {
-        RemusError::InvalidArgument("distributed table disappeared during the scan".into())
-    })?;
-    let all = super::placement::placements(relid)?;
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let ss = &mut (*s).css.ss;
+        let estate = ss.ps.state;
+        let relid = (*ss.ss_currentRelation).rd_id;
+        let table = super::placement::dist_table(relid)?.ok_or_else(|| {
+            RemusError::InvalidArgument("distributed table disappeared during the scan".into())
+        })?;
+        let all = super::placement::placements(relid)?;
 
-    let desc = (*ss.ss_ScanTupleSlot).tts_tupleDescriptor;
-    let natts = (*desc).natts as usize;
-    let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
-    (*s).tstore = pg_sys::tuplestore_begin_heap(true, false, pg_sys::work_mem);
-    pg_sys::MemoryContextSwitchTo(old);
+        let desc = (*ss.ss_ScanTupleSlot).tts_tupleDescriptor;
+        let natts = (*desc).natts as usize;
+        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+        (*s).tstore = pg_sys::tuplestore_begin_heap(true, false, pg_sys::work_mem);
+        pg_sys::MemoryContextSwitchTo(old);
 
-    let me = crate::guc::node_name().unwrap_or_default();
-    let (targets, params, filter) = if table.kind == 'r' {
-        // Every node holds the whole table: read the local copy.
-        (
-            all.into_iter().filter(|p| p.node_name == me).collect(),
-            Params::none(),
-            String::new(),
-        )
-    } else if (*s).key_expr.is_null() {
-        (all, Params::none(), String::new())
-    } else {
-        let (value, isnull, ty) = super::execute::eval_expr((*s).key_expr, &mut ss.ps);
-        if isnull {
-            // `key = NULL` is never true.
-            return Ok(());
-        }
-        let target = super::key::placement_for(&table, &all, value, ty)?;
-        let key_value = crate::pg::datum::coerce_via_text(value, ty, table.key_type);
-        let key = crate::pg::sql::quote_ident(table.shard_key.as_deref().unwrap_or_default());
-        (
-            vec![target],
-            Params {
-                types: vec![table.key_type],
-                values: vec![key_value],
-                nulls: vec![false],
-            },
-            format!(" WHERE {key} = $1"),
-        )
-    };
-
-    // Live columns of the shell, in order; dropped ones stay NULL in the scan tuple.
-    let mut cols = Vec::new();
-    let mut positions = Vec::new();
-    let mut types = Vec::new();
-    for i in 0..natts {
-        let attr = (*desc).attrs.as_ptr().add(i);
-        if (*attr).attisdropped {
-            continue;
-        }
-        let name = CStr::from_ptr((*attr).attname.data.as_ptr()).to_string_lossy();
-        cols.push(crate::pg::sql::quote_ident(&name));
-        positions.push(i);
-        types.push(((*attr).atttypid, (*attr).atttypmod));
-    }
-    let select_list = if cols.is_empty() {
-        "NULL".to_string()
-    } else {
-        cols.join(", ")
-    };
-    let sql = format!("SELECT {select_list} FROM {}{filter}", table.qualified_name);
-
-    let mut values = vec![pg_sys::Datum::from(0usize); natts];
-    let mut nulls = vec![true; natts];
-    for p in &targets {
-        let r = super::execute::run_on_shard(p, &sql, &params, &types, false)?;
-        for row in r.rows {
-            for (j, v) in row.into_iter().enumerate().take(positions.len()) {
-                let pos = positions[j];
-                match v {
-                    Some(d) => {
-                        values[pos] = d;
-                        nulls[pos] = false;
-                    }
-                    None => nulls[pos] = true,
-                }
+        let me = crate::guc::node_name().unwrap_or_default();
+        let (targets, params, filter) = if table.kind == 'r' {
+            // Every node holds the whole table: read the local copy.
+            (
+                all.into_iter().filter(|p| p.node_name == me).collect(),
+                Params::none(),
+                String::new(),
+            )
+        } else if (*s).key_expr.is_null() {
+            (all, Params::none(), String::new())
+        } else {
+            let (value, isnull, ty) = super::execute::eval_expr((*s).key_expr, &mut ss.ps);
+            if isnull {
+                // `key = NULL` is never true.
+                return Ok(());
             }
-            pg_sys::tuplestore_putvalues(
-                (*s).tstore,
-                desc,
-                values.as_mut_ptr(),
-                nulls.as_mut_ptr(),
-            );
+            let target = super::key::placement_for(&table, &all, value, ty)?;
+            let key_value = crate::pg::datum::coerce_via_text(value, ty, table.key_type);
+            let key = crate::pg::sql::quote_ident(table.shard_key.as_deref().unwrap_or_default());
+            (
+                vec![target],
+                Params {
+                    types: vec![table.key_type],
+                    values: vec![key_value],
+                    nulls: vec![false],
+                },
+                format!(" WHERE {key} = $1"),
+            )
+        };
+
+        // Live columns of the shell, in order; dropped ones stay NULL in the scan tuple.
+        let mut cols = Vec::new();
+        let mut positions = Vec::new();
+        let mut types = Vec::new();
+        for i in 0..natts {
+            let attr = (*desc).attrs.as_ptr().add(i);
+            if (*attr).attisdropped {
+                continue;
+            }
+            let name = CStr::from_ptr((*attr).attname.data.as_ptr()).to_string_lossy();
+            cols.push(crate::pg::sql::quote_ident(&name));
+            positions.push(i);
+            types.push(((*attr).atttypid, (*attr).atttypmod));
         }
+        let select_list = if cols.is_empty() {
+            "NULL".to_string()
+        } else {
+            cols.join(", ")
+        };
+        let sql = format!("SELECT {select_list} FROM {}{filter}", table.qualified_name);
+
+        let mut values = vec![pg_sys::Datum::from(0usize); natts];
+        let mut nulls = vec![true; natts];
+        for p in &targets {
+            let r = super::execute::run_on_shard(p, &sql, &params, &types, false)?;
+            for row in r.rows {
+                for (j, v) in row.into_iter().enumerate().take(positions.len()) {
+                    let pos = positions[j];
+                    match v {
+                        Some(d) => {
+                            values[pos] = d;
+                            nulls[pos] = false;
+                        }
+                        None => nulls[pos] = true,
+                    }
+                }
+                pg_sys::tuplestore_putvalues(
+                    (*s).tstore,
+                    desc,
+                    values.as_mut_ptr(),
+                    nulls.as_mut_ptr(),
+                );
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn end(node: *mut pg_sys::CustomScanState) {
-    let s = node as *mut ShardScanState;
-    if !(*s).tstore.is_null() {
-        pg_sys::tuplestore_end((*s).tstore);
-        (*s).tstore = std::ptr::null_mut();
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = node as *mut ShardScanState;
+        if !(*s).tstore.is_null() {
+            pg_sys::tuplestore_end((*s).tstore);
+            (*s).tstore = std::ptr::null_mut();
+        }
     }
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn rescan(node: *mut pg_sys::CustomScanState) {
-    let s = node as *mut ShardScanState;
-    // The routing key is a constant or external parameter, fixed for the whole execution, so
-    // the rows already read are still the right ones.
-    if !(*s).tstore.is_null() {
-        pg_sys::tuplestore_rescan((*s).tstore);
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        let s = node as *mut ShardScanState;
+        // The routing key is a constant or external parameter, fixed for the whole execution, so
+        // the rows already read are still the right ones.
+        if !(*s).tstore.is_null() {
+            pg_sys::tuplestore_rescan((*s).tstore);
+        }
+        pg_sys::ExecScanReScan(&mut (*node).ss);
     }
-    pg_sys::ExecScanReScan(&mut (*node).ss);
 }

@@ -22,20 +22,24 @@ thread_local! {
 }
 
 unsafe fn shell_of(rv: *mut pg_sys::RangeVar) -> Result<Option<DistTable>, RemusError> {
-    if rv.is_null() {
-        return Ok(None);
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        if rv.is_null() {
+            return Ok(None);
+        }
+        let relid = pg_sys::RangeVarGetRelidExtended(
+            rv,
+            pg_sys::NoLock as i32,
+            pg_sys::RVROption::RVR_MISSING_OK,
+            None,
+            std::ptr::null_mut(),
+        );
+        if relid == pg_sys::InvalidOid {
+            return Ok(None);
+        }
+        super::placement::dist_table(relid)
     }
-    let relid = pg_sys::RangeVarGetRelidExtended(
-        rv,
-        pg_sys::NoLock as i32,
-        pg_sys::RVROption::RVR_MISSING_OK,
-        None,
-        std::ptr::null_mut(),
-    );
-    if relid == pg_sys::InvalidOid {
-        return Ok(None);
-    }
-    super::placement::dist_table(relid)
 }
 
 /// The ProcessUtility hook's work before the statement runs (the hook is
@@ -48,146 +52,156 @@ pub(crate) unsafe fn intercept(
     query_string: *const std::ffi::c_char,
     qc: *mut pg_sys::QueryCompletion,
 ) -> Result<bool, RemusError> {
-    let stmt = (*pstmt).utilityStmt;
-    if stmt.is_null() || !crate::pg::extension::extension_present() {
-        return Ok(false);
-    }
-    // ROLLBACK ends the transaction anyway: never held at the gate, never failed for a
-    // migration (that would leave the block open and failed); its marks go at transaction end.
-    let rollback = (*stmt).type_ == pg_sys::NodeTag::T_TransactionStmt
-        && (*(stmt as *mut pg_sys::TransactionStmt)).kind
-            == pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK;
-    if !rollback {
-        crate::migration::handover::admit_statement()?;
-    }
-    if crate::migration::state::active() && !crate::guc::MIGRATION_SESSION.get() {
-        guard_migrating(stmt)?;
-    }
-    match (*stmt).type_ {
-        pg_sys::NodeTag::T_CopyStmt => {
-            let copy = stmt as *mut pg_sys::CopyStmt;
-            let Some(table) = shell_of((*copy).relation)? else {
-                return Ok(false);
-            };
-            if !(*copy).is_from {
-                return Err(RemusError::FeatureNotSupported(format!(
-                    "COPY {} TO is not supported; use COPY (SELECT * FROM {}) TO …",
-                    table.qualified_name, table.qualified_name
-                )));
-            }
-            if !(*copy).whereClause.is_null() {
-                return Err(RemusError::FeatureNotSupported(
-                    "COPY … FROM … WHERE on a distributed table".into(),
-                ));
-            }
-            let n = copy_from(copy, &table, query_string)?;
-            if !qc.is_null() {
-                pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_COPY, n);
-            }
-            Ok(true)
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        let stmt = (*pstmt).utilityStmt;
+        if stmt.is_null() || !crate::pg::extension::extension_present() {
+            return Ok(false);
         }
-        pg_sys::NodeTag::T_TruncateStmt => {
-            let t = stmt as *mut pg_sys::TruncateStmt;
-            let rels = list_ptrs::<pg_sys::RangeVar>((*t).relations);
-            let mut shells = Vec::new();
-            for rv in &rels {
-                if let Some(d) = shell_of(*rv)? {
-                    shells.push(d);
-                }
-            }
-            if shells.is_empty() {
-                return Ok(false);
-            }
-            if shells.len() != rels.len() {
-                return Err(RemusError::FeatureNotSupported(
-                    "TRUNCATE of distributed and local tables in one statement".into(),
-                ));
-            }
-            for d in &shells {
-                for p in super::placement::placements(d.relid)? {
-                    run_on_owner(
-                        &p,
-                        &format!("TRUNCATE {}", shard_table_name(&d.rel_name, p.shard_id)),
-                    )?;
-                }
-            }
-            if !qc.is_null() {
-                pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_TRUNCATE_TABLE, 0);
-            }
-            Ok(true)
+        // ROLLBACK ends the transaction anyway: never held at the gate, never failed for a
+        // migration (that would leave the block open and failed); its marks go at transaction end.
+        let rollback = (*stmt).type_ == pg_sys::NodeTag::T_TransactionStmt
+            && (*(stmt as *mut pg_sys::TransactionStmt)).kind
+                == pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK;
+        if !rollback {
+            crate::migration::handover::admit_statement()?;
         }
-        pg_sys::NodeTag::T_AlterTableStmt => {
-            let a = stmt as *mut pg_sys::AlterTableStmt;
-            if let Some(d) = shell_of((*a).relation)? {
-                return Err(RemusError::FeatureNotSupported(format!(
+        if crate::migration::state::active() && !crate::guc::MIGRATION_SESSION.get() {
+            guard_migrating(stmt)?;
+        }
+        match (*stmt).type_ {
+            pg_sys::NodeTag::T_CopyStmt => {
+                let copy = stmt as *mut pg_sys::CopyStmt;
+                let Some(table) = shell_of((*copy).relation)? else {
+                    return Ok(false);
+                };
+                if !(*copy).is_from {
+                    return Err(RemusError::FeatureNotSupported(format!(
+                        "COPY {} TO is not supported; use COPY (SELECT * FROM {}) TO …",
+                        table.qualified_name, table.qualified_name
+                    )));
+                }
+                if !(*copy).whereClause.is_null() {
+                    return Err(RemusError::FeatureNotSupported(
+                        "COPY … FROM … WHERE on a distributed table".into(),
+                    ));
+                }
+                let n = copy_from(copy, &table, query_string)?;
+                if !qc.is_null() {
+                    pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_COPY, n);
+                }
+                Ok(true)
+            }
+            pg_sys::NodeTag::T_TruncateStmt => {
+                let t = stmt as *mut pg_sys::TruncateStmt;
+                let rels = list_ptrs::<pg_sys::RangeVar>((*t).relations);
+                let mut shells = Vec::new();
+                for rv in &rels {
+                    if let Some(d) = shell_of(*rv)? {
+                        shells.push(d);
+                    }
+                }
+                if shells.is_empty() {
+                    return Ok(false);
+                }
+                if shells.len() != rels.len() {
+                    return Err(RemusError::FeatureNotSupported(
+                        "TRUNCATE of distributed and local tables in one statement".into(),
+                    ));
+                }
+                for d in &shells {
+                    for p in super::placement::placements(d.relid)? {
+                        run_on_owner(
+                            &p,
+                            &format!("TRUNCATE {}", shard_table_name(&d.rel_name, p.shard_id)),
+                        )?;
+                    }
+                }
+                if !qc.is_null() {
+                    pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_TRUNCATE_TABLE, 0);
+                }
+                Ok(true)
+            }
+            pg_sys::NodeTag::T_AlterTableStmt => {
+                let a = stmt as *mut pg_sys::AlterTableStmt;
+                if let Some(d) = shell_of((*a).relation)? {
+                    return Err(RemusError::FeatureNotSupported(format!(
                     "ALTER TABLE on distributed table {} is not supported yet (shards would diverge from the shell)",
                     d.qualified_name
                 )));
+                }
+                Ok(false)
             }
-            Ok(false)
-        }
-        pg_sys::NodeTag::T_DropStmt => {
-            let d = stmt as *mut pg_sys::DropStmt;
-            if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
-                for obj in list_ptrs::<pg_sys::List>((*d).objects) {
-                    let rv = pg_sys::makeRangeVarFromNameList(obj);
-                    if let Some(t) = shell_of(rv)? {
-                        return Err(RemusError::FeatureNotSupported(format!(
-                            "DROP TABLE on distributed table {} is not supported yet",
-                            t.qualified_name
-                        )));
+            pg_sys::NodeTag::T_DropStmt => {
+                let d = stmt as *mut pg_sys::DropStmt;
+                if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
+                    for obj in list_ptrs::<pg_sys::List>((*d).objects) {
+                        let rv = pg_sys::makeRangeVarFromNameList(obj);
+                        if let Some(t) = shell_of(rv)? {
+                            return Err(RemusError::FeatureNotSupported(format!(
+                                "DROP TABLE on distributed table {} is not supported yet",
+                                t.qualified_name
+                            )));
+                        }
                     }
                 }
+                Ok(false)
             }
-            Ok(false)
+            _ => Ok(false),
         }
-        _ => Ok(false),
     }
 }
 
 /// While a migration runs, DDL on its shard tables or their distributed tables is refused, and
 /// a COPY FROM straight into a fenced shard table fails like any other stale write.
 unsafe fn guard_migrating(stmt: *mut pg_sys::Node) -> Result<(), RemusError> {
-    let mut targets: Vec<*mut pg_sys::RangeVar> = Vec::new();
-    match (*stmt).type_ {
-        pg_sys::NodeTag::T_AlterTableStmt => {
-            targets.push((*(stmt as *mut pg_sys::AlterTableStmt)).relation)
-        }
-        pg_sys::NodeTag::T_IndexStmt => targets.push((*(stmt as *mut pg_sys::IndexStmt)).relation),
-        pg_sys::NodeTag::T_CreateTrigStmt => {
-            targets.push((*(stmt as *mut pg_sys::CreateTrigStmt)).relation)
-        }
-        pg_sys::NodeTag::T_RenameStmt => {
-            targets.push((*(stmt as *mut pg_sys::RenameStmt)).relation)
-        }
-        pg_sys::NodeTag::T_TruncateStmt => targets.extend(list_ptrs::<pg_sys::RangeVar>(
-            (*(stmt as *mut pg_sys::TruncateStmt)).relations,
-        )),
-        pg_sys::NodeTag::T_DropStmt => {
-            let d = stmt as *mut pg_sys::DropStmt;
-            if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
-                for obj in list_ptrs::<pg_sys::List>((*d).objects) {
-                    targets.push(pg_sys::makeRangeVarFromNameList(obj));
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let mut targets: Vec<*mut pg_sys::RangeVar> = Vec::new();
+        match (*stmt).type_ {
+            pg_sys::NodeTag::T_AlterTableStmt => {
+                targets.push((*(stmt as *mut pg_sys::AlterTableStmt)).relation)
+            }
+            pg_sys::NodeTag::T_IndexStmt => {
+                targets.push((*(stmt as *mut pg_sys::IndexStmt)).relation)
+            }
+            pg_sys::NodeTag::T_CreateTrigStmt => {
+                targets.push((*(stmt as *mut pg_sys::CreateTrigStmt)).relation)
+            }
+            pg_sys::NodeTag::T_RenameStmt => {
+                targets.push((*(stmt as *mut pg_sys::RenameStmt)).relation)
+            }
+            pg_sys::NodeTag::T_TruncateStmt => targets.extend(list_ptrs::<pg_sys::RangeVar>(
+                (*(stmt as *mut pg_sys::TruncateStmt)).relations,
+            )),
+            pg_sys::NodeTag::T_DropStmt => {
+                let d = stmt as *mut pg_sys::DropStmt;
+                if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
+                    for obj in list_ptrs::<pg_sys::List>((*d).objects) {
+                        targets.push(pg_sys::makeRangeVarFromNameList(obj));
+                    }
                 }
             }
-        }
-        pg_sys::NodeTag::T_CopyStmt => {
-            let copy = stmt as *mut pg_sys::CopyStmt;
-            if (*copy).is_from {
-                if let Some((_, ids)) = relation_shards((*copy).relation, false)? {
-                    crate::migration::handover::lock_abort::check_write(&ids)?;
+            pg_sys::NodeTag::T_CopyStmt => {
+                let copy = stmt as *mut pg_sys::CopyStmt;
+                if (*copy).is_from {
+                    if let Some((_, ids)) = relation_shards((*copy).relation, false)? {
+                        crate::migration::handover::lock_abort::check_write(&ids)?;
+                    }
                 }
+                return Ok(());
             }
-            return Ok(());
+            _ => return Ok(()),
         }
-        _ => return Ok(()),
-    }
-    for rv in targets {
-        if let Some((name, ids)) = relation_shards(rv, true)? {
-            crate::migration::copy::check_ddl(&name, &ids)?;
+        for rv in targets {
+            if let Some((name, ids)) = relation_shards(rv, true)? {
+                crate::migration::copy::check_ddl(&name, &ids)?;
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// The shards behind `rv`: itself if it is a shard table, all of its shards if it is a
@@ -196,42 +210,46 @@ unsafe fn relation_shards(
     rv: *mut pg_sys::RangeVar,
     with_shells: bool,
 ) -> Result<Option<(String, Vec<i64>)>, RemusError> {
-    if rv.is_null() {
-        return Ok(None);
-    }
-    let relid = pg_sys::RangeVarGetRelidExtended(
-        rv,
-        pg_sys::NoLock as i32,
-        pg_sys::RVROption::RVR_MISSING_OK,
-        None,
-        std::ptr::null_mut(),
-    );
-    if relid == pg_sys::InvalidOid {
-        return Ok(None);
-    }
-    if with_shells {
-        if let Some(d) = super::placement::dist_table(relid)? {
-            let ids = super::placement::placements(d.relid)?
-                .iter()
-                .map(|p| p.shard_id)
-                .collect();
-            return Ok(Some((d.qualified_name.clone(), ids)));
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        if rv.is_null() {
+            return Ok(None);
         }
+        let relid = pg_sys::RangeVarGetRelidExtended(
+            rv,
+            pg_sys::NoLock as i32,
+            pg_sys::RVROption::RVR_MISSING_OK,
+            None,
+            std::ptr::null_mut(),
+        );
+        if relid == pg_sys::InvalidOid {
+            return Ok(None);
+        }
+        if with_shells {
+            if let Some(d) = super::placement::dist_table(relid)? {
+                let ids = super::placement::placements(d.relid)?
+                    .iter()
+                    .map(|p| p.shard_id)
+                    .collect();
+                return Ok(Some((d.qualified_name.clone(), ids)));
+            }
+        }
+        let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        if shard_nsp == pg_sys::InvalidOid || pg_sys::get_rel_namespace(relid) != shard_nsp {
+            return Ok(None);
+        }
+        let name = pg_sys::get_rel_name(relid);
+        if name.is_null() {
+            return Ok(None);
+        }
+        let name = CStr::from_ptr(name).to_string_lossy().into_owned();
+        Ok(name
+            .rsplit('_')
+            .next()
+            .and_then(|s| s.parse::<i64>().ok())
+            .map(|id| (format!("remus_shards.{name}"), vec![id])))
     }
-    let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
-    if shard_nsp == pg_sys::InvalidOid || pg_sys::get_rel_namespace(relid) != shard_nsp {
-        return Ok(None);
-    }
-    let name = pg_sys::get_rel_name(relid);
-    if name.is_null() {
-        return Ok(None);
-    }
-    let name = CStr::from_ptr(name).to_string_lossy().into_owned();
-    Ok(name
-        .rsplit('_')
-        .next()
-        .and_then(|s| s.parse::<i64>().ok())
-        .map(|id| (format!("remus_shards.{name}"), vec![id])))
 }
 
 /// Runs a utility command on the shard's owner, inside the current transaction.
@@ -264,115 +282,119 @@ unsafe fn copy_from(
     table: &DistTable,
     query_string: *const std::ffi::c_char,
 ) -> Result<u64, RemusError> {
-    let rel = pg_sys::table_open(table.relid, pg_sys::RowExclusiveLock as i32);
-    let desc = (*rel).rd_att;
-    let natts = (*desc).natts as usize;
-    let key_attno = if table.kind == 'r' {
-        0
-    } else {
-        super::key::key_attno(table)? as usize
-    };
-    // Columns carried to the shards: live, not generated (the shard computes those).
-    let mut cols = Vec::new();
-    let mut out_fns = Vec::new();
-    for i in 0..natts {
-        let a = (*desc).attrs.as_ptr().add(i);
-        if (*a).attisdropped || (*a).attgenerated != 0 {
-            continue;
-        }
-        let mut f = pg_sys::InvalidOid;
-        let mut varlena = false;
-        pg_sys::getTypeOutputInfo((*a).atttypid, &mut f, &mut varlena);
-        cols.push((
-            i,
-            CStr::from_ptr((*a).attname.data.as_ptr())
-                .to_string_lossy()
-                .into_owned(),
-        ));
-        out_fns.push(f);
-    }
-    let col_list = cols
-        .iter()
-        .map(|(_, n)| crate::pg::sql::quote_ident(n))
-        .collect::<Vec<_>>()
-        .join(", ");
-
-    let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
-    (*pstate).p_sourcetext = query_string;
-    let cstate = pg_sys::BeginCopyFrom(
-        pstate,
-        rel,
-        std::ptr::null_mut(),
-        (*copy).filename,
-        (*copy).is_program,
-        None,
-        (*copy).attlist,
-        (*copy).options,
-    );
-    let estate = pg_sys::CreateExecutorState();
-    let econtext = pg_sys::CreateExprContext(estate);
-    let all = super::placement::placements(table.relid)?;
-    let mut values = vec![pg_sys::Datum::from(0usize); natts];
-    let mut nulls = vec![false; natts];
-    let mut buffers: BTreeMap<(i64, String), (ShardPlacement, Vec<u8>)> = BTreeMap::new();
-    let mut rows = 0u64;
-    while pg_sys::NextCopyFrom(cstate, econtext, values.as_mut_ptr(), nulls.as_mut_ptr()) {
-        pgrx::check_for_interrupts!();
-        if table.kind != 'r' && nulls[key_attno - 1] {
-            return Err(RemusError::NullShardKey {
-                column: table.shard_key.clone().unwrap_or_default(),
-                table: table.qualified_name.clone(),
-            });
-        }
-        let mut line = Vec::new();
-        for (j, (i, _)) in cols.iter().enumerate() {
-            if j > 0 {
-                line.push(b'\t');
-            }
-            if nulls[*i] {
-                line.extend_from_slice(b"\\N");
-            } else {
-                let s = pg_sys::OidOutputFunctionCall(out_fns[j], values[*i]);
-                escape_into(CStr::from_ptr(s).to_bytes(), &mut line);
-            }
-        }
-        line.push(b'\n');
-        // A reference table's row goes to every copy; a distributed table's to its shard.
-        let targets: Vec<ShardPlacement> = if table.kind == 'r' {
-            all.clone()
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let rel = pg_sys::table_open(table.relid, pg_sys::RowExclusiveLock as i32);
+        let desc = (*rel).rd_att;
+        let natts = (*desc).natts as usize;
+        let key_attno = if table.kind == 'r' {
+            0
         } else {
-            let key_type = (*(*desc).attrs.as_ptr().add(key_attno - 1)).atttypid;
-            vec![super::key::placement_for(
-                table,
-                &all,
-                values[key_attno - 1],
-                key_type,
-            )?]
+            super::key::key_attno(table)? as usize
         };
-        for p in targets {
-            let key = (p.shard_id, p.node_name.clone());
-            let entry = buffers
-                .entry(key)
-                .or_insert_with(|| (p.clone(), Vec::new()));
-            entry.1.extend_from_slice(&line);
-            if entry.1.len() >= FLUSH_BYTES {
-                let data = std::mem::take(&mut entry.1);
-                let placement = entry.0.clone();
+        // Columns carried to the shards: live, not generated (the shard computes those).
+        let mut cols = Vec::new();
+        let mut out_fns = Vec::new();
+        for i in 0..natts {
+            let a = (*desc).attrs.as_ptr().add(i);
+            if (*a).attisdropped || (*a).attgenerated != 0 {
+                continue;
+            }
+            let mut f = pg_sys::InvalidOid;
+            let mut varlena = false;
+            pg_sys::getTypeOutputInfo((*a).atttypid, &mut f, &mut varlena);
+            cols.push((
+                i,
+                CStr::from_ptr((*a).attname.data.as_ptr())
+                    .to_string_lossy()
+                    .into_owned(),
+            ));
+            out_fns.push(f);
+        }
+        let col_list = cols
+            .iter()
+            .map(|(_, n)| crate::pg::sql::quote_ident(n))
+            .collect::<Vec<_>>()
+            .join(", ");
+
+        let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
+        (*pstate).p_sourcetext = query_string;
+        let cstate = pg_sys::BeginCopyFrom(
+            pstate,
+            rel,
+            std::ptr::null_mut(),
+            (*copy).filename,
+            (*copy).is_program,
+            None,
+            (*copy).attlist,
+            (*copy).options,
+        );
+        let estate = pg_sys::CreateExecutorState();
+        let econtext = pg_sys::CreateExprContext(estate);
+        let all = super::placement::placements(table.relid)?;
+        let mut values = vec![pg_sys::Datum::from(0usize); natts];
+        let mut nulls = vec![false; natts];
+        let mut buffers: BTreeMap<(i64, String), (ShardPlacement, Vec<u8>)> = BTreeMap::new();
+        let mut rows = 0u64;
+        while pg_sys::NextCopyFrom(cstate, econtext, values.as_mut_ptr(), nulls.as_mut_ptr()) {
+            pgrx::check_for_interrupts!();
+            if table.kind != 'r' && nulls[key_attno - 1] {
+                return Err(RemusError::NullShardKey {
+                    column: table.shard_key.clone().unwrap_or_default(),
+                    table: table.qualified_name.clone(),
+                });
+            }
+            let mut line = Vec::new();
+            for (j, (i, _)) in cols.iter().enumerate() {
+                if j > 0 {
+                    line.push(b'\t');
+                }
+                if nulls[*i] {
+                    line.extend_from_slice(b"\\N");
+                } else {
+                    let s = pg_sys::OidOutputFunctionCall(out_fns[j], values[*i]);
+                    escape_into(CStr::from_ptr(s).to_bytes(), &mut line);
+                }
+            }
+            line.push(b'\n');
+            // A reference table's row goes to every copy; a distributed table's to its shard.
+            let targets: Vec<ShardPlacement> = if table.kind == 'r' {
+                all.clone()
+            } else {
+                let key_type = (*(*desc).attrs.as_ptr().add(key_attno - 1)).atttypid;
+                vec![super::key::placement_for(
+                    table,
+                    &all,
+                    values[key_attno - 1],
+                    key_type,
+                )?]
+            };
+            for p in targets {
+                let key = (p.shard_id, p.node_name.clone());
+                let entry = buffers
+                    .entry(key)
+                    .or_insert_with(|| (p.clone(), Vec::new()));
+                entry.1.extend_from_slice(&line);
+                if entry.1.len() >= FLUSH_BYTES {
+                    let data = std::mem::take(&mut entry.1);
+                    let placement = entry.0.clone();
+                    flush(table, &placement, &col_list, &data)?;
+                }
+            }
+            rows += 1;
+            pg_sys::MemoryContextReset((*econtext).ecxt_per_tuple_memory);
+        }
+        pg_sys::EndCopyFrom(cstate);
+        pg_sys::FreeExecutorState(estate);
+        for (_, (placement, data)) in buffers {
+            if !data.is_empty() {
                 flush(table, &placement, &col_list, &data)?;
             }
         }
-        rows += 1;
-        pg_sys::MemoryContextReset((*econtext).ecxt_per_tuple_memory);
+        pg_sys::table_close(rel, pg_sys::NoLock as i32);
+        Ok(rows)
     }
-    pg_sys::EndCopyFrom(cstate);
-    pg_sys::FreeExecutorState(estate);
-    for (_, (placement, data)) in buffers {
-        if !data.is_empty() {
-            flush(table, &placement, &col_list, &data)?;
-        }
-    }
-    pg_sys::table_close(rel, pg_sys::NoLock as i32);
-    Ok(rows)
 }
 
 unsafe fn flush(
@@ -381,58 +403,64 @@ unsafe fn flush(
     cols: &str,
     data: &[u8],
 ) -> Result<(), RemusError> {
-    let shard = shard_table_name(&table.rel_name, p.shard_id);
-    if crate::guc::node_name().as_deref() != Some(p.node_name.as_str()) {
-        let addr = crate::cluster::nodes::lookup(&p.node_name)?;
-        let sql = format!("COPY {shard} ({cols}) FROM STDIN");
-        return crate::twophase::copy_in_transaction(&addr, &sql, data);
-    }
-    // Local shard: PostgreSQL's own COPY into the shard table, fed from memory.
-    let name = CString::new(format!("{}_{}", table.rel_name, p.shard_id)).expect("no NUL in names");
-    let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
-    let shard_relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-    if shard_relid == pg_sys::InvalidOid {
-        return Err(RemusError::NotShardOwner {
-            shard_id: p.shard_id,
-            node: p.node_name.clone(),
-        });
-    }
-    LOCAL_COPY.with(|b| *b.borrow_mut() = (data.to_vec(), 0));
-    let rel = pg_sys::table_open(shard_relid, pg_sys::RowExclusiveLock as i32);
-    let mut attlist: *mut pg_sys::List = std::ptr::null_mut();
-    for c in cols.split(", ") {
-        let c = CString::new(c.trim_matches('"').replace("\"\"", "\"")).expect("no NUL in names");
-        attlist = pg_sys::lappend(
-            attlist,
-            pg_sys::makeString(pg_sys::pstrdup(c.as_ptr())) as *mut std::ffi::c_void,
+    // SAFETY: the pointers this private function takes come from its callers in this module,
+    // which pass what PostgreSQL handed them for the current call; they are live throughout.
+    unsafe {
+        let shard = shard_table_name(&table.rel_name, p.shard_id);
+        if crate::guc::node_name().as_deref() != Some(p.node_name.as_str()) {
+            let addr = crate::cluster::nodes::lookup(&p.node_name)?;
+            let sql = format!("COPY {shard} ({cols}) FROM STDIN");
+            return crate::twophase::copy_in_transaction(&addr, &sql, data);
+        }
+        // Local shard: PostgreSQL's own COPY into the shard table, fed from memory.
+        let name =
+            CString::new(format!("{}_{}", table.rel_name, p.shard_id)).expect("no NUL in names");
+        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
+        let shard_relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+        if shard_relid == pg_sys::InvalidOid {
+            return Err(RemusError::NotShardOwner {
+                shard_id: p.shard_id,
+                node: p.node_name.clone(),
+            });
+        }
+        LOCAL_COPY.with(|b| *b.borrow_mut() = (data.to_vec(), 0));
+        let rel = pg_sys::table_open(shard_relid, pg_sys::RowExclusiveLock as i32);
+        let mut attlist: *mut pg_sys::List = std::ptr::null_mut();
+        for c in cols.split(", ") {
+            let c =
+                CString::new(c.trim_matches('"').replace("\"\"", "\"")).expect("no NUL in names");
+            attlist = pg_sys::lappend(
+                attlist,
+                pg_sys::makeString(pg_sys::pstrdup(c.as_ptr())) as *mut std::ffi::c_void,
+            );
+        }
+        let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
+        // CopyFrom finds its target through the parse state's range table, as for a COPY command.
+        let nsitem = pg_sys::addRangeTableEntryForRelation(
+            pstate,
+            rel,
+            pg_sys::RowExclusiveLock as i32,
+            std::ptr::null_mut(),
+            false,
+            false,
         );
+        (*(*nsitem).p_rte).requiredPerms = pg_sys::ACL_INSERT;
+        let cstate = pg_sys::BeginCopyFrom(
+            pstate,
+            rel,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            false,
+            Some(local_source),
+            attlist,
+            std::ptr::null_mut(),
+        );
+        pg_sys::CopyFrom(cstate);
+        pg_sys::EndCopyFrom(cstate);
+        pg_sys::table_close(rel, pg_sys::NoLock as i32);
+        LOCAL_COPY.with(|b| *b.borrow_mut() = (Vec::new(), 0));
+        Ok(())
     }
-    let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
-    // CopyFrom finds its target through the parse state's range table, as for a COPY command.
-    let nsitem = pg_sys::addRangeTableEntryForRelation(
-        pstate,
-        rel,
-        pg_sys::RowExclusiveLock as i32,
-        std::ptr::null_mut(),
-        false,
-        false,
-    );
-    (*(*nsitem).p_rte).requiredPerms = pg_sys::ACL_INSERT;
-    let cstate = pg_sys::BeginCopyFrom(
-        pstate,
-        rel,
-        std::ptr::null_mut(),
-        std::ptr::null(),
-        false,
-        Some(local_source),
-        attlist,
-        std::ptr::null_mut(),
-    );
-    pg_sys::CopyFrom(cstate);
-    pg_sys::EndCopyFrom(cstate);
-    pg_sys::table_close(rel, pg_sys::NoLock as i32);
-    LOCAL_COPY.with(|b| *b.borrow_mut() = (Vec::new(), 0));
-    Ok(())
 }
 
 #[pg_guard]
@@ -441,12 +469,16 @@ unsafe extern "C-unwind" fn local_source(
     _minread: i32,
     maxread: i32,
 ) -> i32 {
-    LOCAL_COPY.with(|b| {
-        let mut b = b.borrow_mut();
-        let (data, pos) = &mut *b;
-        let n = (data.len() - *pos).min(maxread as usize);
-        std::ptr::copy_nonoverlapping(data.as_ptr().add(*pos), outbuf as *mut u8, n);
-        *pos += n;
-        n as i32
-    })
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call; the body passes them to pg_sys as that API documents.
+    unsafe {
+        LOCAL_COPY.with(|b| {
+            let mut b = b.borrow_mut();
+            let (data, pos) = &mut *b;
+            let n = (data.len() - *pos).min(maxread as usize);
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(*pos), outbuf as *mut u8, n);
+            *pos += n;
+            n as i32
+        })
+    }
 }

@@ -79,8 +79,8 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
             let Some(xid) = parse_xid(&gid, &me) else {
                 continue;
             };
-            // SAFETY: read-only probe of the proc array.
             if young
+                // SAFETY: read-only probe of the proc array.
                 || unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(xid)) }
             {
                 stats.in_progress += 1;

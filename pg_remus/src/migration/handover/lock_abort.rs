@@ -106,38 +106,42 @@ pub(crate) fn check_write(shard_ids: &[i64]) -> Result<(), RemusError> {
 /// # Safety
 /// `edata` must be the ErrorData being emitted.
 pub(crate) unsafe fn rewrite_cancel(edata: *mut pg_sys::ErrorData) -> Option<i64> {
-    if edata.is_null() || !active() {
-        return None;
+    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
+    // and FFI operations below rely.
+    unsafe {
+        if edata.is_null() || !active() {
+            return None;
+        }
+        if (*edata).sqlerrcode != PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32
+            || (*edata).elevel < PgLogLevel::ERROR as i32
+        {
+            return None;
+        }
+        let pid = my_pid();
+        // Still the victim's transaction: the hook runs before the abort is processed.
+        let (backend_id, lxid) = my_vxid();
+        let migration_id = {
+            // Never re-entered while this backend holds the lock: LWLockAcquire holds off
+            // interrupts until the release, so no cancel can be raised in between, and every
+            // other error path here drops the guard before raising.
+            let mut s = STATE.exclusive();
+            let v = s.victims.iter_mut().find(|v| {
+                v.migration_id != 0
+                    && v.pid == pid
+                    && (v.stray || (v.backend_id == backend_id && v.lxid == lxid))
+            })?;
+            let migration_id = v.migration_id;
+            *v = Victim::default();
+            count_abort(&mut s, migration_id);
+            recount(&s);
+            migration_id
+        };
+        let message = RemusError::AbortedByMigration { migration_id }.to_string();
+        let c = std::ffi::CString::new(message).ok()?;
+        (*edata).sqlerrcode = PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE as i32;
+        (*edata).message = pg_sys::MemoryContextStrdup(pg_sys::ErrorContext, c.as_ptr());
+        Some(migration_id)
     }
-    if (*edata).sqlerrcode != PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32
-        || (*edata).elevel < PgLogLevel::ERROR as i32
-    {
-        return None;
-    }
-    let pid = my_pid();
-    // Still the victim's transaction: the hook runs before the abort is processed.
-    let (backend_id, lxid) = my_vxid();
-    let migration_id = {
-        // Never re-entered while this backend holds the lock: LWLockAcquire holds off
-        // interrupts until the release, so no cancel can be raised in between, and every
-        // other error path here drops the guard before raising.
-        let mut s = STATE.exclusive();
-        let v = s.victims.iter_mut().find(|v| {
-            v.migration_id != 0
-                && v.pid == pid
-                && (v.stray || (v.backend_id == backend_id && v.lxid == lxid))
-        })?;
-        let migration_id = v.migration_id;
-        *v = Victim::default();
-        count_abort(&mut s, migration_id);
-        recount(&s);
-        migration_id
-    };
-    let message = RemusError::AbortedByMigration { migration_id }.to_string();
-    let c = std::ffi::CString::new(message).ok()?;
-    (*edata).sqlerrcode = PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE as i32;
-    (*edata).message = pg_sys::MemoryContextStrdup(pg_sys::ErrorContext, c.as_ptr());
-    Some(migration_id)
 }
 
 #[pg_schema]
