@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use pgrx::prelude::*;
+use remus_proto::sqlstate::SqlState;
 use remus_proto::v1::coordinator_client::CoordinatorClient;
 use remus_proto::v1::{ListMigrationsRequest, MigrateShardsRequest, Migration};
 
@@ -19,24 +20,13 @@ fn address() -> Result<String, RemusError> {
     crate::guc::coordinator_address().ok_or(RemusError::CoordinatorUnset)
 }
 
-fn status_error(address: &str, status: tonic::Status) -> RemusError {
+fn status_error(status: tonic::Status) -> RemusError {
     let sqlstate = status
         .metadata()
         .get(remus_proto::names::SQLSTATE_METADATA_KEY)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
-        .unwrap_or_else(|| {
-            match status.code() {
-                tonic::Code::InvalidArgument => "22023",
-                tonic::Code::NotFound => "42704",
-                tonic::Code::AlreadyExists | tonic::Code::FailedPrecondition => "55006",
-                tonic::Code::Unimplemented => "0A000",
-                tonic::Code::Unavailable => "08006",
-                _ => "XX000",
-            }
-            .to_string()
-        });
-    let _ = address;
+        .unwrap_or_else(|| SqlState::for_grpc_code(status.code()).code().to_string());
     RemusError::Remote {
         node: "coordinator".into(),
         sqlstate,
@@ -50,8 +40,9 @@ async fn connect(
     address: &str,
 ) -> Result<CoordinatorClient<tonic::transport::Channel>, RemusError> {
     let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())
-        .map_err(|e| {
-            RemusError::InvalidArgument(format!("remus.coordinator_address {address:?}: {e}"))
+        .map_err(|e| RemusError::BadCoordinatorAddress {
+            address: address.to_string(),
+            reason: e.to_string(),
         })?
         .connect_timeout(Duration::from_secs(5));
     let channel = endpoint.connect().await.map_err(|e| {
@@ -85,14 +76,14 @@ fn migrate(
         let mut events = client
             .migrate_shards(request)
             .await
-            .map_err(|s| status_error(&address, s))?
+            .map_err(status_error)?
             .into_inner();
         let mut last = None;
         loop {
             match events.message().await {
                 Ok(Some(ev)) => last = ev.migration.or(last),
                 Ok(None) => break,
-                Err(s) => return Err(status_error(&address, s)),
+                Err(s) => return Err(status_error(s)),
             }
         }
         Ok::<_, RemusError>(last)
@@ -258,7 +249,7 @@ mod remus {
                     .list_migrations(ListMigrationsRequest {})
                     .await
                     .map(|r| r.into_inner().migrations)
-                    .map_err(|s| status_error(&address, s))
+                    .map_err(status_error)
             })?
         });
         let migrations = result.unwrap_or_else(|e| e.raise());

@@ -40,9 +40,9 @@ fn remus_local_node() -> String {
 fn remus_run_on_node(node: &str, command: &str) -> i64 {
     let run = || -> Result<i64, RemusError> {
         if crate::guc::node_name().as_deref() == Some(node) {
-            return Err(RemusError::InvalidArgument(format!(
-                "node {node} is this node; run the command directly"
-            )));
+            return Err(RemusError::NodeIsSelf {
+                node: node.to_string(),
+            });
         }
         let addr = lookup(node)?;
         let r = crate::twophase::exec_in_transaction(&addr, command, true)?;
@@ -58,9 +58,10 @@ fn remove_node(name: &str) -> Result<(), RemusError> {
     )?
     .unwrap_or(0);
     if owned > 0 {
-        return Err(RemusError::ObjectInUse(format!(
-            "node {name} still owns {owned} shards; move them away first (remus_migrate_shard)"
-        )));
+        return Err(RemusError::NodeOwnsShards {
+            node: name.to_string(),
+            shards: owned,
+        });
     }
     let nodes = all_nodes()?;
     if !nodes.iter().any(|n| n.name == name) {

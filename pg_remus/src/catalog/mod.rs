@@ -177,7 +177,7 @@ pub fn reference_shard(relid: pg_sys::Oid) -> Result<i64, RemusError> {
         "SELECT min(shard_id) FROM remus.shards WHERE logicalrelid = $1",
         &[relid.into()],
     )?
-    .ok_or_else(|| RemusError::InvalidArgument("reference table has no shard".into()))
+    .ok_or(RemusError::ReferenceTableWithoutShard)
 }
 
 /// A reference table's placements: its one shard, on every node.

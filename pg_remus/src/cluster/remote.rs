@@ -127,7 +127,9 @@ pub fn end_of_transaction() {
 }
 
 fn cstring(s: &str) -> Result<CString, RemusError> {
-    CString::new(s).map_err(|_| RemusError::InvalidArgument(format!("NUL byte in {s:?}")))
+    CString::new(s).map_err(|_| RemusError::NulByte {
+        text: s.to_string(),
+    })
 }
 
 impl RemoteConnection {

@@ -69,8 +69,9 @@ pub(crate) fn client_for(
         return Ok(c);
     }
     let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .map_err(|e| {
-            RemusError::InvalidArgument(format!("bad replay worker endpoint {endpoint}: {e}"))
+        .map_err(|e| RemusError::BadReplayWorkerEndpoint {
+            endpoint: endpoint.to_string(),
+            reason: e.to_string(),
         })?
         .connect_timeout(Duration::from_secs(5))
         .connect_lazy();

@@ -106,15 +106,14 @@ fn create(
 ) -> Result<(), RemusError> {
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
     if !(1..=MAX_SHARD_COUNT).contains(&shard_count) {
-        return Err(RemusError::InvalidArgument(format!(
-            "shard_count must be between 1 and {MAX_SHARD_COUNT}, not {shard_count}"
-        )));
+        return Err(RemusError::ShardCountOutOfRange {
+            shard_count,
+            max: MAX_SHARD_COUNT,
+        });
     }
     let nodes = crate::cluster::nodes::all_nodes()?;
     if !nodes.iter().any(|n| n.name == me) {
-        return Err(RemusError::InvalidArgument(format!(
-            "this node ({me}) is not in remus_nodes; add it with remus_add_node first"
-        )));
+        return Err(RemusError::SelfNotInCluster { node: me });
     }
     Spi::connect_mut(|client| -> Result<(), RemusError> {
         let info = inspect(client, relid, key)?;
@@ -128,26 +127,26 @@ fn create(
 
         let (colocation_id, owners): (i32, Option<Vec<String>>) = match colocate_with {
             Some(other) => {
-                let other_t = crate::catalog::dist_table(other)?.ok_or_else(|| {
-                    RemusError::InvalidArgument("colocate_with must be a distributed table".into())
-                })?;
+                let other_t = crate::catalog::dist_table(other)?
+                    .ok_or(RemusError::ColocateWithNotDistributed)?;
                 if other_t.kind != 'h' {
-                    return Err(RemusError::InvalidArgument(format!(
-                        "{} is a reference table; colocate_with needs a hash-distributed table",
-                        other_t.qualified_name
-                    )));
+                    return Err(RemusError::ColocateWithReference {
+                        table: other_t.qualified_name,
+                    });
                 }
                 if other_t.key_type != info.key_type {
-                    return Err(RemusError::InvalidArgument(format!(
-                        "cannot co-locate {} with {}: shard keys have different types",
-                        info.qualified, other_t.qualified_name
-                    )));
+                    return Err(RemusError::ColocateKeyTypesDiffer {
+                        table: info.qualified.clone(),
+                        other: other_t.qualified_name,
+                    });
                 }
                 if other_t.shard_count != shard_count {
-                    return Err(RemusError::InvalidArgument(format!(
-                        "cannot co-locate {} ({shard_count} shards) with {} ({} shards): pass shard_count => {}",
-                        info.qualified, other_t.qualified_name, other_t.shard_count, other_t.shard_count
-                    )));
+                    return Err(RemusError::ColocateShardCountsDiffer {
+                        table: info.qualified.clone(),
+                        shard_count,
+                        other: other_t.qualified_name,
+                        other_shard_count: other_t.shard_count,
+                    });
                 }
                 let owners = crate::catalog::placements(other)?
                     .into_iter()
@@ -249,10 +248,10 @@ fn create(
                 true,
             )?;
             if exists.rows.first().and_then(|r| r[0].as_deref()) == Some("t") {
-                return Err(RemusError::DuplicateObject(format!(
-                    "table {} already exists on node {}; drop it there first",
-                    info.qualified, n.name
-                )));
+                return Err(RemusError::TableExistsOnNode {
+                    table: info.qualified.clone(),
+                    node: n.name.clone(),
+                });
             }
             let sql = format!(
                 "LOCK TABLE remus.shards IN EXCLUSIVE MODE;\n{shell}{}{catalog_sql}{}",
@@ -279,9 +278,7 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
     let nodes = crate::cluster::nodes::all_nodes()?;
     if !nodes.iter().any(|n| n.name == me) {
-        return Err(RemusError::InvalidArgument(format!(
-            "this node ({me}) is not in remus_nodes; add it with remus_add_node first"
-        )));
+        return Err(RemusError::SelfNotInCluster { node: me });
     }
     Spi::connect_mut(|client| -> Result<(), RemusError> {
         let r = client.select(
@@ -299,24 +296,16 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
         if r.get::<String>(1)?.as_deref() != Some("r")
             || r.get::<String>(4)?.as_deref() != Some("p")
         {
-            return Err(RemusError::FeatureNotSupported(format!(
-                "{qualified} is not an ordinary permanent table"
-            )));
+            return Err(RemusError::NotOrdinaryPermanentTable { table: qualified });
         }
         if r.get::<bool>(5)? == Some(true) {
-            return Err(RemusError::DuplicateObject(format!(
-                "table {qualified} is already distributed"
-            )));
+            return Err(RemusError::AlreadyDistributed { table: qualified });
         }
         if r.get::<bool>(6)? == Some(true) {
-            return Err(RemusError::FeatureNotSupported(format!(
-                "{qualified} has foreign keys; foreign keys on distributed tables are not supported"
-            )));
+            return Err(RemusError::HasForeignKeys { table: qualified });
         }
         if r.get::<bool>(7)? == Some(true) {
-            return Err(RemusError::FeatureNotSupported(format!(
-                "{qualified} has dropped columns; recreate the table before distributing it"
-            )));
+            return Err(RemusError::ReferenceHasDroppedColumns { table: qualified });
         }
         client.update(
             &format!("LOCK TABLE {qualified} IN ACCESS EXCLUSIVE MODE"),
@@ -389,10 +378,10 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
                 true,
             )?;
             if exists.rows.first().and_then(|r| r[0].as_deref()) == Some("t") {
-                return Err(RemusError::DuplicateObject(format!(
-                    "table {qualified} already exists on node {}; drop it there first",
-                    n.name
-                )));
+                return Err(RemusError::TableExistsOnNode {
+                    table: qualified.clone(),
+                    node: n.name.clone(),
+                });
             }
             let sql = format!(
                 "LOCK TABLE remus.shards IN EXCLUSIVE MODE;\n{shell}{}{catalog_sql}{shard_ddl}",
@@ -456,17 +445,14 @@ mod remus {
     #[pg_extern(stable, strict, parallel_safe)]
     fn shard_id_for(relid: pg_sys::Oid, value: AnyElement) -> i64 {
         let run = || -> Result<i64, RemusError> {
-            let t = crate::catalog::dist_table(relid)?.ok_or_else(|| {
-                RemusError::InvalidArgument(format!(
-                    "relation with oid {} is not a distributed table",
-                    relid.to_u32()
-                ))
-            })?;
+            let t =
+                crate::catalog::dist_table(relid)?.ok_or_else(|| RemusError::NotDistributed {
+                    oid: relid.to_u32(),
+                })?;
             if t.kind != 'h' {
-                return Err(RemusError::InvalidArgument(format!(
-                    "{} is a reference table; it has a single shard on every node",
-                    t.qualified_name
-                )));
+                return Err(RemusError::ReferenceTableHasOneShard {
+                    table: t.qualified_name,
+                });
             }
             // SAFETY: AnyElement carries a valid datum of its type; coercion goes through the
             // types' text I/O, which errors on a value the key type cannot represent.
@@ -479,7 +465,7 @@ mod remus {
                 .into_iter()
                 .find(|p| p.shard_index == idx)
                 .map(|p| p.shard_id)
-                .ok_or_else(|| RemusError::InvalidArgument("shard map is incomplete".into()))
+                .ok_or(RemusError::IncompleteShardMap)
         };
         run().or_raise()
     }

@@ -28,24 +28,19 @@ pub(crate) fn inspect(
         &[relid.into()],
     )?;
     if r.is_empty() {
-        return Err(RemusError::InvalidArgument(format!(
-            "relation with oid {} does not exist",
-            relid.to_u32()
-        )));
+        return Err(RemusError::NoSuchRelation {
+            oid: relid.to_u32(),
+        });
     }
     let r = r.first();
     let relkind = r.get::<String>(1)?.unwrap_or_default();
     let qualified = r.get::<String>(2)?.unwrap_or_default();
     let rel_name = r.get::<String>(3)?.unwrap_or_default();
     if relkind != "r" {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} is not an ordinary table; only ordinary tables can be distributed"
-        )));
+        return Err(RemusError::NotOrdinaryTable { table: qualified });
     }
     if r.get::<String>(4)?.as_deref() != Some("p") {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} is temporary or unlogged; only permanent logged tables can be distributed"
-        )));
+        return Err(RemusError::NotPermanentTable { table: qualified });
     }
     let already = client
         .select(
@@ -55,9 +50,7 @@ pub(crate) fn inspect(
         )?
         .len();
     if already > 0 {
-        return Err(RemusError::DuplicateObject(format!(
-            "table {qualified} is already distributed"
-        )));
+        return Err(RemusError::AlreadyDistributed { table: qualified });
     }
     let k = client.select(
         "SELECT a.attnum, a.atttypid, format_type(a.atttypid, NULL)
@@ -67,18 +60,20 @@ pub(crate) fn inspect(
         &[relid.into(), key.into()],
     )?;
     if k.is_empty() {
-        return Err(RemusError::UndefinedColumn(format!(
-            "column \"{key}\" of table {qualified} does not exist"
-        )));
+        return Err(RemusError::NoSuchColumn {
+            column: key.to_string(),
+            table: qualified,
+        });
     }
     let k = k.first();
     let key_attnum = k.get::<i16>(1)?.unwrap_or_default();
     let key_type = k.get::<pg_sys::Oid>(2)?.unwrap_or(pg_sys::InvalidOid);
     let key_type_name = k.get::<String>(3)?.unwrap_or_default();
     if !hashing::type_has_hash(key_type) {
-        return Err(RemusError::InvalidTableDefinition(format!(
-            "shard key \"{key}\" has type {key_type_name}, which has no hash function"
-        )));
+        return Err(RemusError::KeyTypeWithoutHash {
+            key: key.to_string(),
+            type_name: key_type_name,
+        });
     }
     let pk = client.select(
         "SELECT $2::int2 = ANY (i.indkey::int2[]) FROM pg_index i WHERE i.indrelid = $1 AND i.indisprimary",
@@ -92,14 +87,16 @@ pub(crate) fn inspect(
     };
     match pk_has_key {
         None => {
-            return Err(RemusError::InvalidTableDefinition(format!(
-                "table {qualified} has no primary key; a distributed table needs a primary key that contains the shard key \"{key}\""
-            )))
+            return Err(RemusError::NoPrimaryKey {
+                table: qualified,
+                key: key.to_string(),
+            })
         }
         Some(false) => {
-            return Err(RemusError::InvalidTableDefinition(format!(
-                "the primary key of {qualified} does not contain the shard key \"{key}\"; a distributed table needs a primary key that contains its shard key"
-            )))
+            return Err(RemusError::PrimaryKeyWithoutShardKey {
+                table: qualified,
+                key: key.to_string(),
+            })
         }
         Some(true) => {}
     }
@@ -112,9 +109,10 @@ pub(crate) fn inspect(
         )?
         .len();
     if unique_without_key > 0 {
-        return Err(RemusError::InvalidTableDefinition(format!(
-            "{qualified} has a unique index without the shard key \"{key}\"; uniqueness could not be enforced across shards"
-        )));
+        return Err(RemusError::UniqueIndexWithoutShardKey {
+            table: qualified,
+            key: key.to_string(),
+        });
     }
     let fks = client
         .select(
@@ -124,9 +122,7 @@ pub(crate) fn inspect(
         )?
         .len();
     if fks > 0 {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} has foreign keys; foreign keys on distributed tables are not supported"
-        )));
+        return Err(RemusError::HasForeignKeys { table: qualified });
     }
     let seq_defaults = client
         .select(
@@ -138,9 +134,7 @@ pub(crate) fn inspect(
         )?
         .len();
     if seq_defaults > 0 {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} has identity or serial columns; each node would draw its own values, so they are not supported on distributed tables (use uuid defaults such as gen_random_uuid())"
-        )));
+        return Err(RemusError::HasSequenceColumns { table: qualified });
     }
     let dropped = client
         .select(
@@ -150,9 +144,7 @@ pub(crate) fn inspect(
         )?
         .len();
     if dropped > 0 {
-        return Err(RemusError::FeatureNotSupported(format!(
-            "{qualified} has dropped columns; shards are planned with the shell's column numbers, so recreate the table (CREATE TABLE … AS) before distributing it"
-        )));
+        return Err(RemusError::HasDroppedColumns { table: qualified });
     }
     let copy_columns = client
         .select(

@@ -5,12 +5,30 @@
 
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
+use remus_proto::sqlstate::SqlState;
 
 pub(crate) mod report;
 
-/// Dedicated SQLSTATE (class RM, pg_remus): a statement reached a node that does not own the
-/// shard for its transaction. Routers retry or redirect on it.
-pub const NOT_SHARD_OWNER: &str = "RM001";
+/// PostgreSQL's codes that [`SqlState`] does not name; `tests::pg_codes_match_pgrx` checks them
+/// against pgrx's list.
+mod pg_code {
+    use remus_proto::sqlstate::SqlState;
+
+    /// `42703` undefined_column.
+    pub(super) const UNDEFINED_COLUMN: SqlState = SqlState("42703");
+    /// `42P16` invalid_table_definition.
+    pub(super) const INVALID_TABLE_DEFINITION: SqlState = SqlState("42P16");
+    /// `42710` duplicate_object.
+    pub(super) const DUPLICATE_OBJECT: SqlState = SqlState("42710");
+    /// `42883` undefined_function.
+    pub(super) const UNDEFINED_FUNCTION: SqlState = SqlState("42883");
+    /// `F0000` config_file_error.
+    pub(super) const CONFIG_FILE_ERROR: SqlState = SqlState("F0000");
+    /// `23502` not_null_violation.
+    pub(super) const NOT_NULL_VIOLATION: SqlState = SqlState("23502");
+    /// `25P02` in_failed_sql_transaction.
+    pub(super) const IN_FAILED_SQL_TRANSACTION: SqlState = SqlState("25P02");
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RemusError {
@@ -30,10 +48,6 @@ pub enum RemusError {
     NodeVanished(String),
     #[error("remus.node_name is not set on this node")]
     NodeNameUnset,
-    #[error("{0}")]
-    InvalidArgument(String),
-    #[error("{0}")]
-    FeatureNotSupported(String),
     #[error("unknown node {0}")]
     UnknownNode(String),
     #[error("could not connect to node {node}: {message}")]
@@ -48,16 +62,145 @@ pub enum RemusError {
     },
     #[error("type with oid {0} has no hash function, so it cannot be a shard key")]
     NoHashFunction(u32),
+    // 22023 invalid_parameter_value: an argument, a setting or a catalog entry is not usable.
+    #[error("node {node} is this node; run the command directly")]
+    NodeIsSelf { node: String },
+    #[error("this node ({node}) is not in remus_nodes; add it with remus_add_node first")]
+    SelfNotInCluster { node: String },
+    #[error("remus.coordinator_address {address:?}: {reason}")]
+    BadCoordinatorAddress { address: String, reason: String },
+    #[error("bad replay worker endpoint {endpoint}: {reason}")]
+    BadReplayWorkerEndpoint { endpoint: String, reason: String },
+    /// A name or address too long for its slot in shared memory.
+    #[error("{what} must be 1..{max} bytes")]
+    LengthOutOfRange { what: &'static str, max: usize },
+    #[error("NUL in {what}")]
+    NulIn { what: &'static str },
+    #[error("NUL byte in {text:?}")]
+    NulByte { text: String },
+    #[error("bad key")]
+    BadKey,
+    #[error("shard_count must be between 1 and {max}, not {shard_count}")]
+    ShardCountOutOfRange { shard_count: i32, max: i32 },
+    #[error("relation with oid {oid} does not exist")]
+    NoSuchRelation { oid: u32 },
+    #[error("relation with oid {oid} is not a distributed table")]
+    NotDistributed { oid: u32 },
+    #[error("relation {relid:?} has no columns")]
+    NoColumns { relid: pgrx::pg_sys::Oid },
+    #[error("distributed table disappeared")]
+    TableDisappeared,
+    #[error("distributed table disappeared during the scan")]
+    TableDisappearedDuringScan,
+    #[error("reference table has no shard")]
+    ReferenceTableWithoutShard,
+    #[error("{table} is a reference table; it has a single shard on every node")]
+    ReferenceTableHasOneShard { table: String },
+    #[error("shard map is incomplete")]
+    IncompleteShardMap,
+    #[error("no shard {index} in the shard map of {table}")]
+    NoShardAtIndex { index: i32, table: String },
+    #[error("colocate_with must be a distributed table")]
+    ColocateWithNotDistributed,
+    #[error("{table} is a reference table; colocate_with needs a hash-distributed table")]
+    ColocateWithReference { table: String },
+    #[error("cannot co-locate {table} with {other}: shard keys have different types")]
+    ColocateKeyTypesDiffer { table: String, other: String },
+    #[error("cannot co-locate {table} ({shard_count} shards) with {other} ({other_shard_count} shards): pass shard_count => {other_shard_count}")]
+    ColocateShardCountsDiffer {
+        table: String,
+        shard_count: i32,
+        other: String,
+        other_shard_count: i32,
+    },
+    #[error("local shard statement failed (SPI code {spi_code})")]
+    LocalShardStatementFailed { spi_code: i32 },
+    #[error("invalid migration id {migration_id}")]
+    InvalidMigrationId { migration_id: i64 },
+    #[error("migration {migration_id} is not registered on this node")]
+    MigrationNotRegistered { migration_id: i64 },
+    #[error("migration {migration_id} does not capture writes on this node")]
+    MigrationNotCapturing { migration_id: i64 },
+
+    // 0A000 feature_not_supported.
+    /// The recurring wording: `what` is a statement form or clause.
+    #[error("{what} is not supported on distributed tables")]
+    UnsupportedOnDistributed { what: &'static str },
+    /// A one-off refusal whose whole text is fixed.
     #[error("{0}")]
-    UndefinedColumn(String),
-    #[error("{0}")]
-    InvalidTableDefinition(String),
-    #[error("{0}")]
-    DuplicateObject(String),
-    #[error("{0}")]
-    ObjectInUse(String),
-    #[error("{0}")]
-    InsufficientPrivilege(String),
+    Unsupported(&'static str),
+    #[error("the shard key of an INSERT into {table} must be a constant or a parameter")]
+    InsertKeyNotConstant { table: String },
+    #[error("COPY {table} TO is not supported; use COPY (SELECT * FROM {table}) TO …")]
+    CopyToUnsupported { table: String },
+    #[error("ALTER TABLE on distributed table {table} is not supported yet (shards would diverge from the shell)")]
+    AlterDistributedTable { table: String },
+    #[error("DROP TABLE on distributed table {table} is not supported yet")]
+    DropDistributedTable { table: String },
+    #[error("a statement for shard {shard_id} must reference its distributed table")]
+    MarkerWithoutTable { shard_id: i64 },
+    #[error("a statement for shard {shard_id} may only reference tables co-located with it")]
+    MarkerNotColocated { shard_id: i64 },
+    #[error("{table} is not an ordinary table; only ordinary tables can be distributed")]
+    NotOrdinaryTable { table: String },
+    #[error("{table} is temporary or unlogged; only permanent logged tables can be distributed")]
+    NotPermanentTable { table: String },
+    #[error("{table} is not an ordinary permanent table")]
+    NotOrdinaryPermanentTable { table: String },
+    #[error("{table} has foreign keys; foreign keys on distributed tables are not supported")]
+    HasForeignKeys { table: String },
+    #[error("{table} has identity or serial columns; each node would draw its own values, so they are not supported on distributed tables (use uuid defaults such as gen_random_uuid())")]
+    HasSequenceColumns { table: String },
+    #[error("{table} has dropped columns; shards are planned with the shell's column numbers, so recreate the table (CREATE TABLE … AS) before distributing it")]
+    HasDroppedColumns { table: String },
+    /// [`Self::HasDroppedColumns`] for a reference table, which has no shard plans.
+    #[error("{table} has dropped columns; recreate the table before distributing it")]
+    ReferenceHasDroppedColumns { table: String },
+
+    // 42703 undefined_column.
+    #[error("column \"{column}\" of table {table} does not exist")]
+    NoSuchColumn { column: String, table: String },
+    #[error("shard key \"{key}\" of {table} is gone")]
+    ShardKeyGone { key: String, table: String },
+
+    // 42P16 invalid_table_definition.
+    #[error("shard key \"{key}\" has type {type_name}, which has no hash function")]
+    KeyTypeWithoutHash { key: String, type_name: String },
+    #[error("table {table} has no primary key; a distributed table needs a primary key that contains the shard key \"{key}\"")]
+    NoPrimaryKey { table: String, key: String },
+    #[error("the primary key of {table} does not contain the shard key \"{key}\"; a distributed table needs a primary key that contains its shard key")]
+    PrimaryKeyWithoutShardKey { table: String, key: String },
+    #[error("{table} has a unique index without the shard key \"{key}\"; uniqueness could not be enforced across shards")]
+    UniqueIndexWithoutShardKey { table: String, key: String },
+
+    // 42710 duplicate_object.
+    #[error("table {table} is already distributed")]
+    AlreadyDistributed { table: String },
+    #[error("table {table} already exists on node {node}; drop it there first")]
+    TableExistsOnNode { table: String, node: String },
+
+    // 55006 object_in_use.
+    #[error("node {node} still owns {shards} shards; move them away first (remus_migrate_shard)")]
+    NodeOwnsShards { node: String, shards: i64 },
+    #[error("table {table} is being migrated by shard migration {migration_id} (shard {shard_id}); retry the DDL when it has ended")]
+    TableMigrating {
+        table: String,
+        migration_id: i64,
+        shard_id: i64,
+    },
+    #[error("shard {shard_id} is already registered by migration {migration_id}")]
+    ShardAlreadyRegistered { shard_id: i64, migration_id: i64 },
+    #[error("too many concurrent migrations on this node (at most {max})")]
+    TooManyMigrations { max: usize },
+    #[error("too many migrating shards on this node (at most {max})")]
+    TooManyMigratingShards { max: usize },
+    #[error("the admission gate is held by migration {migration_id}")]
+    GateHeld { migration_id: i64 },
+
+    // 42501 insufficient_privilege.
+    #[error("permission denied for function {function}: superuser required")]
+    SuperuserRequired { function: String },
+
     #[error(
         "transaction aborted by shard migration {migration_id} (lock_abort); retry the transaction"
     )]
@@ -89,40 +232,88 @@ pub enum RemusError {
 }
 
 impl RemusError {
-    pub fn sqlstate(&self) -> PgSqlErrorCode {
-        use PgSqlErrorCode::*;
+    /// The five-character SQLSTATE a client sees.
+    pub fn sqlstate(&self) -> &str {
         match self {
-            Self::InvalidNodeName(_) | Self::PortOutOfRange(_) | Self::EmptyHost => {
-                ERRCODE_INVALID_PARAMETER_VALUE
+            Self::InvalidNodeName(_)
+            | Self::PortOutOfRange(_)
+            | Self::EmptyHost
+            | Self::NodeIsSelf { .. }
+            | Self::SelfNotInCluster { .. }
+            | Self::BadCoordinatorAddress { .. }
+            | Self::BadReplayWorkerEndpoint { .. }
+            | Self::LengthOutOfRange { .. }
+            | Self::NulIn { .. }
+            | Self::NulByte { .. }
+            | Self::BadKey
+            | Self::ShardCountOutOfRange { .. }
+            | Self::NoSuchRelation { .. }
+            | Self::NotDistributed { .. }
+            | Self::NoColumns { .. }
+            | Self::TableDisappeared
+            | Self::TableDisappearedDuringScan
+            | Self::ReferenceTableWithoutShard
+            | Self::ReferenceTableHasOneShard { .. }
+            | Self::IncompleteShardMap
+            | Self::NoShardAtIndex { .. }
+            | Self::ColocateWithNotDistributed
+            | Self::ColocateWithReference { .. }
+            | Self::ColocateKeyTypesDiffer { .. }
+            | Self::ColocateShardCountsDiffer { .. }
+            | Self::LocalShardStatementFailed { .. }
+            | Self::InvalidMigrationId { .. }
+            | Self::MigrationNotRegistered { .. }
+            | Self::MigrationNotCapturing { .. } => SqlState::INVALID_PARAMETER_VALUE.code(),
+            Self::UnsupportedOnDistributed { .. }
+            | Self::Unsupported(_)
+            | Self::InsertKeyNotConstant { .. }
+            | Self::CopyToUnsupported { .. }
+            | Self::AlterDistributedTable { .. }
+            | Self::DropDistributedTable { .. }
+            | Self::MarkerWithoutTable { .. }
+            | Self::MarkerNotColocated { .. }
+            | Self::NotOrdinaryTable { .. }
+            | Self::NotPermanentTable { .. }
+            | Self::NotOrdinaryPermanentTable { .. }
+            | Self::HasForeignKeys { .. }
+            | Self::HasSequenceColumns { .. }
+            | Self::HasDroppedColumns { .. }
+            | Self::ReferenceHasDroppedColumns { .. } => SqlState::FEATURE_NOT_SUPPORTED.code(),
+            Self::NoSuchColumn { .. } | Self::ShardKeyGone { .. } => {
+                pg_code::UNDEFINED_COLUMN.code()
             }
-            Self::NodeExists { .. } => ERRCODE_DUPLICATE_OBJECT,
-            Self::NodeNameUnset => ERRCODE_CONFIG_FILE_ERROR,
-            Self::NodeVanished(_) => ERRCODE_T_R_SERIALIZATION_FAILURE,
-            Self::AbortedByMigration { .. }
+            Self::KeyTypeWithoutHash { .. }
+            | Self::NoPrimaryKey { .. }
+            | Self::PrimaryKeyWithoutShardKey { .. }
+            | Self::UniqueIndexWithoutShardKey { .. } => pg_code::INVALID_TABLE_DEFINITION.code(),
+            Self::NodeExists { .. }
+            | Self::AlreadyDistributed { .. }
+            | Self::TableExistsOnNode { .. } => pg_code::DUPLICATE_OBJECT.code(),
+            Self::NodeOwnsShards { .. }
+            | Self::TableMigrating { .. }
+            | Self::ShardAlreadyRegistered { .. }
+            | Self::TooManyMigrations { .. }
+            | Self::TooManyMigratingShards { .. }
+            | Self::GateHeld { .. } => SqlState::OBJECT_IN_USE.code(),
+            Self::SuperuserRequired { .. } => SqlState::INSUFFICIENT_PRIVILEGE.code(),
+            Self::NodeNameUnset => pg_code::CONFIG_FILE_ERROR.code(),
+            Self::NodeVanished(_)
+            | Self::AbortedByMigration { .. }
             | Self::ShardMoved { .. }
-            | Self::MigrationConflict { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
+            | Self::MigrationConflict { .. } => SqlState::SERIALIZATION_FAILURE.code(),
             // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.
-            Self::SyncValidation { .. } => ERRCODE_T_R_SERIALIZATION_FAILURE,
+            Self::SyncValidation { .. } => SqlState::SERIALIZATION_FAILURE.code(),
             Self::CoordinatorUnset | Self::MigrationFailed { .. } => {
-                ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE
+                SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code()
             }
-            Self::Spi(_) => ERRCODE_INTERNAL_ERROR,
-            Self::InvalidArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
-            Self::NoHashFunction(_) => ERRCODE_UNDEFINED_FUNCTION,
-            Self::UndefinedColumn(_) => ERRCODE_UNDEFINED_COLUMN,
-            Self::InvalidTableDefinition(_) => ERRCODE_INVALID_TABLE_DEFINITION,
-            Self::DuplicateObject(_) => ERRCODE_DUPLICATE_OBJECT,
-            Self::ObjectInUse(_) => ERRCODE_OBJECT_IN_USE,
-            Self::InsufficientPrivilege(_) => ERRCODE_INSUFFICIENT_PRIVILEGE,
-            Self::FeatureNotSupported(_) => ERRCODE_FEATURE_NOT_SUPPORTED,
-            Self::UnknownNode(_) => ERRCODE_UNDEFINED_OBJECT,
-            Self::Connection { .. } => ERRCODE_CONNECTION_FAILURE,
-            Self::NullShardKey { .. } => ERRCODE_NOT_NULL_VIOLATION,
-            Self::TransactionDoomed => ERRCODE_IN_FAILED_SQL_TRANSACTION,
-            Self::NotShardOwner { .. } => {
-                PgSqlErrorCode::from(report::sqlstate_code(NOT_SHARD_OWNER))
-            }
-            Self::Remote { sqlstate, .. } => PgSqlErrorCode::from(report::sqlstate_code(sqlstate)),
+            Self::Spi(_) => SqlState::INTERNAL_ERROR.code(),
+            Self::NoHashFunction(_) => pg_code::UNDEFINED_FUNCTION.code(),
+            Self::UnknownNode(_) => SqlState::UNDEFINED_OBJECT.code(),
+            Self::Connection { .. } => SqlState::CONNECTION_FAILURE.code(),
+            Self::NullShardKey { .. } => pg_code::NOT_NULL_VIOLATION.code(),
+            Self::TransactionDoomed => pg_code::IN_FAILED_SQL_TRANSACTION.code(),
+            Self::NotShardOwner { .. } => SqlState::NOT_SHARD_OWNER.code(),
+            Self::Remote { sqlstate, .. } => sqlstate,
         }
     }
 
@@ -141,11 +332,7 @@ impl RemusError {
 
     /// The SQLSTATE as PostgreSQL encodes it (MAKE_SQLSTATE).
     fn code(&self) -> i32 {
-        match self {
-            Self::Remote { sqlstate, .. } => report::sqlstate_code(sqlstate),
-            Self::NotShardOwner { .. } => report::sqlstate_code(NOT_SHARD_OWNER),
-            other => other.sqlstate() as i32,
-        }
+        report::sqlstate_code(self.sqlstate())
     }
 
     fn detail(&self) -> Option<String> {
@@ -202,6 +389,34 @@ impl<T> OrRaise<T> for Result<T, RemusError> {
         match self {
             Ok(v) => v,
             Err(e) => e.raise(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pg_code;
+    use super::report::sqlstate_code;
+    use pgrx::PgSqlErrorCode::*;
+
+    #[test]
+    fn pg_codes_match_pgrx() {
+        for (code, pgrx_code) in [
+            (pg_code::UNDEFINED_COLUMN, ERRCODE_UNDEFINED_COLUMN),
+            (
+                pg_code::INVALID_TABLE_DEFINITION,
+                ERRCODE_INVALID_TABLE_DEFINITION,
+            ),
+            (pg_code::DUPLICATE_OBJECT, ERRCODE_DUPLICATE_OBJECT),
+            (pg_code::UNDEFINED_FUNCTION, ERRCODE_UNDEFINED_FUNCTION),
+            (pg_code::CONFIG_FILE_ERROR, ERRCODE_CONFIG_FILE_ERROR),
+            (pg_code::NOT_NULL_VIOLATION, ERRCODE_NOT_NULL_VIOLATION),
+            (
+                pg_code::IN_FAILED_SQL_TRANSACTION,
+                ERRCODE_IN_FAILED_SQL_TRANSACTION,
+            ),
+        ] {
+            assert_eq!(sqlstate_code(code.code()), pgrx_code as i32, "{code}");
         }
     }
 }

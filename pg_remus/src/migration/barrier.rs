@@ -107,10 +107,7 @@ mod remus {
                 Some(m) => m.sync = true,
                 None => {
                     drop(s);
-                    RemusError::InvalidArgument(format!(
-                        "migration {migration_id} does not capture writes on this node"
-                    ))
-                    .raise()
+                    RemusError::MigrationNotCapturing { migration_id }.raise()
                 }
             }
             s.async_commit

@@ -73,9 +73,7 @@ fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
         .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })?;
     let Some((schema, table, ..)) = rows.first().cloned() else {
-        return Err(RemusError::InvalidArgument(format!(
-            "relation {relid:?} has no columns"
-        )));
+        return Err(RemusError::NoColumns { relid });
     };
     let mut meta = RelMeta {
         schema,
@@ -262,10 +260,10 @@ mod remus {
     fn migration_capture(migration_id: i64, endpoint: &str) {
         require_superuser("remus.migration_capture");
         if endpoint.is_empty() || endpoint.len() >= ENDPOINT_BYTES {
-            RemusError::InvalidArgument(format!(
-                "replay worker endpoint must be 1..{} bytes",
-                ENDPOINT_BYTES - 1
-            ))
+            RemusError::LengthOutOfRange {
+                what: "replay worker endpoint",
+                max: ENDPOINT_BYTES - 1,
+            }
             .raise();
         }
         let mut s = STATE.exclusive();
@@ -281,10 +279,7 @@ mod remus {
             }
             None => {
                 drop(s);
-                RemusError::InvalidArgument(format!(
-                    "migration {migration_id} is not registered on this node"
-                ))
-                .raise()
+                RemusError::MigrationNotRegistered { migration_id }.raise()
             }
         }
     }

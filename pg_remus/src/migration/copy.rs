@@ -20,9 +20,11 @@ pub(crate) fn check_ddl(table: &str, shard_ids: &[i64]) -> Result<(), RemusError
     let s = STATE.share();
     for &shard_id in shard_ids {
         if let Some(migration_id) = migration_of(&s, shard_id) {
-            return Err(RemusError::ObjectInUse(format!(
-                "table {table} is being migrated by shard migration {migration_id} (shard {shard_id}); retry the DDL when it has ended"
-            )));
+            return Err(RemusError::TableMigrating {
+                table: table.to_string(),
+                migration_id,
+                shard_id,
+            });
         }
     }
     Ok(())
@@ -40,7 +42,7 @@ mod remus {
     fn migration_begin(migration_id: i64, shard_ids: Vec<i64>) {
         require_superuser("remus.migration_begin");
         if migration_id <= 0 {
-            RemusError::InvalidArgument(format!("invalid migration id {migration_id}")).raise();
+            RemusError::InvalidMigrationId { migration_id }.raise();
         }
         let mut s = STATE.exclusive();
         // Refuse before changing anything.
@@ -50,17 +52,18 @@ mod remus {
                 .map(|m| (id, m))
         }) {
             drop(s);
-            RemusError::ObjectInUse(format!(
-                "shard {shard_id} is already registered by migration {other}"
-            ))
+            RemusError::ShardAlreadyRegistered {
+                shard_id,
+                migration_id: other,
+            }
             .raise();
         }
         if !s.migrations.iter().any(|m| m.migration_id == migration_id) {
             let Some(slot) = s.migrations.iter_mut().find(|m| m.migration_id == 0) else {
                 drop(s);
-                RemusError::ObjectInUse(format!(
-                    "too many concurrent migrations on this node (at most {MAX_MIGRATIONS})"
-                ))
+                RemusError::TooManyMigrations {
+                    max: MAX_MIGRATIONS,
+                }
                 .raise()
             };
             *slot = MigrationEntry {
@@ -74,9 +77,9 @@ mod remus {
             }
             let Some(slot) = s.shards.iter_mut().find(|e| e.migration_id == 0) else {
                 drop(s);
-                RemusError::ObjectInUse(format!(
-                    "too many migrating shards on this node (at most {MAX_MIGRATING_SHARDS})"
-                ))
+                RemusError::TooManyMigratingShards {
+                    max: MAX_MIGRATING_SHARDS,
+                }
                 .raise()
             };
             *slot = ShardEntry {

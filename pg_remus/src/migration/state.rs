@@ -211,9 +211,9 @@ pub(crate) fn my_pid() -> i32 {
 pub(crate) fn require_superuser(function: &str) {
     // SAFETY: catalog lookup for the current user, inside a transaction.
     if !unsafe { pg_sys::superuser() } {
-        RemusError::InsufficientPrivilege(format!(
-            "permission denied for function {function}: superuser required"
-        ))
+        RemusError::SuperuserRequired {
+            function: function.to_string(),
+        }
         .raise();
     }
 }

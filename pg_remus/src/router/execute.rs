@@ -127,8 +127,8 @@ pub unsafe fn run_on_shard(
                         let mut in_fn = pg_sys::InvalidOid;
                         let mut ioparam = pg_sys::InvalidOid;
                         pg_sys::getTypeInputInfo(ty, &mut in_fn, &mut ioparam);
-                        let c = CString::new(text).map_err(|_| {
-                            RemusError::InvalidArgument("NUL in remote value".into())
+                        let c = CString::new(text).map_err(|_| RemusError::NulIn {
+                            what: "remote value",
                         })?;
                         Some(pg_sys::OidInputFunctionCall(
                             in_fn,
@@ -157,8 +157,7 @@ unsafe fn run_local(
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
     unsafe {
-        let c = CString::new(sql)
-            .map_err(|_| RemusError::InvalidArgument("NUL in statement".into()))?;
+        let c = CString::new(sql).map_err(|_| RemusError::NulIn { what: "statement" })?;
         // Datums copied out of SPI memory must survive SPI_finish: copy them in the caller's context.
         let caller_cxt = pg_sys::CurrentMemoryContext;
         pg_sys::SPI_connect();
@@ -185,9 +184,7 @@ unsafe fn run_local(
         );
         if rc < 0 {
             pg_sys::SPI_finish();
-            return Err(RemusError::InvalidArgument(format!(
-                "local shard statement failed (SPI code {rc})"
-            )));
+            return Err(RemusError::LocalShardStatementFailed { spi_code: rc });
         }
         let processed = pg_sys::SPI_processed;
         let mut rows = Vec::new();

@@ -29,11 +29,9 @@ pub(crate) unsafe fn placement_for(
             .iter()
             .find(|p| p.shard_index == idx)
             .cloned()
-            .ok_or_else(|| {
-                RemusError::InvalidArgument(format!(
-                    "no shard {idx} in the shard map of {}",
-                    table.qualified_name
-                ))
+            .ok_or_else(|| RemusError::NoShardAtIndex {
+                index: idx,
+                table: table.qualified_name.clone(),
             })
     }
 }
@@ -114,14 +112,14 @@ pub(crate) unsafe fn key_equality_value(
 /// The key's attribute number in the shell.
 pub(crate) fn key_attno(table: &DistTable) -> Result<i16, RemusError> {
     let key = table.shard_key.clone().unwrap_or_default();
-    let c = CString::new(key.clone()).map_err(|_| RemusError::InvalidArgument("bad key".into()))?;
+    let c = CString::new(key.clone()).map_err(|_| RemusError::BadKey)?;
     // SAFETY: catalog lookup of an attribute by name in an existing relation.
     let n = unsafe { pg_sys::get_attnum(table.relid, c.as_ptr()) };
     if n <= 0 {
-        return Err(RemusError::UndefinedColumn(format!(
-            "shard key \"{key}\" of {} is gone",
-            table.qualified_name
-        )));
+        return Err(RemusError::ShardKeyGone {
+            key: key.clone(),
+            table: table.qualified_name.clone(),
+        });
     }
     Ok(n)
 }

@@ -55,9 +55,7 @@ pub(crate) unsafe fn pin_to_local_shard(
     unsafe {
         let shells = shells_in(parse)?;
         if shells.is_empty() {
-            return Err(RemusError::FeatureNotSupported(format!(
-                "a statement for shard {shard_id} must reference its distributed table"
-            )));
+            return Err(RemusError::MarkerWithoutTable { shard_id });
         }
         // The marker names one shard; every distributed table of the statement uses the shard with
         // the same index in the same co-location group (the same table twice for ON CONFLICT's
@@ -79,9 +77,7 @@ pub(crate) unsafe fn pin_to_local_shard(
                 .iter()
                 .any(|(_, t)| t.colocation_id != colocation || t.kind != 'h')
         {
-            return Err(RemusError::FeatureNotSupported(format!(
-                "a statement for shard {shard_id} may only reference tables co-located with it"
-            )));
+            return Err(RemusError::MarkerNotColocated { shard_id });
         }
         let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
         let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable);

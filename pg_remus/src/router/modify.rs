@@ -54,8 +54,8 @@ pub(crate) fn register_methods() {
     }
 }
 
-fn unsupported(what: &str) -> RemusError {
-    RemusError::FeatureNotSupported(format!("{what} is not supported on distributed tables"))
+fn unsupported(what: &'static str) -> RemusError {
+    RemusError::UnsupportedOnDistributed { what }
 }
 
 /// Checks that the statement is a form we run correctly, and builds its plan.
@@ -352,8 +352,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         }
         let rt = (*query).resultRelation as usize;
         let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
-        let table = super::placement::dist_table(shell)?
-            .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
+        let table = super::placement::dist_table(shell)?.ok_or(RemusError::TableDisappeared)?;
         let all = super::placement::placements(shell)?;
         let reference = table.kind == 'r';
         let work = if reference {
@@ -423,8 +422,8 @@ unsafe fn run_select(
         let ps = &mut (*s).css.ss.ps;
         let estate = ps.state;
         let anchor_relid = pg_sys::Oid::from((*anchor).constvalue.value() as u32);
-        let table = super::placement::dist_table(anchor_relid)?
-            .ok_or_else(|| RemusError::InvalidArgument("distributed table disappeared".into()))?;
+        let table =
+            super::placement::dist_table(anchor_relid)?.ok_or(RemusError::TableDisappeared)?;
         let all = super::placement::placements(anchor_relid)?;
         let (v, isnull, ty) = super::execute::eval_expr(value, ps);
         if isnull {
@@ -546,10 +545,9 @@ unsafe fn targets(
         match values_rte {
             None => {
                 if !super::key::is_routable_value(expr) {
-                    return Err(RemusError::FeatureNotSupported(format!(
-                        "the shard key of an INSERT into {} must be a constant or a parameter",
-                        table.qualified_name
-                    )));
+                    return Err(RemusError::InsertKeyNotConstant {
+                        table: table.qualified_name.clone(),
+                    });
                 }
                 let (value, isnull, ty) = super::execute::eval_expr(expr as *mut pg_sys::Expr, ps);
                 if isnull {
@@ -566,9 +564,8 @@ unsafe fn targets(
                 if !is_tag(stripped, pg_sys::NodeTag::T_Var)
                     || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1
                 {
-                    return Err(RemusError::FeatureNotSupported(
-                    "the shard key of a multi-row INSERT must come straight from its VALUES list"
-                        .into(),
+                    return Err(RemusError::Unsupported(
+                    "the shard key of a multi-row INSERT must come straight from its VALUES list",
                 ));
                 }
                 let col = (*(stripped as *mut pg_sys::Var)).varattno as usize - 1;
@@ -577,9 +574,8 @@ unsafe fn targets(
                 for row in list_ptrs::<pg_sys::List>((*vrte).values_lists) {
                     let cell = list_ptrs::<pg_sys::Node>(row)[col];
                     if !super::key::is_routable_value(cell) {
-                        return Err(RemusError::FeatureNotSupported(
-                        "shard key values of a multi-row INSERT must be constants or parameters"
-                            .into(),
+                        return Err(RemusError::Unsupported(
+                        "shard key values of a multi-row INSERT must be constants or parameters",
                     ));
                     }
                     let (value, isnull, ty) =

@@ -48,24 +48,23 @@ pub(crate) unsafe fn route(
                 return modify::plan(parse, t).map(Some);
             }
             if !shells.is_empty() {
-                return Err(RemusError::FeatureNotSupported(
-                    "a statement that modifies a local table cannot read distributed tables yet"
-                        .into(),
+                return Err(RemusError::Unsupported(
+                    "a statement that modifies a local table cannot read distributed tables yet",
                 ));
             }
             return Ok(None);
         }
         if cmd == pg_sys::CmdType::CMD_MERGE && !shells_in(parse)?.is_empty() {
-            return Err(RemusError::FeatureNotSupported(
-                "MERGE on distributed tables is not supported".into(),
+            return Err(RemusError::Unsupported(
+                "MERGE on distributed tables is not supported",
             ));
         }
         if cmd == pg_sys::CmdType::CMD_SELECT
             && !(*parse).rowMarks.is_null()
             && !shells_in(parse)?.is_empty()
         {
-            return Err(RemusError::FeatureNotSupported(
-                "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet".into(),
+            return Err(RemusError::Unsupported(
+                "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet",
             ));
         }
         if cmd == pg_sys::CmdType::CMD_SELECT {

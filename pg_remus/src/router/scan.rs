@@ -206,9 +206,8 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
         let ss = &mut (*s).css.ss;
         let estate = ss.ps.state;
         let relid = (*ss.ss_currentRelation).rd_id;
-        let table = super::placement::dist_table(relid)?.ok_or_else(|| {
-            RemusError::InvalidArgument("distributed table disappeared during the scan".into())
-        })?;
+        let table =
+            super::placement::dist_table(relid)?.ok_or(RemusError::TableDisappearedDuringScan)?;
         let all = super::placement::placements(relid)?;
 
         let desc = (*ss.ss_ScanTupleSlot).tts_tupleDescriptor;

@@ -77,14 +77,13 @@ pub(crate) unsafe fn intercept(
                     return Ok(false);
                 };
                 if !(*copy).is_from {
-                    return Err(RemusError::FeatureNotSupported(format!(
-                        "COPY {} TO is not supported; use COPY (SELECT * FROM {}) TO …",
-                        table.qualified_name, table.qualified_name
-                    )));
+                    return Err(RemusError::CopyToUnsupported {
+                        table: table.qualified_name.clone(),
+                    });
                 }
                 if !(*copy).whereClause.is_null() {
-                    return Err(RemusError::FeatureNotSupported(
-                        "COPY … FROM … WHERE on a distributed table".into(),
+                    return Err(RemusError::Unsupported(
+                        "COPY … FROM … WHERE on a distributed table",
                     ));
                 }
                 let n = copy_from(copy, &table, query_string)?;
@@ -106,8 +105,8 @@ pub(crate) unsafe fn intercept(
                     return Ok(false);
                 }
                 if shells.len() != rels.len() {
-                    return Err(RemusError::FeatureNotSupported(
-                        "TRUNCATE of distributed and local tables in one statement".into(),
+                    return Err(RemusError::Unsupported(
+                        "TRUNCATE of distributed and local tables in one statement",
                     ));
                 }
                 for d in &shells {
@@ -126,10 +125,9 @@ pub(crate) unsafe fn intercept(
             pg_sys::NodeTag::T_AlterTableStmt => {
                 let a = stmt as *mut pg_sys::AlterTableStmt;
                 if let Some(d) = shell_of((*a).relation)? {
-                    return Err(RemusError::FeatureNotSupported(format!(
-                    "ALTER TABLE on distributed table {} is not supported yet (shards would diverge from the shell)",
-                    d.qualified_name
-                )));
+                    return Err(RemusError::AlterDistributedTable {
+                        table: d.qualified_name.clone(),
+                    });
                 }
                 Ok(false)
             }
@@ -139,10 +137,9 @@ pub(crate) unsafe fn intercept(
                     for obj in list_ptrs::<pg_sys::List>((*d).objects) {
                         let rv = pg_sys::makeRangeVarFromNameList(obj);
                         if let Some(t) = shell_of(rv)? {
-                            return Err(RemusError::FeatureNotSupported(format!(
-                                "DROP TABLE on distributed table {} is not supported yet",
-                                t.qualified_name
-                            )));
+                            return Err(RemusError::DropDistributedTable {
+                                table: t.qualified_name.clone(),
+                            });
                         }
                     }
                 }

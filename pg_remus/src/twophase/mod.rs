@@ -45,8 +45,8 @@ pub(crate) fn on_xact_event(event: pg_sys::XactEvent::Type) {
                 e.raise();
             }
         }
-        XACT_EVENT_PRE_PREPARE => RemusError::FeatureNotSupported(
-            "PREPARE TRANSACTION is not supported in a transaction that used other nodes".into(),
+        XACT_EVENT_PRE_PREPARE => RemusError::Unsupported(
+            "PREPARE TRANSACTION is not supported in a transaction that used other nodes",
         )
         .raise(),
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {

@@ -39,8 +39,8 @@ fn parse_xid(gid: &str, me: &str) -> Option<u32> {
 
 pub fn recover() -> Result<RecoveryStats, RemusError> {
     if remote::any_in_transaction() {
-        return Err(RemusError::FeatureNotSupported(
-            "recovery cannot run inside a transaction that uses other nodes".into(),
+        return Err(RemusError::Unsupported(
+            "recovery cannot run inside a transaction that uses other nodes",
         ));
     }
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;

@@ -164,10 +164,7 @@ mod remus {
             Some(m) => m.fenced = true,
             None => {
                 drop(s);
-                RemusError::InvalidArgument(format!(
-                    "migration {migration_id} is not registered on this node"
-                ))
-                .raise()
+                RemusError::MigrationNotRegistered { migration_id }.raise()
             }
         }
     }

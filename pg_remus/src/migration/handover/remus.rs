@@ -34,9 +34,10 @@ use pgrx::prelude::*;
 use crate::catalog::{DistTable, ShardPlacement};
 use crate::cluster::remote::{self, NodeAddr};
 use crate::cluster::shard_marker;
-use crate::error::{RemusError, NOT_SHARD_OWNER};
+use crate::error::RemusError;
 use crate::migration::state::{active, migration_of, require_superuser, NODE_NAME_BYTES, STATE};
 use crate::pg::sql::{quote_ident, quote_literal};
+use remus_proto::sqlstate::SqlState;
 
 /// The node `shard_id` is leaving, while its migration (Remus mode) is between Tm and its end:
 /// a write routed to the shard on another node waits there first for the row's writers that
@@ -113,7 +114,8 @@ pub(crate) fn wait_for_older_writers(
         ),
         // The source shard is already gone (the drain is over): nothing older is left to wait for.
         Err(RemusError::Remote { sqlstate, .. })
-            if sqlstate == NOT_SHARD_OWNER || sqlstate == "42P01" => {}
+            if *sqlstate == SqlState::NOT_SHARD_OWNER || *sqlstate == SqlState::UNDEFINED_TABLE => {
+        }
         Err(e) => log!(
             "pg_remus: shard {} of {}: no wait on {source} for older writers of the row: {e}",
             placement.shard_id,
@@ -192,10 +194,10 @@ mod remus {
     fn migration_drain_source(migration_id: i64, source_node: &str) {
         require_superuser("remus.migration_drain_source");
         if source_node.is_empty() || source_node.len() >= NODE_NAME_BYTES {
-            RemusError::InvalidArgument(format!(
-                "node name must be 1..{} bytes",
-                NODE_NAME_BYTES - 1
-            ))
+            RemusError::LengthOutOfRange {
+                what: "node name",
+                max: NODE_NAME_BYTES - 1,
+            }
             .raise();
         }
         let mut s = STATE.exclusive();
@@ -210,10 +212,7 @@ mod remus {
             }
             None => {
                 drop(s);
-                RemusError::InvalidArgument(format!(
-                    "migration {migration_id} is not registered on this node"
-                ))
-                .raise()
+                RemusError::MigrationNotRegistered { migration_id }.raise()
             }
         }
     }

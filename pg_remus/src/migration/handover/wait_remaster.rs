@@ -66,8 +66,10 @@ mod remus {
         {
             let other = s.gate.migration_id;
             drop(s);
-            RemusError::ObjectInUse(format!("the admission gate is held by migration {other}"))
-                .raise();
+            RemusError::GateHeld {
+                migration_id: other,
+            }
+            .raise();
         }
         s.gate = Gate {
             migration_id,
