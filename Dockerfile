@@ -13,4 +13,4 @@ RUN cargo build --release && cd pg_remus && cargo pgrx package --pg-config /usr/
 FROM debian:12
 RUN apt-get update && apt-get install -y --no-install-recommends postgresql-15 etcd-server && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/pg_remus-pg15/ /
-COPY --from=build /src/target/release/remusctl /src/target/release/remus-coordinator /usr/local/bin/
+COPY --from=build /src/target/release/remusctl /src/target/release/remus-coordinator /src/target/release/remus-replay-worker /usr/local/bin/

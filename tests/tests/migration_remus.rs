@@ -161,7 +161,7 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
     // on the source for the row's older writers (the holder and the ones queued behind it:
     // the branch rows are hot), and a transaction that routes a shard while
     // its node's Tm is in doubt waits for the outcome, so no source transaction meets a newer
-    // version on the destination (router::drain_fence).
+    // version on the destination (migration::handover::remus).
     let outputs: Vec<_> = results.iter().map(|r| &r.output).collect();
     assert_eq!(
         failed as i64, aborted,
