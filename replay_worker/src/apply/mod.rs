@@ -16,10 +16,11 @@
 //! key and source xid in an [`ApplyError::Divergence`]. The CommandComplete counts of a
 //! successful round trip are checked as well.
 //!
-//! Transactions are applied in parallel over N sessions: [`DependencyScheduler`] orders those
-//! that write a common row (keys are the relation name hash and the encoded key values) and
-//! TRUNCATE is a barrier; [`AppliedWatermark`] turns out-of-order commits into the applied
-//! position reported to the source.
+//! Transactions are applied in parallel over N sessions:
+//! [`DependencyScheduler`](crate::scheduler::DependencyScheduler) orders those that write a
+//! common row (keys are the relation name hash and the encoded key values) and TRUNCATE is a
+//! barrier; [`AppliedWatermark`](crate::progress::AppliedWatermark) turns out-of-order commits
+//! into the applied position reported to the source.
 
 //!
 //! The module is cut by concern: [`sql`] turns a shipped transaction into the SQL text of its
