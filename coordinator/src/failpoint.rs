@@ -49,7 +49,9 @@ impl Failpoints {
 
     /// Failpoints armed by files in `dir` (which need not exist yet).
     pub fn in_dir(dir: impl Into<PathBuf>) -> Self {
-        Failpoints { dir: Some(dir.into()) }
+        Failpoints {
+            dir: Some(dir.into()),
+        }
     }
 
     fn armed(&self, name: &str) -> Option<(PathBuf, Action)> {
@@ -59,7 +61,11 @@ impl Failpoints {
             "pause" => Some((path, Action::Pause)),
             other => {
                 // A typo must not pass silently as "not armed" in a test that relies on it.
-                warn!(failpoint = name, action = other, "unknown failpoint action ignored (known: pause)");
+                warn!(
+                    failpoint = name,
+                    action = other,
+                    "unknown failpoint action ignored (known: pause)"
+                );
                 None
             }
         }
@@ -101,7 +107,13 @@ fn phase_of(name: &str) -> &str {
 }
 
 fn announce(path: &Path, name: &str, migration_id: u64) {
-    info!(migration_id, phase = phase_of(name), failpoint = name, "paused at failpoint; remove {} to go on", path.display());
+    info!(
+        migration_id,
+        phase = phase_of(name),
+        failpoint = name,
+        "paused at failpoint; remove {} to go on",
+        path.display()
+    );
     if let Err(e) = fs::write(reached_marker(path), migration_id.to_string()) {
         warn!(migration_id, phase = phase_of(name), failpoint = name, error = %e, "could not write the failpoint's reached marker");
     }
@@ -109,7 +121,12 @@ fn announce(path: &Path, name: &str, migration_id: u64) {
 
 fn released(path: &Path, name: &str, migration_id: u64) {
     let _ = fs::remove_file(reached_marker(path));
-    info!(migration_id, phase = phase_of(name), failpoint = name, "failpoint released");
+    info!(
+        migration_id,
+        phase = phase_of(name),
+        failpoint = name,
+        "failpoint released"
+    );
 }
 
 #[cfg(test)]
@@ -168,6 +185,9 @@ mod tests {
         }
         assert!(!paused.is_finished());
         fs::remove_file(&armed).unwrap();
-        tokio::time::timeout(Duration::from_secs(10), paused).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), paused)
+            .await
+            .unwrap()
+            .unwrap();
     }
 }

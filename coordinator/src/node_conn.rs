@@ -84,7 +84,10 @@ impl NodeConnector {
 
     /// A tokio-postgres migration session on `node`; the connection task runs on the current
     /// runtime and ends with the client.
-    pub async fn connect(&self, node: &NodeRecord) -> Result<tokio_postgres::Client, NodeConnError> {
+    pub async fn connect(
+        &self,
+        node: &NodeRecord,
+    ) -> Result<tokio_postgres::Client, NodeConnError> {
         let conninfo = self.conninfo(node, false);
         let fut = tokio_postgres::connect(&conninfo, tokio_postgres::NoTls);
         let (client, conn) = tokio::time::timeout(self.connect_timeout, fut)
@@ -135,7 +138,11 @@ mod tests {
     use super::*;
 
     fn node() -> NodeRecord {
-        NodeRecord { name: "n1".into(), host: "127.0.0.1".into(), port: 5432 }
+        NodeRecord {
+            name: "n1".into(),
+            host: "127.0.0.1".into(),
+            port: 5432,
+        }
     }
 
     #[test]
@@ -158,7 +165,11 @@ mod tests {
     fn pgpass_entry_for_postgres_is_found() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("pgpass");
-        std::fs::write(&p, "# comment\nh:1:db:other:x\n*:*:*:postgres:secret:with:colons\n").unwrap();
+        std::fs::write(
+            &p,
+            "# comment\nh:1:db:other:x\n*:*:*:postgres:secret:with:colons\n",
+        )
+        .unwrap();
         assert_eq!(read_pgpass(&p).unwrap(), "secret:with:colons");
         std::fs::write(&p, "h:1:db:other:x\n").unwrap();
         assert!(matches!(read_pgpass(&p), Err(NodeConnError::Pgpass { .. })));

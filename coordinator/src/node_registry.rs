@@ -127,7 +127,9 @@ pub fn validate(node: &NodeRecord) -> Result<(), RegistryError> {
         return Err(RegistryError::Invalid("host must not be empty".into()));
     }
     if node.port == 0 {
-        return Err(RegistryError::Invalid("port must be between 1 and 65535".into()));
+        return Err(RegistryError::Invalid(
+            "port must be between 1 and 65535".into(),
+        ));
     }
     Ok(())
 }

@@ -67,29 +67,47 @@ pub struct Refusal {
 
 impl Refusal {
     pub fn new(code: Code, sqlstate: SqlState, message: impl Into<String>) -> Self {
-        Self { code, sqlstate, message: message.into() }
+        Self {
+            code,
+            sqlstate,
+            message: message.into(),
+        }
     }
 
     pub fn into_status(self) -> tonic::Status {
         let mut status = tonic::Status::new(self.code, self.message);
         if let Ok(v) = self.sqlstate.code().parse() {
-            status.metadata_mut().insert(names::SQLSTATE_METADATA_KEY, v);
+            status
+                .metadata_mut()
+                .insert(names::SQLSTATE_METADATA_KEY, v);
         }
         status
     }
 
     /// The mode is none of the known ones.
     pub fn unknown_mode(e: impl ToString) -> Self {
-        Self::new(Code::InvalidArgument, SqlState::INVALID_PARAMETER_VALUE, e.to_string())
+        Self::new(
+            Code::InvalidArgument,
+            SqlState::INVALID_PARAMETER_VALUE,
+            e.to_string(),
+        )
     }
 
     pub fn no_shard_given() -> Self {
-        Self::new(Code::InvalidArgument, SqlState::INVALID_PARAMETER_VALUE, "no shard given")
+        Self::new(
+            Code::InvalidArgument,
+            SqlState::INVALID_PARAMETER_VALUE,
+            "no shard given",
+        )
     }
 
     /// etcd did not answer with the node list.
     pub fn registry_unavailable(e: impl std::fmt::Display) -> Self {
-        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("node registry: {e}"))
+        Self::new(
+            Code::Unavailable,
+            SqlState::CONNECTION_FAILURE,
+            format!("node registry: {e}"),
+        )
     }
 
     pub fn unknown_node(target: &str, nodes: &[NodeRecord]) -> Self {
@@ -98,26 +116,46 @@ impl Refusal {
             SqlState::UNDEFINED_OBJECT,
             format!(
                 "node \"{target}\" does not exist (nodes: {})",
-                nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
+                nodes
+                    .iter()
+                    .map(|n| n.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         )
     }
 
     pub fn target_unreachable(e: impl std::fmt::Display) -> Self {
-        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("target node is unreachable: {e}"))
+        Self::new(
+            Code::Unavailable,
+            SqlState::CONNECTION_FAILURE,
+            format!("target node is unreachable: {e}"),
+        )
     }
 
     pub fn source_unreachable(e: impl std::fmt::Display) -> Self {
-        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("source node is unreachable: {e}"))
+        Self::new(
+            Code::Unavailable,
+            SqlState::CONNECTION_FAILURE,
+            format!("source node is unreachable: {e}"),
+        )
     }
 
     /// Reading the catalog on `node` failed.
     pub fn catalog_unreadable(node: &str, e: impl std::fmt::Display) -> Self {
-        Self::new(Code::Unavailable, SqlState::CONNECTION_FAILURE, format!("reading the catalog on {node}: {e}"))
+        Self::new(
+            Code::Unavailable,
+            SqlState::CONNECTION_FAILURE,
+            format!("reading the catalog on {node}: {e}"),
+        )
     }
 
     pub fn unknown_shard(shard_id: i64) -> Self {
-        Self::new(Code::NotFound, SqlState::UNDEFINED_OBJECT, format!("shard {shard_id} does not exist"))
+        Self::new(
+            Code::NotFound,
+            SqlState::UNDEFINED_OBJECT,
+            format!("shard {shard_id} does not exist"),
+        )
     }
 
     pub fn reference_table_shard(shard_id: i64) -> Self {
@@ -201,10 +239,19 @@ pub async fn plan(
     if requested.is_empty() {
         return Err(Refusal::no_shard_given());
     }
-    let nodes = registry.list().await.map_err(Refusal::registry_unavailable)?;
-    let target_node =
-        nodes.iter().find(|n| n.name == target).cloned().ok_or_else(|| Refusal::unknown_node(target, &nodes))?;
-    let client = connector.connect(&target_node).await.map_err(Refusal::target_unreachable)?;
+    let nodes = registry
+        .list()
+        .await
+        .map_err(Refusal::registry_unavailable)?;
+    let target_node = nodes
+        .iter()
+        .find(|n| n.name == target)
+        .cloned()
+        .ok_or_else(|| Refusal::unknown_node(target, &nodes))?;
+    let client = connector
+        .connect(&target_node)
+        .await
+        .map_err(Refusal::target_unreachable)?;
     let catalog = |e: tokio_postgres::Error| Refusal::catalog_unreadable(target, e);
 
     // The requested shards, then their whole co-location groups (same colocation_id and index).
@@ -254,7 +301,9 @@ pub async fn plan(
         let owner = owner.ok_or_else(|| Refusal::shard_without_owner(shard_id))?;
         match &source {
             None => source = Some(owner),
-            Some(s) if *s != owner => return Err(Refusal::shards_on_several_nodes(shard_id, &owner, s)),
+            Some(s) if *s != owner => {
+                return Err(Refusal::shards_on_several_nodes(shard_id, &owner, s))
+            }
             Some(_) => {}
         }
         let relname: String = r.get(3);
@@ -269,8 +318,11 @@ pub async fn plan(
     if source == target {
         return Err(Refusal::already_on_target(requested[0], target));
     }
-    let source_node =
-        nodes.iter().find(|n| n.name == source).cloned().ok_or_else(|| Refusal::owner_not_registered(&source))?;
+    let source_node = nodes
+        .iter()
+        .find(|n| n.name == source)
+        .cloned()
+        .ok_or_else(|| Refusal::owner_not_registered(&source))?;
 
     // Apply by primary key needs one on every table (and pgoutput's replica identity is it).
     let shells: BTreeSet<&str> = tables.iter().map(|t| t.shell.as_str()).collect();
@@ -288,9 +340,20 @@ pub async fn plan(
         }
     }
     // The source must answer too: a migration that cannot read its source only fails later.
-    connector.connect(&source_node).await.map_err(Refusal::source_unreachable)?;
+    connector
+        .connect(&source_node)
+        .await
+        .map_err(Refusal::source_unreachable)?;
     let shard_ids = tables.iter().map(|t| t.shard_id).collect();
-    Ok(MigrationPlan { mode, shard_ids, tables, source: source_node, target: target_node, nodes, requested_by: None })
+    Ok(MigrationPlan {
+        mode,
+        shard_ids,
+        tables,
+        source: source_node,
+        target: target_node,
+        nodes,
+        requested_by: None,
+    })
 }
 
 /// The plan of a migration that a coordinator was running when it stopped, rebuilt from its
@@ -301,13 +364,23 @@ pub async fn plan_for_resume(
     connector: &NodeConnector,
     record: &MigrationRecord,
 ) -> Result<MigrationPlan, String> {
-    let nodes = registry.list().await.map_err(|e| format!("node registry: {e}"))?;
+    let nodes = registry
+        .list()
+        .await
+        .map_err(|e| format!("node registry: {e}"))?;
     let find = |name: &str| {
-        nodes.iter().find(|n| n.name == name).cloned().ok_or_else(|| format!("node {name} is not registered"))
+        nodes
+            .iter()
+            .find(|n| n.name == name)
+            .cloned()
+            .ok_or_else(|| format!("node {name} is not registered"))
     };
     let (source, target) = (find(&record.source)?, find(&record.target)?);
     let mut last_error = String::from("no node is registered");
-    let candidates: Vec<NodeRecord> = [target.clone(), source.clone()].into_iter().chain(nodes.iter().cloned()).collect();
+    let candidates: Vec<NodeRecord> = [target.clone(), source.clone()]
+        .into_iter()
+        .chain(nodes.iter().cloned())
+        .collect();
     for node in &candidates {
         let client = match connector.connect(node).await {
             Ok(c) => c,
@@ -348,7 +421,12 @@ pub async fn plan_for_resume(
             .map(|r| {
                 let shard_id: i64 = r.get(0);
                 let relname: String = r.get(1);
-                ShardTable { shard_id, shell: r.get(2), schema: SHARD_SCHEMA.to_string(), name: names::shard_table_name(&relname, shard_id) }
+                ShardTable {
+                    shard_id,
+                    shell: r.get(2),
+                    schema: SHARD_SCHEMA.to_string(),
+                    name: names::shard_table_name(&relname, shard_id),
+                }
             })
             .collect();
         return Ok(MigrationPlan {
@@ -371,29 +449,80 @@ mod tests {
     #[test]
     fn refusals_carry_their_grpc_code_and_sqlstate() {
         let cases = [
-            (Refusal::unknown_mode("bad mode"), Code::InvalidArgument, "22023"),
+            (
+                Refusal::unknown_mode("bad mode"),
+                Code::InvalidArgument,
+                "22023",
+            ),
             (Refusal::no_shard_given(), Code::InvalidArgument, "22023"),
-            (Refusal::registry_unavailable("down"), Code::Unavailable, "08006"),
+            (
+                Refusal::registry_unavailable("down"),
+                Code::Unavailable,
+                "08006",
+            ),
             (Refusal::unknown_node("n9", &[]), Code::NotFound, "42704"),
-            (Refusal::target_unreachable("refused"), Code::Unavailable, "08006"),
-            (Refusal::source_unreachable("refused"), Code::Unavailable, "08006"),
-            (Refusal::catalog_unreadable("n2", "gone"), Code::Unavailable, "08006"),
+            (
+                Refusal::target_unreachable("refused"),
+                Code::Unavailable,
+                "08006",
+            ),
+            (
+                Refusal::source_unreachable("refused"),
+                Code::Unavailable,
+                "08006",
+            ),
+            (
+                Refusal::catalog_unreadable("n2", "gone"),
+                Code::Unavailable,
+                "08006",
+            ),
             (Refusal::unknown_shard(7), Code::NotFound, "42704"),
-            (Refusal::reference_table_shard(7), Code::InvalidArgument, "22023"),
-            (Refusal::shard_without_owner(7), Code::FailedPrecondition, "55000"),
-            (Refusal::shards_on_several_nodes(7, "n1", "n2"), Code::InvalidArgument, "22023"),
-            (Refusal::already_on_target(7, "n2"), Code::InvalidArgument, "22023"),
-            (Refusal::owner_not_registered("n1"), Code::FailedPrecondition, "55000"),
-            (Refusal::no_primary_key("public.t"), Code::InvalidArgument, "55000"),
+            (
+                Refusal::reference_table_shard(7),
+                Code::InvalidArgument,
+                "22023",
+            ),
+            (
+                Refusal::shard_without_owner(7),
+                Code::FailedPrecondition,
+                "55000",
+            ),
+            (
+                Refusal::shards_on_several_nodes(7, "n1", "n2"),
+                Code::InvalidArgument,
+                "22023",
+            ),
+            (
+                Refusal::already_on_target(7, "n2"),
+                Code::InvalidArgument,
+                "22023",
+            ),
+            (
+                Refusal::owner_not_registered("n1"),
+                Code::FailedPrecondition,
+                "55000",
+            ),
+            (
+                Refusal::no_primary_key("public.t"),
+                Code::InvalidArgument,
+                "55000",
+            ),
             (Refusal::resuming(), Code::Unavailable, "57P03"),
             (Refusal::shard_busy("busy"), Code::AlreadyExists, "55006"),
         ];
         for (refusal, code, sqlstate) in cases {
-            assert_eq!((refusal.code, refusal.sqlstate.code()), (code, sqlstate), "{refusal}");
+            assert_eq!(
+                (refusal.code, refusal.sqlstate.code()),
+                (code, sqlstate),
+                "{refusal}"
+            );
             let status = refusal.clone().into_status();
             assert_eq!(status.code(), code);
             assert_eq!(status.message(), refusal.message);
-            let sent = status.metadata().get(names::SQLSTATE_METADATA_KEY).and_then(|v| v.to_str().ok());
+            let sent = status
+                .metadata()
+                .get(names::SQLSTATE_METADATA_KEY)
+                .and_then(|v| v.to_str().ok());
             assert_eq!(sent, Some(sqlstate));
         }
     }
@@ -401,14 +530,24 @@ mod tests {
     #[test]
     fn refusal_messages() {
         let nodes = [("n1", 6001), ("n2", 6002)]
-            .map(|(name, port)| NodeRecord { name: name.into(), host: "127.0.0.1".into(), port })
+            .map(|(name, port)| NodeRecord {
+                name: name.into(),
+                host: "127.0.0.1".into(),
+                port,
+            })
             .to_vec();
-        assert_eq!(Refusal::unknown_node("n9", &nodes).message, "node \"n9\" does not exist (nodes: n1, n2)");
+        assert_eq!(
+            Refusal::unknown_node("n9", &nodes).message,
+            "node \"n9\" does not exist (nodes: n1, n2)"
+        );
         assert_eq!(
             Refusal::shards_on_several_nodes(7, "n1", "n2").message,
             "shards of one migration must be on one node: shard 7 is on n1, others on n2"
         );
         assert_eq!(parse_mode("").unwrap(), Mode::Remus);
-        assert_eq!(parse_mode("nope").unwrap_err().sqlstate, SqlState::INVALID_PARAMETER_VALUE);
+        assert_eq!(
+            parse_mode("nope").unwrap_err().sqlstate,
+            SqlState::INVALID_PARAMETER_VALUE
+        );
     }
 }

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tracing::{info, warn};
 use wal_propagator::{
-    Assembled, AssembleError, AssemblerConfig, DecodeError, Lsn, PgOutputMessage,
+    AssembleError, Assembled, AssemblerConfig, DecodeError, Lsn, PgOutputMessage,
     ReplicationConnection, ReplicationError, ReplicationMessage, TxnAssembler,
 };
 
@@ -140,7 +140,17 @@ impl Propagator {
         let thread_tx = tx.clone();
         let stream_thread = std::thread::Builder::new()
             .name(format!("propagator-m{migration_id}"))
-            .spawn(move || stream_loop(migration_id, conn, &slot, &publication, start, thread_tx, &p))
+            .spawn(move || {
+                stream_loop(
+                    migration_id,
+                    conn,
+                    &slot,
+                    &publication,
+                    start,
+                    thread_tx,
+                    &p,
+                )
+            })
             .expect("spawning a thread");
         Ok(Self {
             progress,
@@ -166,7 +176,10 @@ impl Propagator {
     /// An error if the replay call or the stream thread has ended.
     pub fn check(&self) -> Result<(), PropagatorError> {
         if let Some(f) = self.progress.failure() {
-            return Err(PropagatorError::Replay { endpoint: self.endpoint.clone(), detail: f });
+            return Err(PropagatorError::Replay {
+                endpoint: self.endpoint.clone(),
+                detail: f,
+            });
         }
         if self.stream_thread.as_ref().is_some_and(|t| t.is_finished()) {
             return Err(PropagatorError::Replay {
@@ -190,7 +203,9 @@ impl Propagator {
         if finish {
             let _ = self
                 .requests
-                .send(ApplyRequest { msg: Some(apply_request::Msg::Finish(ApplyFinish {})) })
+                .send(ApplyRequest {
+                    msg: Some(apply_request::Msg::Finish(ApplyFinish {})),
+                })
                 .await;
         }
         drop(self.requests);
@@ -203,7 +218,10 @@ impl Propagator {
         }
         if finish {
             if let Some(f) = self.progress.failure() {
-                return Err(PropagatorError::Replay { endpoint: self.endpoint, detail: f });
+                return Err(PropagatorError::Replay {
+                    endpoint: self.endpoint,
+                    detail: f,
+                });
             }
         }
         conn
@@ -238,7 +256,9 @@ fn stream_loop(
                         let shadow = wal_propagator::ship::shadow_txn(&txn);
                         progress.txns_shipped.fetch_add(1, Ordering::AcqRel);
                         if tx
-                            .blocking_send(ApplyRequest { msg: Some(apply_request::Msg::Txn(shadow)) })
+                            .blocking_send(ApplyRequest {
+                                msg: Some(apply_request::Msg::Txn(shadow)),
+                            })
                             .is_err()
                         {
                             return Err(PropagatorError::Replay {
@@ -251,7 +271,9 @@ fn stream_loop(
                 // Between transactions everything up to the server's position has been
                 // sent: the target may report it applied once it has applied what we sent.
                 Some(ReplicationMessage::PrimaryKeepalive(k)) if !assembler.in_transaction() => {
-                    let _ = tx.blocking_send(ApplyRequest { msg: Some(apply_request::Msg::IdleLsn(k.wal_end.0)) });
+                    let _ = tx.blocking_send(ApplyRequest {
+                        msg: Some(apply_request::Msg::IdleLsn(k.wal_end.0)),
+                    });
                 }
                 Some(ReplicationMessage::PrimaryKeepalive(_)) => {}
             }

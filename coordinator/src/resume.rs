@@ -62,7 +62,11 @@ pub async fn resume_all(
     resumed
 }
 
-async fn resume_each(config: &Arc<DriverConfig>, store: &MigrationStore, registry: &NodeRegistry) -> usize {
+async fn resume_each(
+    config: &Arc<DriverConfig>,
+    store: &MigrationStore,
+    registry: &NodeRegistry,
+) -> usize {
     let running = match store.running().await {
         Ok(r) => r,
         Err(e) => {
@@ -83,7 +87,9 @@ async fn resume_each(config: &Arc<DriverConfig>, store: &MigrationStore, registr
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
                 Err(e) => {
-                    let msg = format!("the coordinator restarted and could not resume the migration: {e}");
+                    let msg = format!(
+                        "the coordinator restarted and could not resume the migration: {e}"
+                    );
                     warn!(migration_id = id, phase = %record.phase, error = %msg, "resumed migration failed");
                     if let Err(e) = store.finish(record.id, Status::Failed, Some(msg)).await {
                         warn!(migration_id = id, phase = %record.phase, error = %e, "could not record the end");
@@ -111,7 +117,11 @@ async fn end_read_through_everywhere(config: &DriverConfig, registry: &NodeRegis
     };
     for node in nodes {
         let ended = async {
-            let c = config.connector.connect(&node).await.map_err(|e| e.to_string())?;
+            let c = config
+                .connector
+                .connect(&node)
+                .await
+                .map_err(|e| e.to_string())?;
             c.batch_execute("DO $$ BEGIN WHILE remus.end_read_through() > 0 LOOP END LOOP; END $$")
                 .await
                 .map_err(|e| e.to_string())

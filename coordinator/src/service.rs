@@ -3,7 +3,8 @@
 use remus_proto::v1::coordinator_server::Coordinator;
 use remus_proto::v1::{
     HealthRequest, HealthResponse, ListMigrationsRequest, ListMigrationsResponse, ListNodesRequest,
-    ListNodesResponse, MigrateShardsRequest, Migration, MigrationEvent, Node, RegisterNodeRequest, RegisterNodeResponse,
+    ListNodesResponse, MigrateShardsRequest, Migration, MigrationEvent, Node, RegisterNodeRequest,
+    RegisterNodeResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -13,9 +14,9 @@ use tokio_stream::StreamExt;
 
 use crate::driver::{self, DriverConfig};
 use crate::migration::{MigrationError, MigrationRecord, MigrationStore};
+use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
 use crate::plan::{self, Refusal};
 use crate::resume::Resuming;
-use crate::node_registry::{NodeRecord, NodeRegistry, RegistryError};
 
 pub struct CoordinatorService {
     pub cluster: String,
@@ -55,7 +56,11 @@ fn async_stream_until_terminal(
             done = r.is_terminal();
             emit
         })
-        .map(|r| Ok(MigrationEvent { migration: Some(Migration::from(r)) }))
+        .map(|r| {
+            Ok(MigrationEvent {
+                migration: Some(Migration::from(r)),
+            })
+        })
 }
 
 impl From<RegistryError> for Status {
@@ -186,18 +191,22 @@ impl Coordinator for CoordinatorService {
         if self.resuming.is_on() {
             return Err(Refusal::resuming().into_status());
         }
-        let mut plan = plan::plan(&self.nodes, &self.driver.connector, &req.shard_ids, &req.target, mode)
-            .await
-            .map_err(Refusal::into_status)?;
+        let mut plan = plan::plan(
+            &self.nodes,
+            &self.driver.connector,
+            &req.shard_ids,
+            &req.target,
+            mode,
+        )
+        .await
+        .map_err(Refusal::into_status)?;
         plan.requested_by = plan::parse_requested_by(&req.requested_by);
         let record = self
             .migrations
             .create(&plan.shard_ids, &plan.source.name, &plan.target.name, mode)
             .await
             .map_err(|e| match e {
-                MigrationError::ShardBusy { .. } => {
-                    Refusal::shard_busy(e).into_status()
-                }
+                MigrationError::ShardBusy { .. } => Refusal::shard_busy(e).into_status(),
                 other => Status::from(other),
             })?;
         tracing::info!(
@@ -208,7 +217,9 @@ impl Coordinator for CoordinatorService {
         let rx = self
             .runtime
             .block_on_spawn(move || driver::spawn(config, store, plan, record));
-        let events = tokio_stream::wrappers::WatchStream::new(rx.await.map_err(|e| Status::internal(e.to_string()))?);
+        let events = tokio_stream::wrappers::WatchStream::new(
+            rx.await.map_err(|e| Status::internal(e.to_string()))?,
+        );
         // Every change until (and including) the terminal one.
         let stream = async_stream_until_terminal(events);
         Ok(Response::new(Box::pin(stream)))

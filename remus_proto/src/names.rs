@@ -168,7 +168,11 @@ pub fn parse_shard_marker(sql: &str) -> Option<i64> {
 
 /// Gid of the prepared part on `participant` of the distributed transaction `xid` begun on
 /// node `coordinator_node`: `remus_<node>_<xid>_<participant>`.
-pub fn two_phase_gid(coordinator_node: &str, xid: impl std::fmt::Display, participant: &str) -> String {
+pub fn two_phase_gid(
+    coordinator_node: &str,
+    xid: impl std::fmt::Display,
+    participant: &str,
+) -> String {
     format!("remus_{coordinator_node}_{xid}_{participant}")
 }
 
@@ -200,7 +204,10 @@ mod tests {
         assert!(gid.starts_with(&shadow_gid_prefix(7)));
         assert_eq!(parse_shadow_gid(&gid), Some((7, 123_456_789)));
         assert_eq!(shadow_gid_source_xid(7, &gid), Some("123456789"));
-        assert_eq!(parse_shadow_gid(&shadow_gid(u64::MAX, 0)), Some((u64::MAX, 0)));
+        assert_eq!(
+            parse_shadow_gid(&shadow_gid(u64::MAX, 0)),
+            Some((u64::MAX, 0))
+        );
     }
 
     #[test]
@@ -208,7 +215,15 @@ mod tests {
         assert_eq!(shadow_gid_source_xid(7, "remus:77:1"), None);
         assert_eq!(shadow_gid_source_xid(7, "remus:8:1"), None);
         assert_eq!(shadow_gid_source_xid(7, "remus:7:"), None);
-        for bad in ["remus:7:", "remus::1", "remus:7", "remus:x:1", "remus:7:1:2", "remus_n1_5_n2", "remus:+7:1"] {
+        for bad in [
+            "remus:7:",
+            "remus::1",
+            "remus:7",
+            "remus:x:1",
+            "remus:7:1:2",
+            "remus_n1_5_n2",
+            "remus:+7:1",
+        ] {
             assert_eq!(parse_shadow_gid(bad), None, "{bad}");
         }
     }
@@ -223,7 +238,12 @@ mod tests {
         assert_eq!(validation_origin(3, 2), "remus_m3_v2");
         assert_eq!(shadow_resolve_origin(3), "remus_m3_recovery");
         assert_eq!(origin_like_pattern(3), r"remus\_m3\_%");
-        for o in [copy_origin(3, 1), apply_origin(3, 1), validation_origin(3, 1), shadow_resolve_origin(3)] {
+        for o in [
+            copy_origin(3, 1),
+            apply_origin(3, 1),
+            validation_origin(3, 1),
+            shadow_resolve_origin(3),
+        ] {
             assert!(is_migration_object(&o));
             assert!(like(&origin_like_pattern(3), &o), "{o}");
             assert!(!like(&origin_like_pattern(31), &o), "{o}");
@@ -232,7 +252,10 @@ mod tests {
 
     /// Enough of SQL `LIKE` (`\` escapes, `%` any suffix) for the patterns above.
     fn like(pattern: &str, s: &str) -> bool {
-        let literal = pattern.strip_suffix('%').expect("pattern ends in %").replace('\\', "");
+        let literal = pattern
+            .strip_suffix('%')
+            .expect("pattern ends in %")
+            .replace('\\', "");
         s.starts_with(&literal)
     }
 

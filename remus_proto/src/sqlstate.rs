@@ -129,9 +129,17 @@ mod tests {
     fn codes_are_five_upper_case_alphanumerics() {
         for s in ALL {
             assert_eq!(s.code().len(), 5, "{s}");
-            assert!(s.code().bytes().all(|b| b.is_ascii_digit() || b.is_ascii_uppercase()), "{s}");
+            assert!(
+                s.code()
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || b.is_ascii_uppercase()),
+                "{s}"
+            );
             // Usable as gRPC metadata (what the coordinator sends).
-            assert!(s.code().parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>().is_ok());
+            assert!(s
+                .code()
+                .parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
+                .is_ok());
         }
     }
 
@@ -147,12 +155,33 @@ mod tests {
     #[test]
     fn grpc_fallbacks() {
         use tonic::Code;
-        assert_eq!(SqlState::for_grpc_code(Code::InvalidArgument), SqlState::INVALID_PARAMETER_VALUE);
-        assert_eq!(SqlState::for_grpc_code(Code::NotFound), SqlState::UNDEFINED_OBJECT);
-        assert_eq!(SqlState::for_grpc_code(Code::AlreadyExists), SqlState::OBJECT_IN_USE);
-        assert_eq!(SqlState::for_grpc_code(Code::FailedPrecondition), SqlState::OBJECT_IN_USE);
-        assert_eq!(SqlState::for_grpc_code(Code::Unimplemented), SqlState::FEATURE_NOT_SUPPORTED);
-        assert_eq!(SqlState::for_grpc_code(Code::Unavailable), SqlState::CONNECTION_FAILURE);
-        assert_eq!(SqlState::for_grpc_code(Code::Internal), SqlState::INTERNAL_ERROR);
+        assert_eq!(
+            SqlState::for_grpc_code(Code::InvalidArgument),
+            SqlState::INVALID_PARAMETER_VALUE
+        );
+        assert_eq!(
+            SqlState::for_grpc_code(Code::NotFound),
+            SqlState::UNDEFINED_OBJECT
+        );
+        assert_eq!(
+            SqlState::for_grpc_code(Code::AlreadyExists),
+            SqlState::OBJECT_IN_USE
+        );
+        assert_eq!(
+            SqlState::for_grpc_code(Code::FailedPrecondition),
+            SqlState::OBJECT_IN_USE
+        );
+        assert_eq!(
+            SqlState::for_grpc_code(Code::Unimplemented),
+            SqlState::FEATURE_NOT_SUPPORTED
+        );
+        assert_eq!(
+            SqlState::for_grpc_code(Code::Unavailable),
+            SqlState::CONNECTION_FAILURE
+        );
+        assert_eq!(
+            SqlState::for_grpc_code(Code::Internal),
+            SqlState::INTERNAL_ERROR
+        );
     }
 }

@@ -124,11 +124,21 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Migrate { dir, shards, to, mode } => {
+        Cmd::Migrate {
+            dir,
+            shards,
+            to,
+            mode,
+        } => {
             let state = ClusterState::load(&dir)?;
             let mut c = coordinator::client::connect(&state.coordinator_endpoint()).await?;
             let mut events = match c
-                .migrate_shards(remus_proto::v1::MigrateShardsRequest { shard_ids: shards, target: to, mode, requested_by: String::new() })
+                .migrate_shards(remus_proto::v1::MigrateShardsRequest {
+                    shard_ids: shards,
+                    target: to,
+                    mode,
+                    requested_by: String::new(),
+                })
                 .await
             {
                 Ok(r) => r.into_inner(),
@@ -139,7 +149,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                         .and_then(|v| v.to_str().ok())
                         .unwrap_or("-")
                         .to_string();
-                    eprintln!("remusctl: migration refused: {} (SQLSTATE {sqlstate})", status.message());
+                    eprintln!(
+                        "remusctl: migration refused: {} (SQLSTATE {sqlstate})",
+                        status.message()
+                    );
                     return Ok(ExitCode::FAILURE);
                 }
             };
@@ -153,9 +166,15 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 }
                 last = Some(m);
             }
-            let Some(m) = last else { anyhow::bail!("the coordinator sent no migration record") };
+            let Some(m) = last else {
+                anyhow::bail!("the coordinator sent no migration record")
+            };
             println!("{}", summary_line(&m));
-            Ok(if m.status == "succeeded" { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if m.status == "succeeded" {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Cmd::Migrations { dir } => {
             let state = ClusterState::load(&dir)?;
@@ -192,14 +211,21 @@ fn progress_line(m: &remus_proto::v1::Migration) -> String {
         m.target,
         m.phase,
         m.status,
-        if previous.is_empty() { String::new() } else { format!("; done: {previous}") }
+        if previous.is_empty() {
+            String::new()
+        } else {
+            format!("; done: {previous}")
+        }
     )
 }
 
 /// The final line of `remusctl migrate`: what the SQL function returns, as text.
 fn summary_line(m: &remus_proto::v1::Migration) -> String {
     let ms = |p: &str| m.phase_ms.get(p).copied().unwrap_or(0);
-    let total = m.finished_at_ms.unwrap_or(m.started_at_ms).saturating_sub(m.started_at_ms);
+    let total = m
+        .finished_at_ms
+        .unwrap_or(m.started_at_ms)
+        .saturating_sub(m.started_at_ms);
     let mut line = format!(
         "migration {} {}: copy {} ms, catchup {} ms, handover {} ms, cleanup {} ms, total {} ms; rows_copied {}, bytes_copied {}, txns_replayed {}, aborted_by_migration {}",
         m.id,
@@ -236,7 +262,10 @@ fn migration_line(m: &remus_proto::v1::Migration, now_ms: u64) -> String {
         .map(|s| s.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let total = m.finished_at_ms.unwrap_or(now_ms).saturating_sub(m.started_at_ms);
+    let total = m
+        .finished_at_ms
+        .unwrap_or(now_ms)
+        .saturating_sub(m.started_at_ms);
     let note = match (&m.error, &m.waiting_on) {
         (Some(e), _) => e.clone(),
         (None, Some(w)) if m.status == "running" => format!("(waiting: {w})"),
@@ -257,20 +286,42 @@ fn migration_line(m: &remus_proto::v1::Migration, now_ms: u64) -> String {
 
 async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
     match cmd {
-        ClusterCmd::Up { nodes, dir, base_port } => {
-            let state = cluster::up(&UpOptions { dir, nodes, base_port }).await?;
+        ClusterCmd::Up {
+            nodes,
+            dir,
+            base_port,
+        } => {
+            let state = cluster::up(&UpOptions {
+                dir,
+                nodes,
+                base_port,
+            })
+            .await?;
             println!("pg_remus cluster up in {}", state.dir.display());
             for n in &state.nodes {
-                println!("  {:<4} postgres     {}:{}   log {}", n.name, n.host, n.port, n.log.display());
+                println!(
+                    "  {:<4} postgres     {}:{}   log {}",
+                    n.name,
+                    n.host,
+                    n.port,
+                    n.log.display()
+                );
             }
-            println!("  etcd              127.0.0.1:{}   log {}", state.etcd.port, state.etcd.log.display());
+            println!(
+                "  etcd              127.0.0.1:{}   log {}",
+                state.etcd.port,
+                state.etcd.log.display()
+            );
             println!(
                 "  coordinator       127.0.0.1:{}   log {}",
                 state.coordinator.port,
                 state.coordinator.log.display()
             );
             println!("connect with:");
-            println!("  eval \"$(remusctl cluster env --dir {})\" && psql", state.dir.display());
+            println!(
+                "  eval \"$(remusctl cluster env --dir {})\" && psql",
+                state.dir.display()
+            );
             println!("stop with:");
             println!("  remusctl cluster down --dir {}", state.dir.display());
             Ok(ExitCode::SUCCESS)
@@ -311,7 +362,11 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
                     r.log.display()
                 );
             }
-            Ok(if all_up { ExitCode::SUCCESS } else { ExitCode::from(3) })
+            Ok(if all_up {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(3)
+            })
         }
         ClusterCmd::Env { dir, node } => {
             let state = ClusterState::load(&dir)?;
@@ -346,8 +401,14 @@ mod tests {
         m.waiting_on = Some("slot creation waits for xid 1234".into());
         let line = migration_line(&m, 3_500);
         let cols: Vec<&str> = line.split_whitespace().collect();
-        assert_eq!(&cols[..7], ["12", "3,4", "n1→n2", "remus", "dual", "running", "2500"]);
-        assert!(line.ends_with("(waiting: slot creation waits for xid 1234)"), "{line}");
+        assert_eq!(
+            &cols[..7],
+            ["12", "3,4", "n1→n2", "remus", "dual", "running", "2500"]
+        );
+        assert!(
+            line.ends_with("(waiting: slot creation waits for xid 1234)"),
+            "{line}"
+        );
     }
 
     #[test]
@@ -370,6 +431,9 @@ mod tests {
         assert_eq!(header.find("shards"), line.find("3,4"));
         // Widths count characters, so the arrow does not shift the columns after it.
         assert_eq!(header.find("mode"), line.find("remus"));
-        assert_eq!(header.find("total_ms").map(|p| p + "total_ms".len()), line.find("1000").map(|p| p + 4));
+        assert_eq!(
+            header.find("total_ms").map(|p| p + "total_ms".len()),
+            line.find("1000").map(|p| p + 4)
+        );
     }
 }

@@ -219,7 +219,10 @@ mod tests {
         // The kernel may take a moment to release a port that just had a connection.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while port_in_use(port) {
-            assert!(std::time::Instant::now() < deadline, "port {port} still in use after the listener closed");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "port {port} still in use after the listener closed"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -240,6 +243,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("secret");
         write_private_file(&p, "x").unwrap();
-        assert_eq!(fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
     }
 }

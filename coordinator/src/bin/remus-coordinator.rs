@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use coordinator::driver::DriverConfig;
 use coordinator::failpoint::Failpoints;
-use coordinator::resume::{self, Resuming};
 use coordinator::node_conn::NodeConnector;
+use coordinator::resume::{self, Resuming};
 use coordinator::service::{CoordinatorService, MigrationRuntime};
 use remus_proto::v1::coordinator_server::CoordinatorServer;
 
@@ -58,8 +58,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
     let args = Args::parse();
@@ -99,7 +98,11 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
             lock_grace: Duration::from_millis(args.lock_grace_ms),
             gate_timeout: Duration::from_millis(args.gate_timeout_ms),
             verify_handover: args.verify_handover,
-            failpoints: args.failpoint_dir.clone().map(Failpoints::in_dir).unwrap_or_else(Failpoints::disabled),
+            failpoints: args
+                .failpoint_dir
+                .clone()
+                .map(Failpoints::in_dir)
+                .unwrap_or_else(Failpoints::disabled),
         }),
         runtime: MigrationRuntime(migrations.clone()),
         resuming: resuming.clone(),

@@ -19,7 +19,11 @@ impl Run {
         let id = self.id();
         let started = Instant::now();
         let writers = self.state.pre_capture_writers.clone();
-        self.wait_for_lockers(&writers, "transactions that were writing the shards when the migration started").await?;
+        self.wait_for_lockers(
+            &writers,
+            "transactions that were writing the shards when the migration started",
+        )
+        .await?;
         let source = self.config.connector.connect(&self.plan.source).await?;
         let lsn_unsync: i64 = source
             .query_one(&format!("SELECT remus.sync_barrier({id})"), &[])
@@ -30,7 +34,8 @@ impl Run {
         // those prepared before sync mode committed unvalidated, and must be applied before
         // the handover. Newer ones are validated already; waiting for them too is harmless.
         let prepared = self.prepared_shard_lockers().await?;
-        self.wait_for_lockers(&prepared, "transactions prepared before the sync barrier").await?;
+        self.wait_for_lockers(&prepared, "transactions prepared before the sync barrier")
+            .await?;
         let lsn = self.sync_point().await?;
         self.wait_applied(lsn).await?;
         info!(
@@ -62,7 +67,11 @@ impl Run {
     }
 
     /// Waits until none of `vxids` holds a lock on the shard tables on the source any more.
-    pub(super) async fn wait_for_lockers(&self, vxids: &[String], what: &str) -> Result<(), DriverError> {
+    pub(super) async fn wait_for_lockers(
+        &self,
+        vxids: &[String],
+        what: &str,
+    ) -> Result<(), DriverError> {
         if vxids.is_empty() {
             return Ok(());
         }
@@ -74,18 +83,32 @@ impl Run {
         );
         let mut reported = false;
         loop {
-            let row = source.query_one(&query, &[&vxids]).await.map_err(sql(&self.plan.source))?;
+            let row = source
+                .query_one(&query, &[&vxids])
+                .await
+                .map_err(sql(&self.plan.source))?;
             let n: i64 = row.get(0);
             if n == 0 {
                 break;
             }
             if !reported {
                 let pid: Option<i32> = row.get(1);
-                let who = pid.map(|p| format!("pid {p}")).unwrap_or_else(|| "a prepared transaction".into());
+                let who = pid
+                    .map(|p| format!("pid {p}"))
+                    .unwrap_or_else(|| "a prepared transaction".into());
                 self.reporter
-                    .waiting_on(Some(format!("{n} {what} on {} (e.g. {who})", self.plan.source.name)))
+                    .waiting_on(Some(format!(
+                        "{n} {what} on {} (e.g. {who})",
+                        self.plan.source.name
+                    )))
                     .await;
-                info!(migration_id = self.id(), phase = "barrier", n, what, "waiting for transactions");
+                info!(
+                    migration_id = self.id(),
+                    phase = "barrier",
+                    n,
+                    what,
+                    "waiting for transactions"
+                );
                 reported = true;
             }
             if let Some(p) = &self.state.propagator {

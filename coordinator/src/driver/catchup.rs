@@ -23,7 +23,9 @@ impl Run {
     /// worker) and catches up in rounds until one round is short: the handover's final
     /// catch-up then has only about one round's worth of backlog to apply while writes are held.
     pub(super) async fn catch_up(&mut self) -> Result<(), DriverError> {
-        let conn = self.take_repl().expect("copy leaves the replication connection");
+        let conn = self
+            .take_repl()
+            .expect("copy leaves the replication connection");
         let propagator = Propagator::start(
             self.id(),
             &self.config.replay_endpoint,
@@ -42,11 +44,22 @@ impl Run {
             let lsn = self.sync_point().await?;
             self.wait_applied(lsn).await?;
             let took = started.elapsed();
-            info!(migration_id = self.id(), phase = "catchup", round, ms = took.as_millis() as u64, "catch-up round");
+            info!(
+                migration_id = self.id(),
+                phase = "catchup",
+                round,
+                ms = took.as_millis() as u64,
+                "catch-up round"
+            );
             match after_round(took, previous) {
                 Round::CloseEnough => break,
                 Round::NotConverging => {
-                    warn!(migration_id = self.id(), phase = "catchup", round, "catch-up is not converging; handing over with the backlog");
+                    warn!(
+                        migration_id = self.id(),
+                        phase = "catchup",
+                        round,
+                        "catch-up is not converging; handing over with the backlog"
+                    );
                     break;
                 }
                 Round::Again => previous = took,
@@ -143,7 +156,11 @@ impl Run {
             .state
             .propagator
             .as_ref()
-            .map(|p| p.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire))
+            .map(|p| {
+                p.progress
+                    .txns_applied
+                    .load(std::sync::atomic::Ordering::Acquire)
+            })
             .unwrap_or(self.state.final_txns_applied);
         // The sync points are the migration's own transactions, not the workload's.
         applied.saturating_sub(self.state.sync_points)

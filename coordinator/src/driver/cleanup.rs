@@ -26,8 +26,10 @@ impl Run {
             Err(e) => return Err(e),
         };
         let propagator = self.state.propagator.take().expect("propagator running");
-        self.state.final_txns_applied =
-            propagator.progress.txns_applied.load(std::sync::atomic::Ordering::Acquire);
+        self.state.final_txns_applied = propagator
+            .progress
+            .txns_applied
+            .load(std::sync::atomic::Ordering::Acquire);
         let conn = match stream_lost {
             // Everything up to the final sync point is applied; a worker that cannot finish
             // cleanly now (its target restarting, say) leaves only its origins, dropped below.
@@ -61,7 +63,13 @@ impl Run {
                 r.txns_replayed = replayed;
             })
             .await?;
-        info!(migration_id = id, phase = "cleanup", aborted, replayed, "source shard removed");
+        info!(
+            migration_id = id,
+            phase = "cleanup",
+            aborted,
+            replayed,
+            "source shard removed"
+        );
         Ok(())
     }
 
@@ -70,14 +78,16 @@ impl Run {
     /// `stream`, the target then applies the source's stream up to here.
     async fn drain_after_tm(&mut self, stream: bool) -> Result<(), DriverError> {
         for (node, at) in self.state.tm_committed_at.clone() {
-            self.wait_for_older_transactions(&node, &at, "transactions older than the handover").await?;
+            self.wait_for_older_transactions(&node, &at, "transactions older than the handover")
+                .await?;
         }
         if self.plan.mode == Mode::Remus {
             // Source transactions that predate Tm kept committing (validated) after it; 2PC
             // participants among them may still be prepared. The stream carries their commits
             // (which commit their shadows): apply all of it before it stops.
             let prepared = self.prepared_shard_lockers().await?;
-            self.wait_for_lockers(&prepared, "prepared transactions older than the handover").await?;
+            self.wait_for_lockers(&prepared, "prepared transactions older than the handover")
+                .await?;
             if stream {
                 let lsn = self.sync_point().await?;
                 self.wait_applied(lsn).await?;
@@ -108,13 +118,21 @@ impl Run {
         self.end_registration().await
     }
 
-    pub(super) async fn drop_slot(&mut self, conn: Option<ReplicationConnection>) -> Result<(), DriverError> {
-        let Some(slot) = self.state.slot.clone() else { return Ok(()) };
+    pub(super) async fn drop_slot(
+        &mut self,
+        conn: Option<ReplicationConnection>,
+    ) -> Result<(), DriverError> {
+        let Some(slot) = self.state.slot.clone() else {
+            return Ok(());
+        };
         match conn {
             Some(mut conn) => {
                 tokio::task::spawn_blocking(move || conn.drop_slot(&slot))
                     .await
-                    .map_err(|source| DriverError::Thread { what: "drop slot", source })??;
+                    .map_err(|source| DriverError::Thread {
+                        what: "drop slot",
+                        source,
+                    })??;
             }
             None => {
                 let source = self.config.connector.connect(&self.plan.source).await?;
@@ -151,7 +169,9 @@ impl Run {
         if !self.state.registered {
             return Ok(0);
         }
-        let rows = self.on_every_node(&format!("SELECT remus.migration_end({})", self.id())).await?;
+        let rows = self
+            .on_every_node(&format!("SELECT remus.migration_end({})", self.id()))
+            .await?;
         self.state.registered = false;
         Ok(rows.iter().map(|r| r.get::<_, i64>(0).max(0) as u64).sum())
     }
@@ -169,7 +189,10 @@ async fn execute_while_in_use(
     loop {
         match client.execute(statement, &[&param]).await {
             Ok(_) => return Ok(()),
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 200 => {
+            Err(e)
+                if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE)
+                    && attempt < 200 =>
+            {
                 attempt += 1;
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }

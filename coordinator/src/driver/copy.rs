@@ -19,7 +19,8 @@ impl Run {
         let id = self.id();
         let ids = format!("ARRAY[{}]::bigint[]", join(&self.plan.shard_ids));
         self.state.registered = true;
-        self.on_every_node(&format!("SELECT remus.migration_begin({id}, {ids})")).await?;
+        self.on_every_node(&format!("SELECT remus.migration_begin({id}, {ids})"))
+            .await?;
         if self.plan.mode == Mode::Remus {
             self.start_capture().await?;
         }
@@ -82,7 +83,10 @@ impl Run {
         let parallelism = pairs.len();
         // Copied rows are committed under a Remus replication origin (one per copy session),
         // so MOCC on the target tells them from rows a target transaction wrote.
-        let origin = format!("{} || pg_catalog.pg_backend_pid()", quote_literal(&names::copy_origin_prefix(id)));
+        let origin = format!(
+            "{} || pg_catalog.pg_backend_pid()",
+            quote_literal(&names::copy_origin_prefix(id))
+        );
         let copy_options = CopyOptions {
             dest_setup_sql: Some(format!(
                 "SELECT pg_catalog.pg_replication_origin_create({origin}) \
@@ -95,7 +99,8 @@ impl Run {
         self.state.slot = Some(slot.clone());
         let failpoints = self.config.failpoints.clone();
         let (conn, created, stats) = tokio::task::spawn_blocking(move || {
-            let mut conn = ReplicationConnection::connect_with(&repl_conninfo, ReplicationOptions::default())?;
+            let mut conn =
+                ReplicationConnection::connect_with(&repl_conninfo, ReplicationOptions::default())?;
             let exported = conn.create_slot_exporting_snapshot(&slot)?;
             failpoints.pause_blocking(failpoint::COPY_SNAPSHOT_EXPORTED, id);
             let stats = wal_propagator::copy_tables_with(
@@ -110,7 +115,10 @@ impl Run {
             Ok::<_, DriverError>((conn, created, stats?))
         })
         .await
-        .map_err(|source| DriverError::Thread { what: "copy", source })??;
+        .map_err(|source| DriverError::Thread {
+            what: "copy",
+            source,
+        })??;
         let rows: u64 = stats.iter().map(|s| s.rows).sum();
         let bytes: u64 = stats.iter().map(|s| s.bytes).sum();
         info!(

@@ -17,7 +17,10 @@ impl Run {
     /// Dual execution is on: source commits of the shards validate on the target. Nothing for
     /// the driver to do but let a test stop here.
     pub(super) async fn dual(&self) {
-        self.config.failpoints.pause(failpoint::DUAL_STARTED, self.id()).await;
+        self.config
+            .failpoints
+            .pause(failpoint::DUAL_STARTED, self.id())
+            .await;
     }
 
     /// Remus: prepared shadow transactions of this migration still on the target after the
@@ -30,7 +33,10 @@ impl Run {
         let source = self.connect_when_up(&self.plan.source).await?;
         let prefix = names::shadow_gid_prefix(self.id());
         let gids: Vec<String> = target
-            .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
+            .query(
+                "SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)",
+                &[&prefix],
+            )
             .await
             .map_err(sql(&self.plan.target))?
             .iter()
@@ -115,7 +121,10 @@ impl Run {
         let target = self.connect_when_up(&self.plan.target).await?;
         let prefix = names::shadow_gid_prefix(self.id());
         let rows = target
-            .query("SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)", &[&prefix])
+            .query(
+                "SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, $1)",
+                &[&prefix],
+            )
             .await
             .map_err(sql(&self.plan.target))?;
         for r in rows {

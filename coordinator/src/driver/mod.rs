@@ -135,13 +135,20 @@ pub struct VerificationFailed {
 }
 
 fn sql(node: &NodeRecord) -> impl Fn(tokio_postgres::Error) -> DriverError + '_ {
-    move |source| DriverError::Sql { node: node.name.clone(), source }
+    move |source| DriverError::Sql {
+        node: node.name.clone(),
+        source,
+    }
 }
 
 fn describe(e: &DriverError) -> String {
     match e {
         DriverError::Sql { node, source } => match source.as_db_error() {
-            Some(db) => format!("on node {node}: {} (SQLSTATE {})", db.message(), db.code().code()),
+            Some(db) => format!(
+                "on node {node}: {} (SQLSTATE {})",
+                db.message(),
+                db.code().code()
+            ),
             None => format!("on node {node}: {source}"),
         },
         other => other.to_string(),
@@ -203,7 +210,12 @@ pub fn spawn(
     tokio::spawn(
         async move {
             let reporter = Reporter { store, tx };
-            let mut run = Run { config, plan, reporter, state: State::default() };
+            let mut run = Run {
+                config,
+                plan,
+                reporter,
+                state: State::default(),
+            };
             run.drive().await;
         }
         .instrument(span),
@@ -214,13 +226,23 @@ pub fn spawn(
 /// Resumes `record`, a migration that a coordinator was running when it stopped, and returns
 /// once it has ended: past the Tm decision (phase `cleanup`) it completes, before it rolls
 /// back. See [`crate::resume`].
-pub async fn resume(config: Arc<DriverConfig>, store: MigrationStore, plan: MigrationPlan, record: MigrationRecord) {
+pub async fn resume(
+    config: Arc<DriverConfig>,
+    store: MigrationStore,
+    plan: MigrationPlan,
+    record: MigrationRecord,
+) {
     let span = info_span!("migration", migration_id = record.id.0, mode = %plan.mode);
     let phase = record.phase;
     let (tx, _rx) = watch::channel(record);
     async move {
         let reporter = Reporter { store, tx };
-        let mut run = Run { config, plan, reporter, state: State::default() };
+        let mut run = Run {
+            config,
+            plan,
+            reporter,
+            state: State::default(),
+        };
         run.resume(phase).await;
     }
     .instrument(span)
@@ -271,7 +293,11 @@ impl Run {
     }
 
     fn take_repl(&mut self) -> Option<ReplicationConnection> {
-        self.state.repl.get_mut().unwrap_or_else(|p| p.into_inner()).take()
+        self.state
+            .repl
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     fn publication(&self) -> String {
@@ -287,7 +313,11 @@ impl Run {
         match self.phases().await {
             Ok(()) => {
                 self.reporter.finish(Status::Succeeded, None).await;
-                info!(migration_id = self.id(), ms = started.elapsed().as_millis() as u64, "migration done");
+                info!(
+                    migration_id = self.id(),
+                    ms = started.elapsed().as_millis() as u64,
+                    "migration done"
+                );
             }
             Err(e) => {
                 let msg = describe(&e);
@@ -296,7 +326,10 @@ impl Run {
                     // Ownership already moved; only cleanup failed. Leave the rest for an
                     // operator and say so.
                     self.reporter
-                        .finish(Status::Failed, Some(format!("cleanup after the handover failed: {msg}")))
+                        .finish(
+                            Status::Failed,
+                            Some(format!("cleanup after the handover failed: {msg}")),
+                        )
                         .await;
                 } else {
                     match self.rollback().await {
@@ -351,12 +384,21 @@ impl Run {
     }
 
     fn table_list(&self) -> String {
-        self.plan.tables.iter().map(|t| t.qualified()).collect::<Vec<_>>().join(", ")
+        self.plan
+            .tables
+            .iter()
+            .map(|t| t.qualified())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     fn regclass_array(&self) -> String {
-        let items: Vec<String> =
-            self.plan.tables.iter().map(|t| quote_literal(&t.qualified())).collect();
+        let items: Vec<String> = self
+            .plan
+            .tables
+            .iter()
+            .map(|t| quote_literal(&t.qualified()))
+            .collect();
         format!("ARRAY[{}]::regclass[]::oid[]", items.join(", "))
     }
 
@@ -365,13 +407,20 @@ impl Run {
     /// waited for (its prepared shadows survive the restart); a rollback waits for it to remove
     /// its copy. A stream failure meanwhile is reported at once (the caller then completes
     /// without the stream).
-    async fn connect_when_up(&self, node: &NodeRecord) -> Result<tokio_postgres::Client, DriverError> {
+    async fn connect_when_up(
+        &self,
+        node: &NodeRecord,
+    ) -> Result<tokio_postgres::Client, DriverError> {
         self.connect_patiently(node, true).await
     }
 
     /// [`Self::connect_when_up`]; with `watch_stream` false a failed stream does not end the
     /// wait (Tm's own steps: cleanup deals with the stream).
-    async fn connect_patiently(&self, node: &NodeRecord, watch_stream: bool) -> Result<tokio_postgres::Client, DriverError> {
+    async fn connect_patiently(
+        &self,
+        node: &NodeRecord,
+        watch_stream: bool,
+    ) -> Result<tokio_postgres::Client, DriverError> {
         if !(self.state.tm_decided || self.state.rolling_back) {
             // Before the decision a node that does not answer fails the migration at once
             // (the rollback then waits for it): holding a handover for it would stall writers.
@@ -391,7 +440,10 @@ impl Run {
                     if !reported {
                         warn!(migration_id = self.id(), node = %node.name, error = %e, "node unreachable; retrying");
                         self.reporter
-                            .waiting_on(Some(format!("node {} is unreachable ({e}); retrying", node.name)))
+                            .waiting_on(Some(format!(
+                                "node {} is unreachable ({e}); retrying",
+                                node.name
+                            )))
                             .await;
                         reported = true;
                     }
@@ -470,7 +522,10 @@ impl Run {
 }
 
 fn join(ids: &[i64]) -> String {
-    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn quote_literal(s: &str) -> String {

@@ -27,18 +27,32 @@ impl Run {
         // resumed migration has settled its Tm.
         self.state.read_through = false;
         if phase == Phase::Cleanup {
-            info!(migration_id = id, phase = "cleanup", "resuming after a coordinator restart: past the Tm decision, completing");
+            info!(
+                migration_id = id,
+                phase = "cleanup",
+                "resuming after a coordinator restart: past the Tm decision, completing"
+            );
             self.reporter
-                .waiting_on(Some("the coordinator restarted after the Tm decision; completing the migration".into()))
+                .waiting_on(Some(
+                    "the coordinator restarted after the Tm decision; completing the migration"
+                        .into(),
+                ))
                 .await;
             self.state.tm_decided = true;
             match self.complete_after_restart().await {
                 Ok(()) => {
                     self.reporter.finish(Status::Succeeded, None).await;
-                    info!(migration_id = id, phase = "cleanup", "migration completed after a coordinator restart");
+                    info!(
+                        migration_id = id,
+                        phase = "cleanup",
+                        "migration completed after a coordinator restart"
+                    );
                 }
                 Err(e) => {
-                    let msg = format!("the coordinator restarted after the Tm decision; completing failed: {}", describe(&e));
+                    let msg = format!(
+                        "the coordinator restarted after the Tm decision; completing failed: {}",
+                        describe(&e)
+                    );
                     warn!(migration_id = id, phase = "cleanup", error = %msg, "resumed migration failed");
                     self.reporter.finish(Status::Failed, Some(msg)).await;
                 }
@@ -46,9 +60,13 @@ impl Run {
         } else {
             info!(migration_id = id, phase = %phase, "resuming after a coordinator restart: before the Tm decision, rolling back");
             self.reporter
-                .waiting_on(Some(format!("the coordinator restarted during phase {phase}; rolling back")))
+                .waiting_on(Some(format!(
+                    "the coordinator restarted during phase {phase}; rolling back"
+                )))
                 .await;
-            let msg = format!("the coordinator stopped during phase {phase}; rolled back when it restarted");
+            let msg = format!(
+                "the coordinator stopped during phase {phase}; rolled back when it restarted"
+            );
             match self.rollback().await {
                 Ok(()) => self.reporter.finish(Status::RolledBack, Some(msg)).await,
                 Err(e) => {
@@ -69,37 +87,61 @@ impl Run {
         let id = self.id();
         for node in self.tm_order() {
             let c = self.connect_when_up(&node).await?;
-            finish_tm_if_prepared(&c, &node, &names::tm_gid(id, &node.name), "COMMIT PREPARED").await?;
+            finish_tm_if_prepared(&c, &node, &names::tm_gid(id, &node.name), "COMMIT PREPARED")
+                .await?;
             if self.state.gate_closed {
-                c.batch_execute(&format!("SELECT remus.open_gate({id})")).await.map_err(sql(&node))?;
+                c.batch_execute(&format!("SELECT remus.open_gate({id})"))
+                    .await
+                    .map_err(sql(&node))?;
             }
             // The drain waits for what is older than now: a superset of what predates Tm.
             let at: Option<String> = c
-                .query_one("SELECT remus.bump_map_generation(), clock_timestamp()::text", &[])
+                .query_one(
+                    "SELECT remus.bump_map_generation(), clock_timestamp()::text",
+                    &[],
+                )
                 .await
                 .map_err(sql(&node))?
                 .get(1);
-            self.state.tm_committed_at.push((node, at.unwrap_or_default()));
+            self.state
+                .tm_committed_at
+                .push((node, at.unwrap_or_default()));
         }
         self.state.gate_closed = false;
         for (node, at) in self.state.tm_committed_at.clone() {
-            self.wait_for_older_transactions(&node, &at, "transactions older than the coordinator's restart").await?;
+            self.wait_for_older_transactions(
+                &node,
+                &at,
+                "transactions older than the coordinator's restart",
+            )
+            .await?;
         }
         let source = self.connect_when_up(&self.plan.source).await?;
         let tables: Vec<String> = self.plan.tables.iter().map(|t| t.qualified()).collect();
         let left: i64 = source
-            .query_one("SELECT count(*) FROM unnest($1::text[]) t WHERE to_regclass(t) IS NOT NULL", &[&tables])
+            .query_one(
+                "SELECT count(*) FROM unnest($1::text[]) t WHERE to_regclass(t) IS NOT NULL",
+                &[&tables],
+            )
             .await
             .map_err(sql(&self.plan.source))?
             .get(0);
         if self.plan.mode == Mode::Remus && left > 0 {
             let prepared = self.prepared_shard_lockers().await?;
-            self.wait_for_lockers(&prepared, "prepared transactions older than the handover").await?;
+            self.wait_for_lockers(&prepared, "prepared transactions older than the handover")
+                .await?;
         }
         self.drop_slot(None).await?;
         let aborted = self.finish_after_drain().await?;
-        self.reporter.update(move |r| r.aborted_by_migration = aborted).await?;
-        info!(migration_id = id, phase = "cleanup", aborted, "source shard removed after a coordinator restart");
+        self.reporter
+            .update(move |r| r.aborted_by_migration = aborted)
+            .await?;
+        info!(
+            migration_id = id,
+            phase = "cleanup",
+            aborted,
+            "source shard removed after a coordinator restart"
+        );
         Ok(())
     }
 }

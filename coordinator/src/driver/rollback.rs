@@ -50,9 +50,12 @@ impl Run {
         if self.state.publication {
             let r = async {
                 let c = self.config.connector.connect(&self.plan.source).await?;
-                c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {}", self.publication()))
-                    .await
-                    .map_err(sql(&self.plan.source))
+                c.batch_execute(&format!(
+                    "DROP PUBLICATION IF EXISTS {}",
+                    self.publication()
+                ))
+                .await
+                .map_err(sql(&self.plan.source))
             }
             .await;
             note(r);
@@ -77,7 +80,9 @@ impl Run {
                     .iter()
                     .map(|t| format!("DROP TABLE IF EXISTS {};", t.qualified()))
                     .collect();
-                c.batch_execute(&drops).await.map_err(sql(&self.plan.target))
+                c.batch_execute(&drops)
+                    .await
+                    .map_err(sql(&self.plan.target))
             }
             .await;
             note(r);
@@ -96,19 +101,30 @@ impl Run {
 
     /// The rollback's steps on one node, each idempotent: roll back its prepared Tm, end
     /// read-through, open the gate, end the registration (capture and sync mode with it).
-    async fn release_node(&self, node: &NodeRecord, c: &tokio_postgres::Client) -> Result<(), DriverError> {
+    async fn release_node(
+        &self,
+        node: &NodeRecord,
+        c: &tokio_postgres::Client,
+    ) -> Result<(), DriverError> {
         let id = self.id();
         if self.state.tm_prepared {
-            finish_tm_if_prepared(c, node, &names::tm_gid(id, &node.name), "ROLLBACK PREPARED").await?;
+            finish_tm_if_prepared(c, node, &names::tm_gid(id, &node.name), "ROLLBACK PREPARED")
+                .await?;
         }
         if self.state.read_through {
-            c.batch_execute("SELECT remus.end_read_through()").await.map_err(sql(node))?;
+            c.batch_execute("SELECT remus.end_read_through()")
+                .await
+                .map_err(sql(node))?;
         }
         if self.state.gate_closed {
-            c.batch_execute(&format!("SELECT remus.open_gate({id})")).await.map_err(sql(node))?;
+            c.batch_execute(&format!("SELECT remus.open_gate({id})"))
+                .await
+                .map_err(sql(node))?;
         }
         if self.state.registered {
-            c.batch_execute(&format!("SELECT remus.migration_end({id})")).await.map_err(sql(node))?;
+            c.batch_execute(&format!("SELECT remus.migration_end({id})"))
+                .await
+                .map_err(sql(node))?;
         }
         debug!(migration_id = id, phase = "rollback", node = %node.name, "node released");
         Ok(())

@@ -66,7 +66,8 @@ pub(super) fn start_etcd(state: &mut ClusterState) -> Result<()> {
 
 pub(super) fn start_replay_worker(state: &mut ClusterState, bin: &Path) -> Result<()> {
     let mut cmd = Command::new(bin);
-    cmd.arg("--listen").arg(format!("127.0.0.1:{}", state.replay_worker.port));
+    cmd.arg("--listen")
+        .arg(format!("127.0.0.1:{}", state.replay_worker.port));
     let pid = process::spawn_daemon(&mut cmd, &state.replay_worker.log)?;
     state.replay_worker.pid = Some(pid);
     let port = state.replay_worker.port;
@@ -80,7 +81,12 @@ pub(super) fn start_replay_worker(state: &mut ClusterState, bin: &Path) -> Resul
         }
         Ok(process::port_in_use(port))
     })
-    .map_err(|e| anyhow!("replay worker on port {port} did not start ({e}); see {}", state.replay_worker.log.display()))
+    .map_err(|e| {
+        anyhow!(
+            "replay worker on port {port} did not start ({e}); see {}",
+            state.replay_worker.log.display()
+        )
+    })
 }
 
 /// Starts the coordinator of the cluster in `dir` again (after it stopped or crashed), with the
@@ -89,10 +95,16 @@ pub(super) fn start_replay_worker(state: &mut ClusterState, bin: &Path) -> Resul
 pub async fn start_coordinator_again(dir: &Path) -> Result<ClusterState> {
     let mut state = ClusterState::load(dir)?;
     if let Some(pid) = state.coordinator.live_pid() {
-        bail!("the coordinator of {} is running (pid {pid})", state.dir.display());
+        bail!(
+            "the coordinator of {} is running (pid {pid})",
+            state.dir.display()
+        );
     }
     if process::port_in_use(state.coordinator.port) {
-        bail!("port {} of the coordinator is in use on 127.0.0.1", state.coordinator.port);
+        bail!(
+            "port {} of the coordinator is in use on 127.0.0.1",
+            state.coordinator.port
+        );
     }
     let bin = sibling_binary("coordinator", "remus-coordinator")?;
     start_coordinator(&mut state, &bin).await?;
@@ -167,10 +179,21 @@ pub fn stop_all(state: &mut ClusterState) -> Result<Vec<String>> {
         }
     }
     for node in &state.nodes {
-        let Some(pid) = node.postmaster_pid() else { continue };
+        let Some(pid) = node.postmaster_pid() else {
+            continue;
+        };
         let fast = process::run_as_postgres(
             &pg_bindir().join("pg_ctl"),
-            &["-D", &node.data_dir.to_string_lossy(), "-m", "fast", "-w", "-t", "60", "stop"],
+            &[
+                "-D",
+                &node.data_dir.to_string_lossy(),
+                "-m",
+                "fast",
+                "-w",
+                "-t",
+                "60",
+                "stop",
+            ],
             &[],
         );
         if fast.is_err() || pid_alive(pid) {

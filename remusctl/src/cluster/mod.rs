@@ -31,12 +31,12 @@ mod postgres;
 mod state;
 mod status;
 
-pub use daemons::{start_coordinator_again, stop_all};
 use daemons::{sibling_binary, start_coordinator, start_etcd, start_replay_worker};
+pub use daemons::{start_coordinator_again, stop_all};
 pub use postgres::{connect, pg_bindir};
 use postgres::{init_node, start_node};
-pub use state::{ClusterState, DaemonState, NodeState, UpOptions};
 use state::{plan, read_pgpass_password};
+pub use state::{ClusterState, DaemonState, NodeState, UpOptions};
 pub use status::{env_lines, status, ComponentStatus};
 
 pub const DEFAULT_DIR: &str = ".remus/cluster";
@@ -72,8 +72,11 @@ fn preflight(state: &ClusterState) -> Result<Binaries> {
         coordinator: sibling_binary("coordinator", "remus-coordinator")?,
         replay_worker: sibling_binary("replay worker", "remus-replay-worker")?,
     };
-    let mut ports: Vec<(String, u16)> =
-        state.nodes.iter().map(|n| (format!("{} (postgres)", n.name), n.port)).collect();
+    let mut ports: Vec<(String, u16)> = state
+        .nodes
+        .iter()
+        .map(|n| (format!("{} (postgres)", n.name), n.port))
+        .collect();
     ports.push(("etcd client".into(), state.etcd.port));
     ports.push(("etcd peer".into(), state.etcd_peer_port()));
     ports.push(("coordinator".into(), state.coordinator.port));
@@ -177,4 +180,3 @@ async fn start_all(state: &mut ClusterState, password: &str, binaries: &Binaries
     }
     Ok(())
 }
-

@@ -50,7 +50,10 @@ pub(super) fn init_node(node: &NodeState, password: &str, coordinator_port: u16)
     let mut main = fs::read_to_string(&conf)?;
     main.push_str("\ninclude 'remus.conf'\n");
     fs::write(&conf, main)?;
-    fs::write(node.data_dir.join("remus.conf"), remus_conf(node, coordinator_port))?;
+    fs::write(
+        node.data_dir.join("remus.conf"),
+        remus_conf(node, coordinator_port),
+    )?;
     fs::write(node.data_dir.join("pg_hba.conf"), PG_HBA)?;
     for f in ["remus.conf", "pg_hba.conf"] {
         process::chown_postgres(&node.data_dir.join(f))?;
@@ -116,7 +119,11 @@ pub(super) fn start_node(state: &ClusterState, node: &NodeState) -> Result<()> {
         ],
         // The servers' own connections to their peers (2PC, forwarding) authenticate with this.
         // Error details carry no Rust backtraces: they are for developers, not for clients.
-        &[("PGPASSFILE", &pgpass), ("RUST_BACKTRACE", "0"), ("RUST_LIB_BACKTRACE", "0")],
+        &[
+            ("PGPASSFILE", &pgpass),
+            ("RUST_BACKTRACE", "0"),
+            ("RUST_LIB_BACKTRACE", "0"),
+        ],
     );
     if let Err(e) = res {
         bail!(
@@ -148,7 +155,12 @@ mod tests {
     #[test]
     fn conf_has_remus_requirements() {
         let dir = tempfile::tempdir().unwrap();
-        let s = plan(&UpOptions { dir: dir.path().into(), nodes: 2, base_port: 7001 }).unwrap();
+        let s = plan(&UpOptions {
+            dir: dir.path().into(),
+            nodes: 2,
+            base_port: 7001,
+        })
+        .unwrap();
         let conf = remus_conf(&s.nodes[1], s.coordinator.port);
         for needle in [
             "wal_level = logical",

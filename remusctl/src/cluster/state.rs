@@ -108,7 +108,11 @@ impl ClusterState {
         self.nodes.iter().find(|n| n.name == name).ok_or_else(|| {
             anyhow!(
                 "no node {name} in this cluster (nodes: {})",
-                self.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
+                self.nodes
+                    .iter()
+                    .map(|n| n.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )
         })
     }
@@ -161,7 +165,10 @@ pub(super) fn plan(opts: &UpOptions) -> Result<ClusterState> {
         let state = ClusterState::load(&dir)?;
         let running = state.running();
         if !running.is_empty() {
-            let list: Vec<String> = running.iter().map(|(c, p)| format!("{c} (pid {p})")).collect();
+            let list: Vec<String> = running
+                .iter()
+                .map(|(c, p)| format!("{c} (pid {p})"))
+                .collect();
             bail!(
                 "a cluster is already running in {}: {}; see `remusctl cluster status --dir {0}` or stop it with `remusctl cluster down --dir {0}`",
                 dir.display(),
@@ -228,10 +235,15 @@ fn absolute(dir: &Path) -> Result<PathBuf> {
 }
 
 pub(super) fn read_pgpass_password(path: &Path) -> Result<String> {
-    let text =
-        fs::read_to_string(path).with_context(|| format!("reading password file {}", path.display()))?;
+    let text = fs::read_to_string(path)
+        .with_context(|| format!("reading password file {}", path.display()))?;
     text.lines()
-        .find_map(|l| l.rsplit(':').next().filter(|p| !p.is_empty()).map(str::to_string))
+        .find_map(|l| {
+            l.rsplit(':')
+                .next()
+                .filter(|p| !p.is_empty())
+                .map(str::to_string)
+        })
         .ok_or_else(|| anyhow!("{} holds no password", path.display()))
 }
 
@@ -242,7 +254,12 @@ mod tests {
     #[test]
     fn plan_assigns_ports_and_paths() {
         let dir = tempfile::tempdir().unwrap();
-        let s = plan(&UpOptions { dir: dir.path().into(), nodes: 3, base_port: 7001 }).unwrap();
+        let s = plan(&UpOptions {
+            dir: dir.path().into(),
+            nodes: 3,
+            base_port: 7001,
+        })
+        .unwrap();
         let ports: Vec<u16> = s.nodes.iter().map(|n| n.port).collect();
         assert_eq!(ports, vec![7001, 7002, 7003]);
         assert_eq!(s.etcd.port, 7101);
@@ -253,8 +270,18 @@ mod tests {
     #[test]
     fn plan_rejects_bad_sizes() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(plan(&UpOptions { dir: dir.path().into(), nodes: 0, base_port: 7001 }).is_err());
-        assert!(plan(&UpOptions { dir: dir.path().into(), nodes: 3, base_port: 65500 }).is_err());
+        assert!(plan(&UpOptions {
+            dir: dir.path().into(),
+            nodes: 0,
+            base_port: 7001
+        })
+        .is_err());
+        assert!(plan(&UpOptions {
+            dir: dir.path().into(),
+            nodes: 3,
+            base_port: 65500
+        })
+        .is_err());
     }
 
     #[test]

@@ -36,7 +36,10 @@ pub async fn status(state: &ClusterState) -> Vec<ComponentStatus> {
         log: state.etcd.log.clone(),
     });
     let pid = state.coordinator.live_pid();
-    let healthy = pid.is_some() && coordinator::client::health(&state.coordinator_endpoint()).await.is_ok();
+    let healthy = pid.is_some()
+        && coordinator::client::health(&state.coordinator_endpoint())
+            .await
+            .is_ok();
     out.push(ComponentStatus {
         component: "coordinator".into(),
         address: format!("127.0.0.1:{}", state.coordinator.port),
@@ -67,7 +70,9 @@ pub fn env_lines(state: &ClusterState, node: &str) -> Result<String> {
 }
 
 fn shell_quote(s: &str) -> String {
-    if s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+=:".contains(c)) {
+    if s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "/._-+=:".contains(c))
+    {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))

@@ -16,14 +16,21 @@ impl Run {
         let id = self.id();
         let source = &self.plan.source;
         let lock = self.config.connector.connect(source).await?;
-        lock.batch_execute("BEGIN; SET LOCAL lock_timeout = '200ms'").await.map_err(sql(source))?;
+        lock.batch_execute("BEGIN; SET LOCAL lock_timeout = '200ms'")
+            .await
+            .map_err(sql(source))?;
         let started = Instant::now();
         let mut signalled = 0i64;
         loop {
-            lock.batch_execute("SAVEPOINT remus_lock").await.map_err(sql(source))?;
+            lock.batch_execute("SAVEPOINT remus_lock")
+                .await
+                .map_err(sql(source))?;
             let n: i32 = lock
                 .query_one(
-                    &format!("SELECT remus.abort_shard_writers({id}, {})", self.regclass_array()),
+                    &format!(
+                        "SELECT remus.abort_shard_writers({id}, {})",
+                        self.regclass_array()
+                    ),
                     &[],
                 )
                 .await
@@ -31,12 +38,19 @@ impl Run {
                 .get(0);
             signalled += i64::from(n);
             match lock
-                .batch_execute(&format!("LOCK TABLE {} IN EXCLUSIVE MODE", self.table_list()))
+                .batch_execute(&format!(
+                    "LOCK TABLE {} IN EXCLUSIVE MODE",
+                    self.table_list()
+                ))
                 .await
             {
                 Ok(()) => break,
-                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
-                    lock.batch_execute("ROLLBACK TO SAVEPOINT remus_lock").await.map_err(sql(source))?;
+                Err(e)
+                    if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+                {
+                    lock.batch_execute("ROLLBACK TO SAVEPOINT remus_lock")
+                        .await
+                        .map_err(sql(source))?;
                     if started.elapsed() > self.config.lock_grace {
                         let killed = self.terminate_shard_writers(&lock).await?;
                         self.state.terminated += killed;
@@ -51,7 +65,13 @@ impl Run {
                 Err(e) => return Err(sql(source)(e)),
             }
         }
-        info!(migration_id = id, phase = "handover", signalled, lock_ms = started.elapsed().as_millis() as u64, "writes blocked");
+        info!(
+            migration_id = id,
+            phase = "handover",
+            signalled,
+            lock_ms = started.elapsed().as_millis() as u64,
+            "writes blocked"
+        );
         let fence = self.config.connector.connect(source).await?;
         fence
             .batch_execute(&format!("SELECT remus.migration_fence({id})"))
@@ -62,11 +82,16 @@ impl Run {
         self.verify().await?;
         self.tm().await?;
         // Queued writers now run into the fence (40001) and retry on the new owner.
-        lock.batch_execute("COMMIT").await.map_err(sql(&self.plan.source))?;
+        lock.batch_execute("COMMIT")
+            .await
+            .map_err(sql(&self.plan.source))?;
         Ok(())
     }
 
-    async fn terminate_shard_writers(&self, lock: &tokio_postgres::Client) -> Result<u64, DriverError> {
+    async fn terminate_shard_writers(
+        &self,
+        lock: &tokio_postgres::Client,
+    ) -> Result<u64, DriverError> {
         let rows = lock
             .query(
                 &format!(
@@ -83,7 +108,12 @@ impl Run {
             .map_err(sql(&self.plan.source))?;
         let n = rows.iter().filter(|r| r.get::<_, bool>(0)).count() as u64;
         if n > 0 {
-            warn!(migration_id = self.id(), phase = "handover", terminated = n, "idle writers terminated after the grace period");
+            warn!(
+                migration_id = self.id(),
+                phase = "handover",
+                terminated = n,
+                "idle writers terminated after the grace period"
+            );
         }
         Ok(n)
     }

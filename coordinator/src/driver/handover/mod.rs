@@ -61,7 +61,11 @@ impl Run {
         let order = self.tm_order();
         let ids = join(&self.plan.shard_ids);
         let target = quote_literal(&self.plan.target.name);
-        let drain = if self.plan.mode == Mode::Remus { self.drain_source_statement() } else { String::new() };
+        let drain = if self.plan.mode == Mode::Remus {
+            self.drain_source_statement()
+        } else {
+            String::new()
+        };
         let mut sessions = Vec::new();
         for node in &order {
             let c = self.config.connector.connect(node).await?;
@@ -88,7 +92,10 @@ impl Run {
         // The decision.
         self.reporter.advance(Phase::Cleanup).await?;
         self.state.tm_decided = true;
-        self.config.failpoints.pause(failpoint::HANDOVER_DECIDED, id).await;
+        self.config
+            .failpoints
+            .pause(failpoint::HANDOVER_DECIDED, id)
+            .await;
         let started = Instant::now();
         for (node, c) in &sessions {
             // Decided: a node that does not answer is retried (a fresh session each time)
@@ -114,16 +121,25 @@ impl Run {
                 }
             }
             let at = self
-                .after_decision(node, c, "SELECT remus.bump_map_generation(), clock_timestamp()::text")
+                .after_decision(
+                    node,
+                    c,
+                    "SELECT remus.bump_map_generation(), clock_timestamp()::text",
+                )
                 .await?
                 .unwrap_or_default();
             self.state.tm_committed_at.push((node.clone(), at));
         }
         for (node, c) in &sessions {
-            self.after_decision(node, c, "SELECT remus.end_read_through()::text, NULL::text").await?;
+            self.after_decision(node, c, "SELECT remus.end_read_through()::text, NULL::text")
+                .await?;
         }
         self.state.read_through = false;
-        info!(migration_id = id, phase = "handover", "Tm committed on every node");
+        info!(
+            migration_id = id,
+            phase = "handover",
+            "Tm committed on every node"
+        );
         Ok(())
     }
 
@@ -172,7 +188,9 @@ pub(super) async fn finish_tm_if_prepared(
         .map_err(sql(node))?
         .is_empty();
     if prepared {
-        c.batch_execute(&format!("{verb} {}", quote_literal(gid))).await.map_err(sql(node))?;
+        c.batch_execute(&format!("{verb} {}", quote_literal(gid)))
+            .await
+            .map_err(sql(node))?;
     }
     Ok(())
 }
@@ -181,7 +199,10 @@ pub(super) async fn finish_tm_if_prepared(
 fn tm_order(plan: &MigrationPlan) -> Vec<NodeRecord> {
     let mut order = vec![plan.target.clone()];
     order.extend(
-        plan.nodes.iter().filter(|n| n.name != plan.target.name && n.name != plan.source.name).cloned(),
+        plan.nodes
+            .iter()
+            .filter(|n| n.name != plan.target.name && n.name != plan.source.name)
+            .cloned(),
     );
     order.push(plan.source.clone());
     order
@@ -192,7 +213,11 @@ mod tests {
     use super::*;
 
     fn node(name: &str) -> NodeRecord {
-        NodeRecord { name: name.into(), host: "127.0.0.1".into(), port: 5432 }
+        NodeRecord {
+            name: name.into(),
+            host: "127.0.0.1".into(),
+            port: 5432,
+        }
     }
 
     #[test]

@@ -17,6 +17,10 @@ impl Run {
     /// source for the row's older writers (shared memory, so it holds whatever Tm's fate;
     /// `migration_end` clears it).
     pub(in crate::driver) fn drain_source_statement(&self) -> String {
-        format!("SELECT remus.migration_drain_source({}, {});", self.id(), quote_literal(&self.plan.source.name))
+        format!(
+            "SELECT remus.migration_drain_source({}, {});",
+            self.id(),
+            quote_literal(&self.plan.source.name)
+        )
     }
 }

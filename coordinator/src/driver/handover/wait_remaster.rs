@@ -19,7 +19,10 @@ impl Run {
         for node in &self.plan.nodes {
             let c = self.config.connector.connect(node).await?;
             let at: String = c
-                .query_one(&format!("SELECT remus.close_gate({id}, {timeout_ms})::text"), &[])
+                .query_one(
+                    &format!("SELECT remus.close_gate({id}, {timeout_ms})::text"),
+                    &[],
+                )
                 .await
                 .map_err(sql(node))?
                 .get(0);
@@ -27,9 +30,19 @@ impl Run {
         }
         let started = Instant::now();
         for (node, at) in &closed_at {
-            self.wait_for_older_transactions(node, at, "transactions in flight when the gate closed").await?;
+            self.wait_for_older_transactions(
+                node,
+                at,
+                "transactions in flight when the gate closed",
+            )
+            .await?;
         }
-        info!(migration_id = id, phase = "handover", drain_ms = started.elapsed().as_millis() as u64, "in-flight transactions finished");
+        info!(
+            migration_id = id,
+            phase = "handover",
+            drain_ms = started.elapsed().as_millis() as u64,
+            "in-flight transactions finished"
+        );
         let lsn = self.sync_point().await?;
         self.wait_applied(lsn).await?;
         let tm = match self.verify().await {
@@ -47,7 +60,9 @@ impl Run {
         let id = self.id();
         for node in &self.plan.nodes {
             let c = self.config.connector.connect(node).await?;
-            c.batch_execute(&format!("SELECT remus.open_gate({id})")).await.map_err(sql(node))?;
+            c.batch_execute(&format!("SELECT remus.open_gate({id})"))
+                .await
+                .map_err(sql(node))?;
         }
         self.state.gate_closed = false;
         Ok(())
