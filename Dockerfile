@@ -1,4 +1,4 @@
-# Image for docker-compose.yml: PostgreSQL 15 with pg_remus, plus remusctl/remus-coordinator.
+# Image for docker-compose.yml: PostgreSQL 15 with pg_remus, plus remusctl, remus-coordinator and remus-replay-worker.
 # Not exercised by CI (the CI machines have no Docker engine); `remusctl cluster up` is the
 # tested way to run a local cluster.
 FROM rust:1-bookworm AS build

@@ -178,7 +178,7 @@ pub fn two_phase_gid(
 
 // ---- local cluster ports ----
 
-/// Port layout of a cluster started by `remusctl cluster start --base-port P`: nodes listen on
+/// Port layout of a cluster started by `remusctl cluster up --base-port P`: nodes listen on
 /// `P..P+N-1`, the other daemons at fixed offsets from `P`.
 pub mod ports {
     /// etcd client port, `P+100`.
