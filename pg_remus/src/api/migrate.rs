@@ -13,8 +13,8 @@ use remus_proto::sqlstate::SqlState;
 use remus_proto::v1::coordinator_client::CoordinatorClient;
 use remus_proto::v1::{ListMigrationsRequest, MigrateShardsRequest, Migration};
 
-use crate::cluster::rpc::{block_on, coordinator_error};
-use crate::error::RemusError;
+use crate::cluster::rpc::block_on;
+use crate::error::{RemusError, COORDINATOR_NODE};
 
 fn address() -> Result<String, RemusError> {
     crate::guc::coordinator_address().ok_or(RemusError::CoordinatorUnset)
@@ -28,7 +28,7 @@ fn status_error(status: tonic::Status) -> RemusError {
         .map(str::to_string)
         .unwrap_or_else(|| SqlState::for_grpc_code(status.code()).code().to_string());
     RemusError::Remote {
-        node: "coordinator".into(),
+        node: COORDINATOR_NODE.into(),
         sqlstate,
         message: status.message().to_string(),
         detail: None,
@@ -45,9 +45,13 @@ async fn connect(
             reason: e.to_string(),
         })?
         .connect_timeout(Duration::from_secs(5));
-    let channel = endpoint.connect().await.map_err(|e| {
-        coordinator_error(format!("cannot reach the coordinator at {address}: {e}"))
-    })?;
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| RemusError::CoordinatorUnreachable {
+            address: address.to_string(),
+            reason: e.to_string(),
+        })?;
     Ok(CoordinatorClient::new(channel))
 }
 
@@ -88,9 +92,7 @@ fn migrate(
         }
         Ok::<_, RemusError>(last)
     })??;
-    let m = last.ok_or_else(|| {
-        coordinator_error("the coordinator ended the call without a migration".into())
-    })?;
+    let m = last.ok_or(RemusError::CoordinatorEndedCall)?;
     match m.status.as_str() {
         "succeeded" => Ok(m),
         _ => Err(RemusError::MigrationFailed {

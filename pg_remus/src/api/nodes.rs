@@ -65,7 +65,9 @@ fn remove_node(name: &str) -> Result<(), RemusError> {
     }
     let nodes = all_nodes()?;
     if !nodes.iter().any(|n| n.name == name) {
-        return Err(RemusError::UnknownNode(name.to_string()));
+        return Err(RemusError::UnknownNode {
+            node: name.to_string(),
+        });
     }
     let me = crate::guc::node_name().ok_or(RemusError::NodeNameUnset)?;
     let sql = format!(

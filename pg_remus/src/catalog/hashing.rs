@@ -45,7 +45,9 @@ pub unsafe fn hash_datum(
     unsafe {
         let tc = pg_sys::lookup_type_cache(typid, pg_sys::TYPECACHE_HASH_PROC_FINFO as i32);
         if tc.is_null() || (*tc).hash_proc_finfo.fn_oid == pg_sys::InvalidOid {
-            return Err(RemusError::NoHashFunction(typid.to_u32()));
+            return Err(RemusError::NoHashFunction {
+                type_oid: typid.to_u32(),
+            });
         }
         let collation = if collation == pg_sys::InvalidOid {
             pg_sys::DEFAULT_COLLATION_OID

@@ -20,13 +20,15 @@ pub fn is_valid_node_name(name: &str) -> bool {
 
 pub(crate) fn add_node(name: &str, host: &str, port: i32) -> Result<bool, RemusError> {
     if !is_valid_node_name(name) {
-        return Err(RemusError::InvalidNodeName(name.to_string()));
+        return Err(RemusError::InvalidNodeName {
+            name: name.to_string(),
+        });
     }
     if host.trim().is_empty() {
         return Err(RemusError::EmptyHost);
     }
     if !(1..=65535).contains(&port) {
-        return Err(RemusError::PortOutOfRange(port));
+        return Err(RemusError::PortOutOfRange { port });
     }
     Spi::connect_mut(|client| {
         // Insert-or-inspect in one statement keeps concurrent provisioning runs from racing.
@@ -57,7 +59,9 @@ pub(crate) fn add_node(name: &str, host: &str, port: i32) -> Result<bool, RemusE
                 host: h,
                 port: p,
             }),
-            _ => Err(RemusError::NodeVanished(name.to_string())),
+            _ => Err(RemusError::NodeVanished {
+                node: name.to_string(),
+            }),
         }
     })
 }
@@ -86,5 +90,7 @@ pub fn lookup(name: &str) -> Result<NodeAddr, RemusError> {
     all_nodes()?
         .into_iter()
         .find(|n| n.name == name)
-        .ok_or_else(|| RemusError::UnknownNode(name.to_string()))
+        .ok_or_else(|| RemusError::UnknownNode {
+            node: name.to_string(),
+        })
 }

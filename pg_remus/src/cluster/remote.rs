@@ -14,6 +14,7 @@ use std::ptr::NonNull;
 
 use pgrx::pg_sys;
 use pq_sys as pq;
+use remus_proto::sqlstate::SqlState;
 
 use crate::error::RemusError;
 
@@ -561,7 +562,9 @@ impl ResultGuard {
     fn error(&self, node: &str) -> RemusError {
         RemusError::Remote {
             node: node.to_string(),
-            sqlstate: self.field(b'C').unwrap_or_else(|| "XX000".into()),
+            sqlstate: self
+                .field(b'C')
+                .unwrap_or_else(|| SqlState::INTERNAL_ERROR.code().into()),
             message: self.field(b'M').unwrap_or_else(|| "unknown error".into()),
             detail: self.field(b'D'),
             hint: self.field(b'H'),

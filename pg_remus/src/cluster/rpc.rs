@@ -22,16 +22,6 @@ thread_local! {
     static CLIENTS: RefCell<HashMap<String, ReplayWorkerClient<tonic::transport::Channel>>> = RefCell::new(HashMap::new());
 }
 
-pub(crate) fn coordinator_error(message: String) -> RemusError {
-    RemusError::Remote {
-        node: "coordinator".into(),
-        sqlstate: "08006".into(),
-        message,
-        detail: None,
-        hint: None,
-    }
-}
-
 /// Runs `fut` to completion on the backend's runtime, serving interrupts between slices.
 pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
     RUNTIME.with(|cell| {
@@ -41,8 +31,8 @@ pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
-                    .map_err(|e| {
-                        coordinator_error(format!("cannot start the gRPC runtime: {e}"))
+                    .map_err(|e| RemusError::GrpcRuntime {
+                        reason: e.to_string(),
                     })?;
                 let _ = cell.set(rt);
                 cell.get().expect("just set")

@@ -9,6 +9,9 @@ use remus_proto::sqlstate::SqlState;
 
 pub(crate) mod report;
 
+/// The node name the coordinator's errors are reported under (in DETAIL).
+pub(crate) const COORDINATOR_NODE: &str = "coordinator";
+
 /// PostgreSQL's codes that [`SqlState`] does not name; `tests::pg_codes_match_pgrx` checks them
 /// against pgrx's list.
 mod pg_code {
@@ -32,10 +35,10 @@ mod pg_code {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RemusError {
-    #[error("invalid node name {0:?}")]
-    InvalidNodeName(String),
-    #[error("port {0} is out of range 1..65535")]
-    PortOutOfRange(i32),
+    #[error("invalid node name {name:?}")]
+    InvalidNodeName { name: String },
+    #[error("port {port} is out of range 1..65535")]
+    PortOutOfRange { port: i32 },
     #[error("host must not be empty")]
     EmptyHost,
     #[error("node {name} already exists with address {host}:{port}")]
@@ -44,12 +47,12 @@ pub enum RemusError {
         host: String,
         port: i32,
     },
-    #[error("node {0} was removed concurrently")]
-    NodeVanished(String),
+    #[error("node {node} was removed concurrently")]
+    NodeVanished { node: String },
     #[error("remus.node_name is not set on this node")]
     NodeNameUnset,
-    #[error("unknown node {0}")]
-    UnknownNode(String),
+    #[error("unknown node {node}")]
+    UnknownNode { node: String },
     #[error("could not connect to node {node}: {message}")]
     Connection { node: String, message: String },
     #[error("{message}")]
@@ -60,8 +63,8 @@ pub enum RemusError {
         detail: Option<String>,
         hint: Option<String>,
     },
-    #[error("type with oid {0} has no hash function, so it cannot be a shard key")]
-    NoHashFunction(u32),
+    #[error("type with oid {type_oid} has no hash function, so it cannot be a shard key")]
+    NoHashFunction { type_oid: u32 },
     // 22023 invalid_parameter_value: an argument, a setting or a catalog entry is not usable.
     #[error("node {node} is this node; run the command directly")]
     NodeIsSelf { node: String },
@@ -209,8 +212,12 @@ pub enum RemusError {
     ShardMoved { shard_id: i64, migration_id: i64 },
     #[error("could not serialize access: write-write conflict on the destination of shard migration {migration_id}: {conflict}")]
     MigrationConflict { migration_id: i64, conflict: String },
-    #[error("commit could not be validated on the destination of shard migration {migration_id}: {message}")]
-    SyncValidation { migration_id: i64, message: String },
+    #[error("commit could not be validated on the destination of shard migration {migration_id}: replay worker {endpoint}: {message}")]
+    SyncValidation {
+        migration_id: i64,
+        endpoint: String,
+        message: String,
+    },
     #[error("shard migration {migration_id} {status}: {error}")]
     MigrationFailed {
         migration_id: i64,
@@ -219,6 +226,14 @@ pub enum RemusError {
     },
     #[error("remus.coordinator_address is not set; set it to the coordinator's gRPC address (e.g. http://127.0.0.1:6102)")]
     CoordinatorUnset,
+    // 08006 connection_failure, reported as if the coordinator had raised it (DETAIL "raised on
+    // node coordinator", as for its own errors in [`Self::Remote`]).
+    #[error("cannot reach the coordinator at {address}: {reason}")]
+    CoordinatorUnreachable { address: String, reason: String },
+    #[error("the coordinator ended the call without a migration")]
+    CoordinatorEndedCall,
+    #[error("cannot start the gRPC runtime: {reason}")]
+    GrpcRuntime { reason: String },
     #[error("shard {shard_id} is not owned by node {node} for this transaction")]
     NotShardOwner { shard_id: i64, node: String },
     #[error("null value in column \"{column}\" of relation {table} violates not-null constraint")]
@@ -235,8 +250,8 @@ impl RemusError {
     /// The five-character SQLSTATE a client sees.
     pub fn sqlstate(&self) -> &str {
         match self {
-            Self::InvalidNodeName(_)
-            | Self::PortOutOfRange(_)
+            Self::InvalidNodeName { .. }
+            | Self::PortOutOfRange { .. }
             | Self::EmptyHost
             | Self::NodeIsSelf { .. }
             | Self::SelfNotInCluster { .. }
@@ -297,7 +312,7 @@ impl RemusError {
             | Self::GateHeld { .. } => SqlState::OBJECT_IN_USE.code(),
             Self::SuperuserRequired { .. } => SqlState::INSUFFICIENT_PRIVILEGE.code(),
             Self::NodeNameUnset => pg_code::CONFIG_FILE_ERROR.code(),
-            Self::NodeVanished(_)
+            Self::NodeVanished { .. }
             | Self::AbortedByMigration { .. }
             | Self::ShardMoved { .. }
             | Self::MigrationConflict { .. } => SqlState::SERIALIZATION_FAILURE.code(),
@@ -307,9 +322,12 @@ impl RemusError {
                 SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code()
             }
             Self::Spi(_) => SqlState::INTERNAL_ERROR.code(),
-            Self::NoHashFunction(_) => pg_code::UNDEFINED_FUNCTION.code(),
-            Self::UnknownNode(_) => SqlState::UNDEFINED_OBJECT.code(),
-            Self::Connection { .. } => SqlState::CONNECTION_FAILURE.code(),
+            Self::NoHashFunction { .. } => pg_code::UNDEFINED_FUNCTION.code(),
+            Self::UnknownNode { .. } => SqlState::UNDEFINED_OBJECT.code(),
+            Self::Connection { .. }
+            | Self::CoordinatorUnreachable { .. }
+            | Self::CoordinatorEndedCall
+            | Self::GrpcRuntime { .. } => SqlState::CONNECTION_FAILURE.code(),
             Self::NullShardKey { .. } => pg_code::NOT_NULL_VIOLATION.code(),
             Self::TransactionDoomed => pg_code::IN_FAILED_SQL_TRANSACTION.code(),
             Self::NotShardOwner { .. } => SqlState::NOT_SHARD_OWNER.code(),
@@ -319,7 +337,7 @@ impl RemusError {
 
     fn hint(&self) -> Option<&'static str> {
         match self {
-            Self::InvalidNodeName(_) => Some(
+            Self::InvalidNodeName { .. } => Some(
                 "Node names are 1-32 characters of a-z, 0-9 and _, starting with a letter; they become part of slot and transaction names.",
             ),
             Self::NodeExists { .. } => {
@@ -341,6 +359,9 @@ impl RemusError {
                 Some(d) => format!("{d} (raised on node {node})"),
                 None => format!("raised on node {node}"),
             }),
+            Self::CoordinatorUnreachable { .. }
+            | Self::CoordinatorEndedCall
+            | Self::GrpcRuntime { .. } => Some(format!("raised on node {COORDINATOR_NODE}")),
             _ => None,
         }
     }
@@ -397,7 +418,64 @@ impl<T> OrRaise<T> for Result<T, RemusError> {
 mod tests {
     use super::pg_code;
     use super::report::sqlstate_code;
+    use super::RemusError;
     use pgrx::PgSqlErrorCode::*;
+
+    /// Texts with more than one field or a repeated one (the regress tier pins the others).
+    #[test]
+    fn typed_variants_keep_their_texts() {
+        let e = RemusError::CopyToUnsupported {
+            table: "public.t".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "COPY public.t TO is not supported; use COPY (SELECT * FROM public.t) TO …"
+        );
+        assert_eq!(e.sqlstate(), "0A000");
+        let e = RemusError::ColocateShardCountsDiffer {
+            table: "public.a".into(),
+            shard_count: 8,
+            other: "public.b".into(),
+            other_shard_count: 4,
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot co-locate public.a (8 shards) with public.b (4 shards): pass shard_count => 4"
+        );
+        assert_eq!(e.sqlstate(), "22023");
+        let e = RemusError::SyncValidation {
+            migration_id: 7,
+            endpoint: "http://127.0.0.1:1".into(),
+            message: "gone".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "commit could not be validated on the destination of shard migration 7: replay worker http://127.0.0.1:1: gone"
+        );
+        let e = RemusError::CoordinatorUnreachable {
+            address: "http://127.0.0.1:2".into(),
+            reason: "refused".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot reach the coordinator at http://127.0.0.1:2: refused"
+        );
+        assert_eq!(e.sqlstate(), "08006");
+        assert_eq!(e.detail().as_deref(), Some("raised on node coordinator"));
+        let e = RemusError::LengthOutOfRange {
+            what: "node name",
+            max: 63,
+        };
+        assert_eq!(e.to_string(), "node name must be 1..63 bytes");
+        assert_eq!(
+            RemusError::NotShardOwner {
+                shard_id: 1,
+                node: "n1".into()
+            }
+            .sqlstate(),
+            "RM001"
+        );
+    }
 
     #[test]
     fn pg_codes_match_pgrx() {

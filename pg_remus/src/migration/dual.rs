@@ -121,7 +121,8 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
             forget_client(endpoint);
             return Err(RemusError::SyncValidation {
                 migration_id,
-                message: format!("replay worker {endpoint}: {}", status.message()),
+                endpoint: endpoint.to_string(),
+                message: status.message().to_string(),
             });
         }
         Ok(Ok(Ok(reply))) => reply.into_inner(),

@@ -23,6 +23,7 @@
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use remus_proto::sqlstate::SqlState;
 
 use crate::cluster::remote;
 use crate::error::RemusError;
@@ -169,7 +170,8 @@ fn finish(commit: bool) {
             Ok(_) => {}
             // The interrupted PREPARE failed there after all: nothing to roll back.
             Err(RemusError::Remote { sqlstate, .. })
-                if sqlstate == "42704" && sql.starts_with("ROLLBACK PREPARED") => {}
+                if *sqlstate == SqlState::UNDEFINED_OBJECT
+                    && sql.starts_with("ROLLBACK PREPARED") => {}
             Err(e) => {
                 // Commit: recovery finishes it from the decision record. Abort: recovery rolls
                 // back a prepared orphan (no record), and a plain remote transaction dies with
