@@ -1,6 +1,7 @@
 //! Catch-up phase, node side (Remus mode): write-set capture on the source.
 //!
-//! Every shard table carries an AFTER ROW trigger, `remus.capture_write`, created with the table
+//! Every shard table carries an AFTER ROW trigger, `remus_capture` (its function is
+//! `remus.capture_write`), created with the table
 //! (`catalog::shard_ddl::capture_trigger_ddl`; creating it at migration time would queue every
 //! writer behind the longest running one). It returns at once unless the shard's migration
 //! captures writes (`remus.migration_capture`); then it records the row change, in the replay
