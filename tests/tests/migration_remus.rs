@@ -1651,3 +1651,59 @@ fn a_coordinator_killed_after_the_tm_decision_is_completed_by_its_successor() {
         .expect_err("a running coordinator is not started twice");
     assert!(twice.to_string().contains("is running"), "{twice}");
 }
+
+/// Review finding F2: a REPEATABLE READ transaction whose snapshot predates Tm reads the shard
+/// map after the generation bump on its node. What it reads (the old owner, right for its
+/// snapshot) must not be cached as current: the backend's next transactions must route to the
+/// new owner, also after the source's copy is gone (before the fix: RM001).
+#[test]
+fn a_snapshot_older_than_tm_does_not_leave_the_old_owner_cached() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, _) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap();
+    let aid = an_account_of(&c, shard, 0);
+    // The snapshot is taken before the migration starts; the session has not touched
+    // pgbench_accounts yet, so nothing of it is cached.
+    let mut rr = c.connect("n3").unwrap();
+    rr.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .unwrap();
+    let mover = start_migration(&c, shard);
+    // Tm committed on every node, the generation bumped and read-through ended: cleanup's drain
+    // now waits for this old transaction.
+    let mut n1 = c.connect("n1").unwrap();
+    wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(20),
+        || {
+            phase_of(&mut n1, None)
+                .is_some_and(|(_, phase, waiting)| phase == "cleanup" && waiting.is_some())
+        },
+        || "the migration never waited in cleanup for the old transaction".to_string(),
+    );
+    wait_owner(&c, "n3", shard, "n2");
+    // First touch of the table in this backend, with the pre-Tm snapshot: the old owner.
+    let before: i32 = rr
+        .query_one(
+            "SELECT abalance FROM pgbench_accounts WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap()
+        .get(0);
+    rr.batch_execute("COMMIT").unwrap();
+    let (status, _) = mover.join().unwrap().expect("migration call");
+    assert_eq!(status, "succeeded");
+
+    // The same backend, new transactions: the new owner, with the source's copy dropped.
+    let updated = rr
+        .execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap_or_else(|e| panic!("update after the migration: {e:?}"));
+    assert_eq!(updated, 1);
+    let mut n2 = c.connect("n2").unwrap();
+    assert_eq!(balance_on(&mut n2, shard, aid), before + 5);
+}
