@@ -21,6 +21,9 @@
 //!   waiting for a destination that is down.
 //! - The coordinator killed (SIGKILL) in dual execution or right after the Tm decision: its
 //!   successor (`remusctl cluster start-coordinator`) rolls the migration back or completes it.
+//! - A REPEATABLE READ snapshot older than Tm that first reads a moved table after Tm leaves no
+//!   stale owner in its backend's shard-map cache: the backend's later transactions run on
+//!   the new owner.
 
 use std::thread;
 use std::time::{Duration, Instant};
