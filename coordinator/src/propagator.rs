@@ -253,7 +253,7 @@ fn stream_loop(
                 Some(ReplicationMessage::XLogData(x)) => {
                     let msg = PgOutputMessage::decode(x.data)?;
                     if let Some(Assembled::Txn(txn)) = assembler.push(msg)? {
-                        let shadow = wal_propagator::ship::shadow_txn(&txn);
+                        let shadow = wal_propagator::ship::shadow_txn(&txn, migration_id);
                         progress.txns_shipped.fetch_add(1, Ordering::AcqRel);
                         if tx
                             .blocking_send(ApplyRequest {

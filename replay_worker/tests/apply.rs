@@ -804,7 +804,7 @@ async fn source_stream_replayed_through_the_service_reproduces_the_tables() {
                 .push(PgOutputMessage::decode(x.data).unwrap())
                 .unwrap()
             {
-                Some(Assembled::Txn(txn)) => txns.push(wal_propagator::shadow_txn(&txn)),
+                Some(Assembled::Txn(txn)) => txns.push(wal_propagator::shadow_txn(&txn, 31)),
                 Some(Assembled::Message(m)) if m.prefix == "test_end" => break,
                 _ => {}
             }

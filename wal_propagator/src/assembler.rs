@@ -16,8 +16,11 @@
 //! Logical messages with the prefix [`MESSAGE_PREFIX`] (`remus_proto::names`) mark transactions
 //! that pg_remus already applied on the destination itself (shadow-applied writes); applying
 //! them again would duplicate rows, so they are surfaced on the transaction for the caller to
-//! skip it. pgoutput only sends logical messages when `START_REPLICATION` passes the option
-//! `messages 'true'`; without it these markers are silently missing.
+//! skip it. Such a message names one migration (its content is that migration's shadow gid),
+//! and it marks the transaction only for that migration's stream
+//! ([`CommittedTxn::is_remus_marked`]): every slot on the source receives it. pgoutput only
+//! sends logical messages when `START_REPLICATION` passes the option `messages 'true'`; without
+//! it these markers are silently missing.
 //!
 //! Protocol violations are errors rather than repaired: after any error the stream position is
 //! unknown, and the only safe recovery is to [`TxnAssembler::reset`] and restart streaming from
@@ -32,7 +35,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use remus_proto::names::MESSAGE_PREFIX;
+use remus_proto::names::{parse_shadow_gid, MESSAGE_PREFIX};
 use thiserror::Error;
 use tracing::{debug, trace};
 
@@ -152,8 +155,23 @@ pub struct TxnMessage {
 }
 
 impl TxnMessage {
+    /// The message has pg_remus's prefix, whichever migration it names.
     pub fn is_remus(&self) -> bool {
         self.prefix == MESSAGE_PREFIX
+    }
+
+    /// The shadow gid this message names if it is a `remus` message of migration
+    /// `migration_id` (content `remus:<migration_id>:<xid>`); `None` for any other message,
+    /// including the `remus` messages of other migrations from the same source.
+    pub fn shadow_gid_of(&self, migration_id: u64) -> Option<&str> {
+        if !self.is_remus() {
+            return None;
+        }
+        let gid = std::str::from_utf8(&self.content).ok()?;
+        match parse_shadow_gid(gid) {
+            Some((m, _)) if m == migration_id => Some(gid),
+            _ => None,
+        }
     }
 
     fn approx_size(&self) -> usize {
@@ -180,12 +198,24 @@ pub struct CommittedTxn {
 }
 
 impl CommittedTxn {
-    /// The transaction carries a `remus` message: pg_remus already applied it on the destination
-    /// and it must not be replayed.
-    pub fn is_remus_marked(&self) -> bool {
-        self.messages.iter().any(TxnMessage::is_remus)
+    /// The transaction carries a `remus` message of migration `migration_id`: pg_remus already
+    /// prepared it as a shadow on that migration's destination, and that migration's stream
+    /// must not replay it. PG 15's pgoutput sends every transactional message to every slot,
+    /// so a transaction validated for another migration from the same source also carries that
+    /// migration's message; it does not mark the transaction for this one.
+    pub fn is_remus_marked(&self, migration_id: u64) -> bool {
+        self.shadow_gid(migration_id).is_some()
     }
 
+    /// The gid of the prepared shadow of migration `migration_id` that this transaction names:
+    /// the first `remus` message naming that migration, skipping those of other migrations.
+    pub fn shadow_gid(&self, migration_id: u64) -> Option<&str> {
+        self.messages
+            .iter()
+            .find_map(|m| m.shadow_gid_of(migration_id))
+    }
+
+    /// Every `remus` message of the transaction, whichever migration it names.
     pub fn remus_messages(&self) -> impl Iterator<Item = &TxnMessage> {
         self.messages.iter().filter(|m| m.is_remus())
     }
@@ -888,7 +918,7 @@ mod tests {
             enc::begin(0x9000, 1_000_000, 742),
             enc::origin(0x77, "node_b"),
             events_relation(),
-            enc::message(true, 0x8001, "remus", b"shadow"),
+            enc::message(true, 0x8001, "remus", b"remus:7:742"),
             enc::insert(ACCOUNTS, &[Val::T("1"), Val::T("10.00"), Val::B(&blob)]),
             enc::insert(ACCOUNTS, &[Val::T("2"), Val::N, Val::B(b"")]),
             enc::update(ACCOUNTS, None, &[Val::T("1"), Val::T("11.00"), Val::U]),
@@ -955,7 +985,7 @@ mod tests {
         assert_eq!(txn.commit_time(), pg_timestamp_to_system_time(123_456));
         assert_eq!(txn.origin, None);
         assert!(txn.messages.is_empty());
-        assert!(!txn.is_remus_marked());
+        assert!(!txn.is_remus_marked(7));
         assert_eq!(txn.changes.len(), 1);
         let Change::Insert { relation, new } = &txn.changes[0] else {
             panic!("not an insert: {:?}", txn.changes[0]);
@@ -1001,7 +1031,7 @@ mod tests {
             vec![
                 enc::begin(0x10, 0, 1),
                 enc::origin(5, "elsewhere"),
-                enc::message(true, 0x11, "remus", b""),
+                enc::message(true, 0x11, "remus", b"remus:7:1"),
                 enc::insert(ACCOUNTS, &[Val::T("1"), Val::N, Val::N]),
                 enc::commit(0x10, 0x18, 0),
             ],
@@ -1014,12 +1044,12 @@ mod tests {
                 enc::commit(0x20, 0x28, 0),
             ],
         );
-        assert!(first.is_remus_marked());
+        assert!(first.is_remus_marked(7));
         assert!(first.origin.is_some());
         assert_eq!(second.xid, 2);
         assert_eq!(second.origin, None);
         assert!(second.messages.is_empty());
-        assert!(!second.is_remus_marked());
+        assert!(!second.is_remus_marked(7));
         assert_eq!(second.changes.len(), 1);
         assert!(matches!(second.changes[0], Change::Delete { .. }));
     }
@@ -1054,23 +1084,72 @@ mod tests {
             vec![
                 enc::begin(0x10, 0, 1),
                 enc::insert(ACCOUNTS, &[Val::T("1"), Val::N, Val::N]),
-                enc::message(true, 0x15, "remus", b"migration=7"),
+                enc::message(true, 0x15, "remus", b"remus:7:1"),
                 enc::insert(ACCOUNTS, &[Val::T("2"), Val::N, Val::N]),
                 enc::commit(0x10, 0x18, 0),
             ],
         );
-        assert!(txn.is_remus_marked());
+        assert!(txn.is_remus_marked(7));
+        assert_eq!(txn.shadow_gid(7), Some("remus:7:1"));
+        // PG 15's pgoutput sends a transactional message to every slot: the stream of
+        // migration 8 from the same source sees the message migration 7's validation wrote,
+        // and it does not mark the transaction for migration 8 (nor 70: no prefix match).
+        for other in [8, 70] {
+            assert!(!txn.is_remus_marked(other));
+            assert_eq!(txn.shadow_gid(other), None);
+        }
         assert_eq!(
             txn.messages,
             vec![TxnMessage {
                 after_changes: 1,
                 lsn: Lsn(0x15),
                 prefix: "remus".into(),
-                content: Bytes::from_static(b"migration=7"),
+                content: Bytes::from_static(b"remus:7:1"),
             }]
         );
         assert_eq!(txn.remus_messages().count(), 1);
         assert_eq!(txn.changes.len(), 2);
+    }
+
+    #[test]
+    fn each_migration_finds_its_own_remus_message() {
+        // Validated for two migrations from the same source: the transaction carries both
+        // messages, and each stream picks its own gid rather than the first.
+        let txn = feed_txn(
+            &mut assembler(),
+            vec![
+                enc::begin(0x20, 0, 2),
+                enc::message(true, 0x21, "remus", b"remus:7:1"),
+                enc::message(true, 0x22, "remus", b"remus:8:1"),
+                enc::commit(0x20, 0x28, 0),
+            ],
+        );
+        assert_eq!(txn.shadow_gid(8), Some("remus:8:1"));
+        assert_eq!(txn.shadow_gid(7), Some("remus:7:1"));
+        assert_eq!(txn.shadow_gid(9), None);
+        assert_eq!(txn.remus_messages().count(), 2);
+
+        // Malformed contents name no shadow of any migration.
+        for content in [
+            &b"remus:8:"[..],
+            b"remus:8",
+            b"remus:8:x1",
+            b"remus::1",
+            b"remus:8:1:2",
+            b"8:1",
+            b"\xff",
+        ] {
+            let t = CommittedTxn {
+                messages: vec![TxnMessage {
+                    after_changes: 0,
+                    lsn: Lsn(0x31),
+                    prefix: "remus".into(),
+                    content: Bytes::copy_from_slice(content),
+                }],
+                ..txn.clone()
+            };
+            assert!(!t.is_remus_marked(8), "{content:?}");
+        }
     }
 
     #[test]
@@ -1080,9 +1159,9 @@ mod tests {
             &mut asm,
             vec![
                 enc::begin(0x10, 0, 1),
-                enc::message(true, 0x11, "remusx", b""),
-                enc::message(true, 0x12, "Remus", b""),
-                enc::message(true, 0x13, "", b"remus"),
+                enc::message(true, 0x11, "remusx", b"remus:7:1"),
+                enc::message(true, 0x12, "Remus", b"remus:7:1"),
+                enc::message(true, 0x13, "", b"remus:7:1"),
                 enc::commit(0x10, 0x18, 0),
             ],
         );
@@ -1091,7 +1170,7 @@ mod tests {
             .messages
             .iter()
             .all(|m| !m.is_remus() && m.after_changes == 0));
-        assert!(!txn.is_remus_marked());
+        assert!(!txn.is_remus_marked(7));
         assert_eq!(txn.remus_messages().count(), 0);
     }
 
@@ -1115,7 +1194,7 @@ mod tests {
             panic!("no transaction");
         };
         assert!(txn.messages.is_empty());
-        assert!(!txn.is_remus_marked());
+        assert!(!txn.is_remus_marked(7));
     }
 
     #[test]
@@ -1384,7 +1463,7 @@ mod tests {
         let in_memory = feed_txn(&mut assembler(), rich_txn_stream());
         assert!(!in_memory.changes.is_empty());
         assert_eq!(in_memory.messages.len(), 2);
-        assert!(in_memory.is_remus_marked());
+        assert!(in_memory.is_remus_marked(7));
 
         for threshold in [0, 1, 200, 2_000, 10_000] {
             let mut asm = spilling_assembler(threshold);

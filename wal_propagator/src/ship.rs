@@ -65,14 +65,19 @@ fn row_change(
     }
 }
 
-/// The `ShadowTxn` for one committed source transaction, changes in source order.
+/// The `ShadowTxn` for one committed source transaction of the stream of migration
+/// `migration_id`, changes in source order.
 ///
-/// A transaction pg_remus validated through MOCC (marked by a transactional logical message
-/// with the prefix [`MESSAGE_PREFIX`](remus_proto::names::MESSAGE_PREFIX), see [`CommittedTxn::is_remus_marked`]) is still
-/// shipped, with `shadow_gid` set to that message's content: the replay worker then commits the
-/// prepared shadow named by it instead of applying the changes again, and the changes still
-/// order dependent transactions. Other logical messages are not part of the shadow transaction.
-pub fn shadow_txn(txn: &CommittedTxn) -> ShadowTxn {
+/// A transaction pg_remus validated through MOCC for this migration (marked by a transactional
+/// logical message with the prefix [`MESSAGE_PREFIX`](remus_proto::names::MESSAGE_PREFIX) whose
+/// content is one of this migration's shadow gids, see [`CommittedTxn::is_remus_marked`]) is
+/// still shipped, with `shadow_gid` set to that gid: the replay worker then commits the prepared
+/// shadow named by it instead of applying the changes again, and the changes still order
+/// dependent transactions. A `remus` message of another migration from the same source (PG 15
+/// sends it to every slot) does not name a shadow of this migration: the transaction is shipped
+/// without a gid and its changes are applied. Other logical messages are not part of the shadow
+/// transaction.
+pub fn shadow_txn(txn: &CommittedTxn, migration_id: u64) -> ShadowTxn {
     use row_change::Kind;
     let changes = txn
         .changes
@@ -99,22 +104,11 @@ pub fn shadow_txn(txn: &CommittedTxn) -> ShadowTxn {
         end_lsn: txn.end_lsn.0,
         commit_time_us: txn.commit_time_us,
         changes,
-        shadow_gid: shadow_gid(txn),
+        shadow_gid: txn
+            .shadow_gid(migration_id)
+            .map(str::to_owned)
+            .unwrap_or_default(),
     }
-}
-
-/// The gid of the prepared shadow a MOCC-validated transaction names in its `remus` message
-/// (pg_remus emits exactly one, after the destination acknowledged the validation); empty for
-/// any other transaction. The gid is ASCII (`remus:<migration>:<xid>`), so the lossy
-/// conversion never alters a gid pg_remus wrote.
-fn shadow_gid(txn: &CommittedTxn) -> String {
-    if !txn.is_remus_marked() {
-        return String::new();
-    }
-    txn.remus_messages()
-        .next()
-        .map(|m| String::from_utf8_lossy(&m.content).into_owned())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -172,7 +166,7 @@ mod tests {
 
     #[test]
     fn header_fields_are_copied() {
-        let s = shadow_txn(&txn(Vec::new()));
+        let s = shadow_txn(&txn(Vec::new()), 7);
         assert_eq!(s.xid, 742);
         assert_eq!(s.commit_lsn, 0x16B_3748);
         assert_eq!(s.end_lsn, 0x16B_3778);
@@ -204,8 +198,8 @@ mod tests {
             message("other_ext", "not a gid"),
             message(MESSAGE_PREFIX, "remus:7:123456789"),
         ];
-        assert!(t.is_remus_marked());
-        let s = shadow_txn(&t);
+        assert!(t.is_remus_marked(7));
+        let s = shadow_txn(&t, 7);
         assert_eq!(s.shadow_gid, "remus:7:123456789");
         assert_eq!(
             s.changes.len(),
@@ -215,8 +209,58 @@ mod tests {
 
         // A message with another prefix does not mark the transaction.
         t.messages = vec![message("remusx", "remus:7:1")];
-        assert!(!t.is_remus_marked());
-        assert_eq!(shadow_txn(&t).shadow_gid, "");
+        assert!(!t.is_remus_marked(7));
+        assert_eq!(shadow_txn(&t, 7).shadow_gid, "");
+    }
+
+    fn teller_update() -> Change {
+        Change::Update {
+            relation: rel("public", "pgbench_tellers"),
+            old: None,
+            new: TupleData::new(vec![text("40"), text("-17"), ColumnValue::Null]),
+        }
+    }
+
+    /// Finding F1: PG 15 sends the `remus` message migration 7's validation wrote to every slot
+    /// on the source, so migration 8's stream sees it too. It names no shadow of migration 8:
+    /// the transaction is shipped without a gid, so the replay worker applies its changes.
+    #[test]
+    fn another_migrations_remus_message_names_no_shadow_and_the_changes_are_applied() {
+        let mut t = txn(vec![teller_update()]);
+        t.messages = vec![message(MESSAGE_PREFIX, "remus:7:1")];
+        let s = shadow_txn(&t, 8);
+        assert_eq!(
+            s.shadow_gid, "",
+            "migration 7's gid is not migration 8's shadow"
+        );
+        let [c] = &s.changes[..] else {
+            panic!("the change is shipped: {:?}", s.changes)
+        };
+        assert_eq!(c.kind(), row_change::Kind::Update);
+        assert_eq!(c.table, "pgbench_tellers");
+        assert_eq!(c.new_values, [pb_text("40"), pb_text("-17"), pb_null()]);
+        // Exactly what the same transaction without any message ships.
+        assert_eq!(s, shadow_txn(&txn(vec![teller_update()]), 8));
+
+        // For migration 7 itself it names the prepared shadow.
+        assert_eq!(shadow_txn(&t, 7).shadow_gid, "remus:7:1");
+        assert_eq!(shadow_txn(&t, 7).changes, s.changes);
+    }
+
+    /// A transaction validated for two migrations carries both messages; each stream ships its
+    /// own gid, not the first one.
+    #[test]
+    fn each_migration_ships_its_own_gid_not_the_first() {
+        let mut t = txn(vec![teller_update()]);
+        t.messages = vec![
+            message(MESSAGE_PREFIX, "remus:7:1"),
+            message("other_ext", "remus:8:2"),
+            message(MESSAGE_PREFIX, "remus:8:1"),
+        ];
+        assert_eq!(shadow_txn(&t, 8).shadow_gid, "remus:8:1");
+        assert_eq!(shadow_txn(&t, 7).shadow_gid, "remus:7:1");
+        assert_eq!(shadow_txn(&t, 9).shadow_gid, "");
+        assert_eq!(shadow_txn(&t, 9).changes.len(), 1);
     }
 
     #[test]
@@ -250,7 +294,7 @@ mod tests {
                 ])),
             },
         ]);
-        let s = shadow_txn(&t);
+        let s = shadow_txn(&t, 7);
         assert_eq!(s.changes.len(), 4);
         for c in &s.changes {
             assert_eq!(c.schema, "app");
@@ -291,7 +335,7 @@ mod tests {
             ],
             options: 0,
         }]);
-        let s = shadow_txn(&t);
+        let s = shadow_txn(&t, 7);
         let [c] = &s.changes[..] else { unreachable!() };
         assert_eq!(c.kind(), row_change::Kind::Truncate);
         assert_eq!(

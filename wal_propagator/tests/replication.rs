@@ -188,7 +188,7 @@ fn snapshot_copy_then_stream_exactly_the_later_transactions() {
         assert!(txn.end_lsn > txn.commit_lsn);
         assert_eq!(txn.begin_final_lsn, txn.commit_lsn);
         assert!(txn.origin.is_none());
-        assert!(!txn.is_remus_marked());
+        assert!(!txn.is_remus_marked(1));
         let ts = txn.commit_time().expect("commit timestamp");
         assert!(
             ts >= test_start - Duration::from_secs(5) && ts <= now + Duration::from_secs(5),
