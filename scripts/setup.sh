@@ -18,7 +18,7 @@ esac
 
 PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-contrib libpq-dev protobuf-compiler
           etcd-server etcd-client libclang-dev clang build-essential pkg-config libssl-dev sudo
-          procps util-linux shellcheck)
+          procps util-linux shellcheck jq)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -42,6 +42,9 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// How many times [`TestCluster::start`] tries `cluster up`.
+pub const START_ATTEMPTS: usize = 3;
+
 /// A running cluster in a private directory; `Drop` runs `remusctl cluster down`.
 pub struct TestCluster {
     pub dir: tempfile::TempDir,
@@ -54,10 +57,30 @@ pub struct TestCluster {
 impl TestCluster {
     /// A cluster of `nodes` nodes on the ports of a freshly reserved [`PortBlock`] (at most
     /// `NODE_PORTS` nodes), all below Linux's ephemeral range (see [`crate::ports`]).
+    ///
+    /// A `cluster up` that fails is reported on stderr (with the tails of the daemons' logs that
+    /// `remusctl` includes) and tried again, up to [`START_ATTEMPTS`] times, on a new block in a
+    /// new directory: the allocator probes a block's ports before handing it out, but another
+    /// process can still take one of them between the probe and the daemon's bind. A test that
+    /// needs its cluster never passes on a broken start; it only survives a port race.
     pub fn start(nodes: usize) -> Result<Self> {
         if nodes > usize::from(NODE_PORTS) {
             bail!("a test cluster has at most {NODE_PORTS} nodes, not {nodes}");
         }
+        let mut last = None;
+        for attempt in 1..=START_ATTEMPTS {
+            match Self::start_once(nodes) {
+                Ok(c) => return Ok(c),
+                Err(e) => {
+                    eprintln!("test cluster start, attempt {attempt} of {START_ATTEMPTS}: {e:#}");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.expect("at least one attempt"))
+    }
+
+    fn start_once(nodes: usize) -> Result<Self> {
         let ports = PortBlock::reserve();
         let base_port = ports.base();
         // Under /tmp (world-searchable) so the postgres OS user can reach the data directories.
@@ -82,7 +105,12 @@ impl TestCluster {
             &base_port.to_string(),
         ]);
         if !out.status.success() {
-            bail!("cluster up failed: {}{}", stdout(&out), stderr(&out));
+            // Dropping `c` runs `cluster down`: whatever did start is stopped before the retry.
+            bail!(
+                "cluster up on ports {base_port}.. failed: {}{}",
+                stdout(&out),
+                stderr(&out)
+            );
         }
         Ok(c)
     }
