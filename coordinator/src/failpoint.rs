@@ -129,6 +129,20 @@ fn released(path: &Path, name: &str, migration_id: u64) {
     );
 }
 
+/// Catch-up: the stream runs and one catch-up round has been applied on the target; the sync
+/// barrier is not set yet.
+pub const CATCHUP_RUNNING: &str = "catchup.running";
+
+/// Remus: the source is in sync mode (`remus.sync_barrier` returned) and the target has not
+/// yet been waited for up to the barrier; dual execution has not been announced.
+pub const BARRIER_SET: &str = "barrier.set";
+
+/// Tm is prepared on every node and not decided yet (the record is still in `handover`).
+pub const HANDOVER_TM_PREPARED: &str = "handover.tm_prepared";
+
+/// Tm is committed on every node and cleanup has not begun its drain yet.
+pub const CLEANUP_STARTED: &str = "cleanup.started";
+
 #[cfg(test)]
 mod tests {
     use super::*;

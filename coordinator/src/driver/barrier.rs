@@ -9,6 +9,7 @@ use tracing::info;
 use wal_propagator::Lsn;
 
 use super::{sql, DriverError, Run};
+use crate::failpoint;
 
 impl Run {
     /// The sync barrier: wait for the writers whose write sets are incomplete, switch the
@@ -30,6 +31,10 @@ impl Run {
             .await
             .map_err(sql(&self.plan.source))?
             .get(0);
+        self.config
+            .failpoints
+            .pause(failpoint::BARRIER_SET, id)
+            .await;
         // Prepared transactions (2PC participants) hold their shard locks without a backend;
         // those prepared before sync mode committed unvalidated, and must be applied before
         // the handover. Newer ones are validated already; waiting for them too is harmless.

@@ -11,6 +11,7 @@ use wal_propagator::Lsn;
 use remus_proto::names;
 
 use super::{quote_literal, sql, DriverError, Run};
+use crate::failpoint;
 use crate::propagator::Propagator;
 
 /// A catch-up round this short means the target is close behind the source.
@@ -44,6 +45,10 @@ impl Run {
             let lsn = self.sync_point().await?;
             self.wait_applied(lsn).await?;
             let took = started.elapsed();
+            self.config
+                .failpoints
+                .pause(failpoint::CATCHUP_RUNNING, self.id())
+                .await;
             info!(
                 migration_id = self.id(),
                 phase = "catchup",

@@ -11,12 +11,17 @@ use wal_propagator::ReplicationConnection;
 use remus_proto::names;
 
 use super::{sql, DriverError, Run};
+use crate::failpoint;
 use crate::migration::Mode;
 use crate::node_registry::NodeRecord;
 
 impl Run {
     pub(super) async fn cleanup(&mut self) -> Result<(), DriverError> {
         let id = self.id();
+        self.config
+            .failpoints
+            .pause(failpoint::CLEANUP_STARTED, id)
+            .await;
         let stream_lost = match self.drain_after_tm(true).await {
             Ok(()) => None,
             // Remus after Tm: every source commit since the sync barrier was validated, so its

@@ -83,6 +83,10 @@ impl Run {
             .map_err(sql(node))?;
             sessions.push((node.clone(), c));
         }
+        self.config
+            .failpoints
+            .pause(failpoint::HANDOVER_TM_PREPARED, id)
+            .await;
         // A stream that has already failed is known before the decision: roll back rather
         // than hand over to a target that stopped receiving the source's commits. (One that
         // fails after it is recovered in `cleanup`.)
