@@ -7,6 +7,8 @@
 //! - [`service`]: the tonic gRPC service the coordinator process serves.
 //! - [`plan`]: checking a migration request and resolving co-location, or refusing it.
 //! - [`driver`]: running one migration through its phases and handover, or rolling it back.
+//! - [`leader`]: leader election among the coordinators of a cluster (etcd lease); a standby
+//!   takes over when the leader's lease ends.
 //! - [`resume`]: a starting coordinator resumes the migrations its predecessor was running.
 //! - [`propagator`]: the slot's pgoutput stream shipped to the replay worker over gRPC.
 //! - [`node_conn`]: conninfo and sessions of the migration machinery on the nodes.
@@ -16,6 +18,7 @@
 pub mod client;
 pub mod driver;
 pub mod failpoint;
+pub mod leader;
 pub mod migration;
 pub mod node_conn;
 pub mod node_registry;

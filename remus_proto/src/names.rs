@@ -187,10 +187,14 @@ pub mod ports {
     pub const ETCD_PEER_OFFSET: u16 = 101;
     /// Coordinator gRPC, `P+102`.
     pub const COORDINATOR_OFFSET: u16 = 102;
-    /// Replay worker gRPC, `P+103`: the highest port of a cluster.
+    /// Replay worker gRPC, `P+103`.
     pub const REPLAY_WORKER_OFFSET: u16 = 103;
+    /// gRPC of the standby coordinator (`cluster up --standby-coordinator`), `P+104`: it
+    /// listens only once it has won the leadership (decision 0010). The highest port of a
+    /// cluster.
+    pub const STANDBY_COORDINATOR_OFFSET: u16 = 104;
     /// The highest offset used.
-    pub const MAX_OFFSET: u16 = REPLAY_WORKER_OFFSET;
+    pub const MAX_OFFSET: u16 = STANDBY_COORDINATOR_OFFSET;
 }
 
 #[cfg(test)]
@@ -280,6 +284,6 @@ mod tests {
         // A Tm gid is not the 2PC gid of a node named "tm" (that one has `_` after the node).
         assert!(!tm_gid(12, "n2").starts_with("remus_tm_"));
         assert_eq!(ports::ETCD_PEER_OFFSET, ports::ETCD_CLIENT_OFFSET + 1);
-        assert_eq!(ports::MAX_OFFSET, 103);
+        assert_eq!(ports::MAX_OFFSET, 104);
     }
 }

@@ -58,6 +58,9 @@ enum ClusterCmd {
         dir: PathBuf,
         #[arg(long, default_value_t = cluster::DEFAULT_BASE_PORT)]
         base_port: u16,
+        /// Also start a standby coordinator (P+104) that takes over when the first one dies.
+        #[arg(long)]
+        standby_coordinator: bool,
     },
     /// Start the coordinator again after it stopped or crashed (the rest of the cluster keeps
     /// running); it resumes the migrations it was running: those past the Tm decision
@@ -290,11 +293,13 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
             nodes,
             dir,
             base_port,
+            standby_coordinator,
         } => {
             let state = cluster::up(&UpOptions {
                 dir,
                 nodes,
                 base_port,
+                standby_coordinator,
             })
             .await?;
             println!("pg_remus cluster up in {}", state.dir.display());

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::Parser;
+use coordinator::leader;
 use coordinator::migration::MigrationStore;
 use coordinator::node_registry::NodeRegistry;
 use std::sync::Arc;
@@ -53,6 +54,11 @@ struct Args {
     /// can be armed without it.
     #[arg(long)]
     failpoint_dir: Option<std::path::PathBuf>,
+    /// TTL of the etcd lease behind this coordinator's leadership (`coordinator::leader`): a
+    /// standby takes over this long after the leader dies; a leader that cannot renew its
+    /// lease for this long stops its migrations and starts again as a standby.
+    #[arg(long, default_value_t = 5)]
+    lease_ttl_secs: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -81,9 +87,22 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result<()> {
-    let etcd = etcd_client::Client::connect([args.etcd.as_str()], None)
-        .await
-        .with_context(|| format!("connecting to etcd at {}", args.etcd))?;
+    let etcd = leader::connect_etcd(&args.etcd).await;
+    // A standby waits here, without listening, until the leader's lease is gone; nothing of a
+    // migration runs before this process is the leader.
+    let me = format!("http://{}", args.listen);
+    let lease = tokio::select! {
+        lease = leader::become_leader(
+            etcd.clone(),
+            &args.cluster,
+            &me,
+            Duration::from_secs(args.lease_ttl_secs),
+        ) => lease,
+        _ = shutdown_signal() => {
+            tracing::info!("standby coordinator stopped");
+            return Ok(());
+        }
+    };
     let resuming = Resuming::starting();
     let service = CoordinatorService {
         nodes: NodeRegistry::new(etcd.clone(), &args.cluster),
@@ -114,7 +133,7 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
         service.nodes.clone(),
         resuming,
     ));
-    tracing::info!(listen = %args.listen, etcd = %args.etcd, cluster = %args.cluster, "coordinator serving");
+    tracing::info!(listen = %args.listen, etcd = %args.etcd, cluster = %args.cluster, lease, "coordinator serving");
     tonic::transport::Server::builder()
         .add_service(CoordinatorServer::new(service))
         .serve_with_shutdown(args.listen, shutdown_signal())

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Result};
 
 use super::postgres::pg_bindir;
-use super::state::{ClusterState, START_TIMEOUT};
+use super::state::{endpoint, ClusterState, DaemonState, START_TIMEOUT};
 use crate::process::{self, pid_alive};
 
 /// A daemon binary next to remusctl's own.
@@ -91,31 +91,78 @@ pub(super) fn start_replay_worker(state: &mut ClusterState, bin: &Path) -> Resul
 
 /// Starts the coordinator of the cluster in `dir` again (after it stopped or crashed), with the
 /// rest of the cluster left as it is; the new coordinator resumes the migrations its
-/// predecessor was running (`coordinator::resume`).
+/// predecessor was running (`coordinator::resume`). With a standby configured, whichever of the
+/// two is not running is started; one that finds the other leading waits as the standby.
 pub async fn start_coordinator_again(dir: &Path) -> Result<ClusterState> {
     let mut state = ClusterState::load(dir)?;
-    if let Some(pid) = state.coordinator.live_pid() {
+    let stopped: Vec<Role> = [Role::First, Role::Standby]
+        .into_iter()
+        .filter(|r| r.daemon(&state).is_some_and(|d| d.live_pid().is_none()))
+        .collect();
+    if stopped.is_empty() {
         bail!(
-            "the coordinator of {} is running (pid {pid})",
-            state.dir.display()
-        );
-    }
-    if process::port_in_use(state.coordinator.port) {
-        bail!(
-            "port {} of the coordinator is in use on 127.0.0.1",
-            state.coordinator.port
+            "the coordinator of {} is running (pid {})",
+            state.dir.display(),
+            state.coordinator.live_pid().unwrap_or_default()
         );
     }
     let bin = sibling_binary("coordinator", "remus-coordinator")?;
-    start_coordinator(&mut state, &bin).await?;
-    state.save()?;
+    for role in stopped {
+        let port = role.daemon(&state).map(|d| d.port).unwrap_or_default();
+        if process::port_in_use(port) {
+            bail!("port {port} of the {} is in use on 127.0.0.1", role.what());
+        }
+        start_coordinator(&mut state, &bin, role).await?;
+        state.save()?;
+    }
     Ok(state)
 }
 
-pub(super) async fn start_coordinator(state: &mut ClusterState, bin: &Path) -> Result<()> {
+/// Which of a cluster's coordinators (decision 0010).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Role {
+    /// `coordinator` in the state file, on P+102: the leader of a new cluster.
+    First,
+    /// `standby_coordinator`, on P+104.
+    Standby,
+}
+
+impl Role {
+    fn daemon(self, state: &ClusterState) -> Option<&DaemonState> {
+        match self {
+            Role::First => Some(&state.coordinator),
+            Role::Standby => state.standby_coordinator.as_ref(),
+        }
+    }
+
+    fn daemon_mut(self, state: &mut ClusterState) -> Option<&mut DaemonState> {
+        match self {
+            Role::First => Some(&mut state.coordinator),
+            Role::Standby => state.standby_coordinator.as_mut(),
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Role::First => "coordinator",
+            Role::Standby => "standby coordinator",
+        }
+    }
+}
+
+/// Starts one coordinator and waits until it either serves (it is the leader) or says in its
+/// log that it waits as the standby (a standby does not listen).
+pub(super) async fn start_coordinator(
+    state: &mut ClusterState,
+    bin: &Path,
+    role: Role,
+) -> Result<()> {
+    let Some(daemon) = role.daemon(state).cloned() else {
+        bail!("this cluster has no {}", role.what());
+    };
     let mut cmd = Command::new(bin);
     cmd.arg("--listen")
-        .arg(format!("127.0.0.1:{}", state.coordinator.port))
+        .arg(format!("127.0.0.1:{}", daemon.port))
         .arg("--etcd")
         .arg(format!("http://127.0.0.1:{}", state.etcd.port))
         .arg("--cluster")
@@ -126,33 +173,49 @@ pub(super) async fn start_coordinator(state: &mut ClusterState, bin: &Path) -> R
         .arg(&state.pgpass)
         .arg("--failpoint-dir")
         .arg(state.failpoint_dir());
-    let pid = process::spawn_daemon(&mut cmd, &state.coordinator.log)?;
-    state.coordinator.pid = Some(pid);
+    // Only what this start writes counts: the log is appended to across restarts.
+    let log_start = std::fs::metadata(&daemon.log).map(|m| m.len()).unwrap_or(0);
+    let pid = process::spawn_daemon(&mut cmd, &daemon.log)?;
+    if let Some(d) = role.daemon_mut(state) {
+        d.pid = Some(pid);
+    }
     let deadline = Instant::now() + START_TIMEOUT;
-    let endpoint = state.coordinator_endpoint();
+    let own = endpoint(daemon.port);
     loop {
         if !pid_alive(pid) {
             bail!(
-                "coordinator exited during start; see {}:\n{}",
-                state.coordinator.log.display(),
-                process::log_tail(&state.coordinator.log, 15)
+                "{} exited during start; see {}:\n{}",
+                role.what(),
+                daemon.log.display(),
+                process::log_tail(&daemon.log, 15)
             );
         }
-        if let Ok(h) = coordinator::client::health(&endpoint).await {
+        if let Ok(h) = coordinator::client::health(&own).await {
             if h.etcd_ok {
                 return Ok(());
             }
         }
+        if log_since(&daemon.log, log_start).contains(coordinator::leader::STANDBY_LINE) {
+            return Ok(());
+        }
         if Instant::now() > deadline {
             bail!(
-                "coordinator on port {} did not become healthy within {:?}; see {}",
-                state.coordinator.port,
+                "{} on port {} neither served nor waited as the standby within {:?}; see {}",
+                role.what(),
+                daemon.port,
                 START_TIMEOUT,
-                state.coordinator.log.display()
+                daemon.log.display()
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// What `log` holds past byte `from`.
+fn log_since(log: &Path, from: u64) -> String {
+    std::fs::read(log)
+        .map(|b| String::from_utf8_lossy(b.get(from as usize..).unwrap_or_default()).into_owned())
+        .unwrap_or_default()
 }
 
 fn wait_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
@@ -172,6 +235,18 @@ fn wait_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Res
 pub fn stop_all(state: &mut ClusterState) -> Result<Vec<String>> {
     let mut report = Vec::new();
     let mut failures = Vec::new();
+    // The standby first: stopped after the leader, it would take over and resume migrations
+    // on nodes being stopped.
+    if let Some(pid) = state
+        .standby_coordinator
+        .as_ref()
+        .and_then(|d| d.live_pid())
+    {
+        match process::stop_pid(pid, Duration::from_secs(10)) {
+            Ok(()) => report.push(format!("standby coordinator (pid {pid}) stopped")),
+            Err(e) => failures.push(format!("standby coordinator: {e}")),
+        }
+    }
     if let Some(pid) = state.coordinator.live_pid() {
         match process::stop_pid(pid, Duration::from_secs(10)) {
             Ok(()) => report.push(format!("coordinator (pid {pid}) stopped")),
@@ -218,6 +293,9 @@ pub fn stop_all(state: &mut ClusterState) -> Result<Vec<String>> {
         }
     }
     state.coordinator.pid = None;
+    if let Some(d) = state.standby_coordinator.as_mut() {
+        d.pid = None;
+    }
     state.replay_worker.pid = None;
     state.etcd.pid = None;
     state.save()?;

@@ -10,7 +10,9 @@
 //!   coordinator's failpoints (empty unless a test arms one).
 //!
 //! Ports: nodes P..P+N-1, etcd client P+100 and peer P+101, coordinator gRPC P+102, replay
-//! worker gRPC P+103 ([`remus_proto::names::ports`]).
+//! worker gRPC P+103, standby coordinator gRPC P+104 (`--standby-coordinator`, decision 0010;
+//! the nodes' `remus.coordinator_address` lists both coordinators)
+//! ([`remus_proto::names::ports`]).
 //!
 //! - `state`: the state file and the plan of a new cluster.
 //! - `postgres`: initdb, configuration, starting and connecting to the nodes.
@@ -31,7 +33,7 @@ mod postgres;
 mod state;
 mod status;
 
-use daemons::{sibling_binary, start_coordinator, start_etcd, start_replay_worker};
+use daemons::{sibling_binary, start_coordinator, start_etcd, start_replay_worker, Role};
 pub use daemons::{start_coordinator_again, stop_all};
 pub use postgres::{connect, pg_bindir};
 use postgres::{init_node, start_node};
@@ -80,6 +82,9 @@ fn preflight(state: &ClusterState) -> Result<Binaries> {
     ports.push(("etcd client".into(), state.etcd.port));
     ports.push(("etcd peer".into(), state.etcd_peer_port()));
     ports.push(("coordinator".into(), state.coordinator.port));
+    if let Some(standby) = &state.standby_coordinator {
+        ports.push(("standby coordinator".into(), standby.port));
+    }
     ports.push(("replay worker".into(), state.replay_worker.port));
     for (what, port) in ports {
         if process::port_in_use(port) {
@@ -141,15 +146,20 @@ fn ensure_postgres_can_reach(dir: &Path) -> Result<()> {
 
 async fn start_all(state: &mut ClusterState, password: &str, binaries: &Binaries) -> Result<()> {
     for node in &state.nodes {
-        init_node(node, password, state.coordinator.port)?;
+        init_node(node, password, &state.coordinator_endpoint())?;
         start_node(state, node)?;
     }
     start_etcd(state)?;
     state.save()?;
     start_replay_worker(state, &binaries.replay_worker)?;
     state.save()?;
-    start_coordinator(state, &binaries.coordinator).await?;
+    // The first coordinator wins the leadership of a new cluster; the standby waits behind it.
+    start_coordinator(state, &binaries.coordinator, Role::First).await?;
     state.save()?;
+    if state.standby_coordinator.is_some() {
+        start_coordinator(state, &binaries.coordinator, Role::Standby).await?;
+        state.save()?;
+    }
     for node in &state.nodes {
         let client = connect(node, password).await?;
         client

@@ -15,7 +15,7 @@ pub fn pg_bindir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin"))
 }
 
-pub(super) fn init_node(node: &NodeState, password: &str, coordinator_port: u16) -> Result<()> {
+pub(super) fn init_node(node: &NodeState, password: &str, coordinator_address: &str) -> Result<()> {
     let node_dir = node.data_dir.parent().expect("data dir has a parent");
     fs::create_dir_all(&node.socket_dir)?;
     process::chown_postgres(node_dir)?;
@@ -52,7 +52,7 @@ pub(super) fn init_node(node: &NodeState, password: &str, coordinator_port: u16)
     fs::write(&conf, main)?;
     fs::write(
         node.data_dir.join("remus.conf"),
-        remus_conf(node, coordinator_port),
+        remus_conf(node, coordinator_address),
     )?;
     fs::write(node.data_dir.join("pg_hba.conf"), PG_HBA)?;
     for f in ["remus.conf", "pg_hba.conf"] {
@@ -71,7 +71,7 @@ host    replication  all   127.0.0.1/32  scram-sha-256
 ";
 
 /// Settings Remus needs on every node (`docs/design/DESIGN.md` section 7); all need a restart.
-fn remus_conf(node: &NodeState, coordinator_port: u16) -> String {
+fn remus_conf(node: &NodeState, coordinator_address: &str) -> String {
     format!(
         "# Written by remusctl cluster up; edits are kept across restarts.
 listen_addresses = '127.0.0.1'
@@ -91,12 +91,12 @@ shared_buffers = '128MB'
 log_line_prefix = '%m [%p] {name} %q%u@%d '
 log_min_messages = warning
 remus.node_name = '{name}'
-remus.coordinator_address = 'http://127.0.0.1:{coordinator_port}'
+remus.coordinator_address = '{coordinator_address}'
 ",
         port = node.port,
         sock = node.socket_dir.display(),
         name = node.name,
-        coordinator_port = coordinator_port,
+        coordinator_address = coordinator_address,
     )
 }
 
@@ -159,16 +159,17 @@ mod tests {
             dir: dir.path().into(),
             nodes: 2,
             base_port: 7001,
+            standby_coordinator: true,
         })
         .unwrap();
-        let conf = remus_conf(&s.nodes[1], s.coordinator.port);
+        let conf = remus_conf(&s.nodes[1], &s.coordinator_endpoint());
         for needle in [
             "wal_level = logical",
             "track_commit_timestamp = on",
             "shared_preload_libraries = 'pg_remus'",
             "remus.node_name = 'n2'",
             "port = 7002",
-            "remus.coordinator_address = 'http://127.0.0.1:7103'",
+            "remus.coordinator_address = 'http://127.0.0.1:7103,http://127.0.0.1:7105'",
             "max_replication_slots = 64",
         ] {
             assert!(conf.contains(needle), "missing {needle}");

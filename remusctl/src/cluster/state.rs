@@ -19,6 +19,9 @@ pub struct UpOptions {
     pub dir: PathBuf,
     pub nodes: usize,
     pub base_port: u16,
+    /// A second coordinator on P+104 that takes over when the first one's etcd lease ends
+    /// (decision 0010).
+    pub standby_coordinator: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -71,6 +74,9 @@ pub struct ClusterState {
     pub etcd: DaemonState,
     pub coordinator: DaemonState,
     pub replay_worker: DaemonState,
+    /// The standby coordinator, if `up` started one (absent from older state files).
+    #[serde(default)]
+    pub standby_coordinator: Option<DaemonState>,
 }
 
 impl ClusterState {
@@ -127,12 +133,23 @@ impl ClusterState {
         self.etcd.port + (ports::ETCD_PEER_OFFSET - ports::ETCD_CLIENT_OFFSET)
     }
 
+    /// Every coordinator's gRPC address, comma-separated, the first coordinator first: what
+    /// the nodes' `remus.coordinator_address` holds and what `coordinator::client::connect`
+    /// takes (only the leader listens).
     pub fn coordinator_endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.coordinator.port)
+        self.coordinators()
+            .map(|d| endpoint(d.port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The coordinators `up` started: the first one, then the standby if any.
+    pub fn coordinators(&self) -> impl Iterator<Item = &DaemonState> {
+        std::iter::once(&self.coordinator).chain(self.standby_coordinator.as_ref())
     }
 
     pub fn replay_worker_endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.replay_worker.port)
+        endpoint(self.replay_worker.port)
     }
 
     /// Every component that is running now, as (component, pid).
@@ -147,6 +164,9 @@ impl ClusterState {
         }
         if let Some(p) = self.coordinator.live_pid() {
             out.push(("coordinator".into(), p));
+        }
+        if let Some(p) = self.standby_coordinator.as_ref().and_then(|d| d.live_pid()) {
+            out.push(("standby coordinator".into(), p));
         }
         if let Some(p) = self.replay_worker.live_pid() {
             out.push(("replay worker".into(), p));
@@ -183,11 +203,22 @@ pub(super) fn plan(opts: &UpOptions) -> Result<ClusterState> {
                 state.base_port
             );
         }
+        // The nodes' remus.coordinator_address was written at initdb and lists the coordinators.
+        if state.standby_coordinator.is_some() != opts.standby_coordinator {
+            bail!(
+                "{} holds a stopped cluster {} a standby coordinator; start it the same way or remove the directory",
+                dir.display(),
+                if state.standby_coordinator.is_some() { "with" } else { "without" }
+            );
+        }
         return Ok(state);
     }
     let top = u32::from(opts.base_port) + u32::from(ports::MAX_OFFSET);
     if top > 65535 || opts.base_port < 1024 {
-        bail!("--base-port must leave room for ports P..P+102 within 1024..65535");
+        bail!(
+            "--base-port must leave room for ports P..P+{} within 1024..65535",
+            ports::MAX_OFFSET
+        );
     }
     let nodes = (1..=opts.nodes)
         .map(|i| {
@@ -221,9 +252,25 @@ pub(super) fn plan(opts: &UpOptions) -> Result<ClusterState> {
             pid: None,
             log: dir.join("logs").join("replay-worker.log"),
         },
+        standby_coordinator: opts
+            .standby_coordinator
+            .then(|| standby_coordinator(&dir, opts.base_port)),
         nodes,
         dir,
     })
+}
+
+fn standby_coordinator(dir: &Path, base_port: u16) -> DaemonState {
+    DaemonState {
+        port: base_port + ports::STANDBY_COORDINATOR_OFFSET,
+        pid: None,
+        log: dir.join("logs").join("coordinator-standby.log"),
+    }
+}
+
+/// A gRPC address on loopback.
+pub(super) fn endpoint(port: u16) -> String {
+    format!("http://127.0.0.1:{port}")
 }
 
 fn absolute(dir: &Path) -> Result<PathBuf> {
@@ -258,6 +305,7 @@ mod tests {
             dir: dir.path().into(),
             nodes: 3,
             base_port: 7001,
+            standby_coordinator: false,
         })
         .unwrap();
         let ports: Vec<u16> = s.nodes.iter().map(|n| n.port).collect();
@@ -273,13 +321,15 @@ mod tests {
         assert!(plan(&UpOptions {
             dir: dir.path().into(),
             nodes: 0,
-            base_port: 7001
+            base_port: 7001,
+            standby_coordinator: false,
         })
         .is_err());
         assert!(plan(&UpOptions {
             dir: dir.path().into(),
             nodes: 3,
-            base_port: 65500
+            base_port: 65500,
+            standby_coordinator: false,
         })
         .is_err());
     }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 
+use super::state::endpoint;
 use super::ClusterState;
 use crate::process;
 
@@ -35,18 +36,29 @@ pub async fn status(state: &ClusterState) -> Vec<ComponentStatus> {
         pid,
         log: state.etcd.log.clone(),
     });
-    let pid = state.coordinator.live_pid();
-    let healthy = pid.is_some()
-        && coordinator::client::health(&state.coordinator_endpoint())
-            .await
-            .is_ok();
-    out.push(ComponentStatus {
-        component: "coordinator".into(),
-        address: format!("127.0.0.1:{}", state.coordinator.port),
-        up: healthy,
-        pid,
-        log: state.coordinator.log.clone(),
-    });
+    // Only the leader answers; a live standby is up too (it waits, by design, without a port).
+    let with_standby = state.standby_coordinator.is_some();
+    for (i, d) in state.coordinators().enumerate() {
+        let pid = d.live_pid();
+        let leading = pid.is_some() && coordinator::client::health(&endpoint(d.port)).await.is_ok();
+        let name = if i == 0 {
+            "coordinator"
+        } else {
+            "standby coordinator"
+        };
+        out.push(ComponentStatus {
+            component: match (with_standby, leading, pid.is_some()) {
+                (false, _, _) => name.to_string(),
+                (true, true, _) => format!("{name} (leader)"),
+                (true, false, true) => format!("{name} (standby)"),
+                (true, false, false) => name.to_string(),
+            },
+            address: format!("127.0.0.1:{}", d.port),
+            up: leading || (with_standby && pid.is_some()),
+            pid,
+            log: d.log.clone(),
+        });
+    }
     let pid = state.replay_worker.live_pid();
     out.push(ComponentStatus {
         component: "replay worker".into(),
