@@ -6,14 +6,11 @@
 //! The gRPC client runs on the backend's runtime (`cluster::rpc`), which serves interrupts
 //! (cancel, statement_timeout, terminate) within 100 ms.
 
-use std::time::Duration;
-
 use pgrx::prelude::*;
 use remus_proto::sqlstate::SqlState;
-use remus_proto::v1::coordinator_client::CoordinatorClient;
 use remus_proto::v1::{ListMigrationsRequest, MigrateShardsRequest, Migration};
 
-use crate::cluster::rpc::block_on;
+use crate::cluster::rpc::{block_on, connect_coordinator};
 use crate::error::{RemusError, COORDINATOR_NODE};
 
 fn address() -> Result<String, RemusError> {
@@ -36,31 +33,15 @@ fn status_error(status: tonic::Status) -> RemusError {
     }
 }
 
-async fn connect(
-    address: &str,
-) -> Result<CoordinatorClient<tonic::transport::Channel>, RemusError> {
-    let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())
-        .map_err(|e| RemusError::BadCoordinatorAddress {
-            address: address.to_string(),
-            reason: e.to_string(),
-        })?
-        .connect_timeout(Duration::from_secs(5));
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| RemusError::CoordinatorUnreachable {
-            address: address.to_string(),
-            reason: e.to_string(),
-        })?;
-    Ok(CoordinatorClient::new(channel))
-}
-
 fn migrate(
     shard_ids: Vec<i64>,
     target: &str,
     mode: &str,
     what: &std::ffi::CStr,
 ) -> Result<Migration, RemusError> {
+    // Checked here, before the coordinator is asked: it moves the shard with the cluster's own
+    // credentials, so any role that could reach it could move any shard.
+    crate::migration::state::require_superuser(&what.to_string_lossy().replace("()", ""));
     let address = address()?;
     // The migration runs its own cross-node transactions; waiting for it inside a transaction
     // block would hold this transaction's snapshot and locks across the whole move.
@@ -76,7 +57,7 @@ fn migrate(
         requested_by,
     };
     let last = block_on(async {
-        let mut client = connect(&address).await?;
+        let mut client = connect_coordinator(&address).await?;
         let mut events = client
             .migrate_shards(request)
             .await
@@ -246,7 +227,7 @@ mod remus {
     > {
         let result = address().and_then(|address| {
             block_on(async {
-                let mut client = connect(&address).await?;
+                let mut client = connect_coordinator(&address).await?;
                 client
                     .list_migrations(ListMigrationsRequest {})
                     .await

@@ -5,6 +5,7 @@ use pgrx::spi::Spi;
 
 use crate::cluster::nodes::{add_node, all_nodes, lookup};
 use crate::error::{OrRaise, RemusError};
+use crate::migration::state::require_superuser;
 
 pgrx::extension_sql!(
     r#"
@@ -19,8 +20,10 @@ COMMENT ON VIEW remus_nodes IS 'Nodes this node knows: name, host, port';
 
 /// Adds a node to this node's catalog. Adding the same name with the same address again is a
 /// no-op, so provisioning can be re-run; another address for a known name is refused (42710).
+/// Superuser only, like every function that changes the cluster (42501).
 #[pg_extern]
 fn remus_add_node(name: &str, host: &str, port: i32) {
+    require_superuser("remus_add_node");
     add_node(name, host, port).or_raise();
 }
 
@@ -35,9 +38,11 @@ fn remus_local_node() -> String {
 /// Runs a command on another node inside the current transaction; with several writing nodes
 /// the transaction commits by two-phase commit. Returns the number of rows it affected.
 /// Running it on this node itself is refused: the remote backend would wait on our own locks,
-/// a deadlock no detector sees.
+/// a deadlock no detector sees. Superuser only whatever the grants: the command runs there as
+/// the cluster's own (superuser) connection.
 #[pg_extern]
 fn remus_run_on_node(node: &str, command: &str) -> i64 {
+    require_superuser("remus_run_on_node");
     let run = || -> Result<i64, RemusError> {
         if crate::guc::node_name().as_deref() == Some(node) {
             return Err(RemusError::NodeIsSelf {
@@ -84,8 +89,9 @@ fn remove_node(name: &str) -> Result<(), RemusError> {
 }
 
 /// Removes a node from the cluster's membership on every node. Refused (55006) while the node
-/// owns shards.
+/// owns shards. Superuser only (42501).
 #[pg_extern]
 fn remus_remove_node(name: &str) {
+    require_superuser("remus_remove_node");
     remove_node(name).or_raise();
 }

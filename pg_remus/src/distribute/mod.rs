@@ -445,10 +445,15 @@ mod remus {
     #[pg_extern(stable, strict, parallel_safe)]
     fn shard_id_for(relid: pg_sys::Oid, value: AnyElement) -> i64 {
         let run = || -> Result<i64, RemusError> {
-            let t =
-                crate::catalog::dist_table(relid)?.ok_or_else(|| RemusError::NotDistributed {
-                    oid: relid.to_u32(),
-                })?;
+            let Some(t) = crate::catalog::dist_table(relid)? else {
+                // Named as the caller wrote it (regclass text), not by oid.
+                let table = Spi::get_one_with_args::<String>(
+                    "SELECT $1::regclass::text",
+                    &[relid.into()],
+                )?
+                .unwrap_or_else(|| relid.to_u32().to_string());
+                return Err(RemusError::NotDistributed { table });
+            };
             if t.kind != 'h' {
                 return Err(RemusError::ReferenceTableHasOneShard {
                     table: t.qualified_name,
@@ -485,6 +490,11 @@ CREATE FUNCTION remus_create_reference_table(table_name regclass) RETURNS void
 LANGUAGE sql VOLATILE AS $$ SELECT remus.create_reference_table(table_name::oid) $$;
 COMMENT ON FUNCTION remus_create_reference_table(regclass) IS
     'Copy a table to every node: reads are local, writes go to every node in one 2PC transaction';
+
+-- Distributing a table writes the catalog of every node: superuser only, like the rest of the
+-- cluster administration (a plain role gets 42501 naming the function).
+REVOKE EXECUTE ON FUNCTION remus_create_distributed_table(regclass, text, int, regclass) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION remus_create_reference_table(regclass) FROM PUBLIC;
 
 CREATE FUNCTION remus_shard_id_for(table_name regclass, value anyelement) RETURNS bigint
 LANGUAGE sql STABLE STRICT AS $$ SELECT remus.shard_id_for(table_name::oid, value) $$;

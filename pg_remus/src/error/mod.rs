@@ -29,6 +29,8 @@ mod pg_code {
     pub(super) const CONFIG_FILE_ERROR: SqlState = SqlState("F0000");
     /// `23502` not_null_violation.
     pub(super) const NOT_NULL_VIOLATION: SqlState = SqlState("23502");
+    /// `53000` insufficient_resources.
+    pub(super) const INSUFFICIENT_RESOURCES: SqlState = SqlState("53000");
     /// `25P02` in_failed_sql_transaction.
     pub(super) const IN_FAILED_SQL_TRANSACTION: SqlState = SqlState("25P02");
 }
@@ -87,8 +89,8 @@ pub enum RemusError {
     ShardCountOutOfRange { shard_count: i32, max: i32 },
     #[error("relation with oid {oid} does not exist")]
     NoSuchRelation { oid: u32 },
-    #[error("relation with oid {oid} is not a distributed table")]
-    NotDistributed { oid: u32 },
+    #[error("{table} is not a distributed table")]
+    NotDistributed { table: String },
     #[error("relation {relid:?} has no columns")]
     NoColumns { relid: pgrx::pg_sys::Oid },
     #[error("distributed table disappeared")]
@@ -191,6 +193,14 @@ pub enum RemusError {
         migration_id: i64,
         shard_id: i64,
     },
+    #[error("{what} would freeze rows of shard {shard_id}, which shard migration {migration_id} is moving (frozen rows hide destination writes from its write-write conflict check); retry when the migration has ended")]
+    FreezeDuringMigration {
+        what: String,
+        migration_id: i64,
+        shard_id: i64,
+    },
+    #[error("this backend (pgprocno {procno}) is beyond the {max} backends the sync barrier of shard migrations tracks, so it cannot commit a write to a migrating shard before the barrier; retry on another connection, or lower max_connections")]
+    BarrierUntracked { procno: i32, max: usize },
     #[error("shard {shard_id} is already registered by migration {migration_id}")]
     ShardAlreadyRegistered { shard_id: i64, migration_id: i64 },
     #[error("too many concurrent migrations on this node (at most {max})")]
@@ -210,6 +220,16 @@ pub enum RemusError {
     AbortedByMigration { migration_id: i64 },
     #[error("shard {shard_id} was moved by shard migration {migration_id}; retry the transaction")]
     ShardMoved { shard_id: i64, migration_id: i64 },
+    /// A write reached the old owner's copy while this node holds no state of the migration
+    /// that moves it (lost in a restart): unvalidated, it would be dropped with the copy.
+    #[error("shard {shard_id} now belongs to node {owner}; this node lost the state of the migration that moved it in a restart, so its copy here takes no more writes; retry the transaction (it will run on the new owner)")]
+    ShardMovedAcrossRestart { shard_id: i64, owner: String },
+    #[error("the ownership change of shard {shard_id} (shard migration {migration_id}) is still undecided on this node after {waited_ms} ms (remus.in_doubt_wait_timeout); retry when the coordinator has completed it")]
+    OwnershipInDoubt {
+        shard_id: i64,
+        migration_id: i64,
+        waited_ms: i64,
+    },
     #[error("could not serialize access: write-write conflict on the destination of shard migration {migration_id}: {conflict}")]
     MigrationConflict { migration_id: i64, conflict: String },
     #[error("commit could not be validated on the destination of shard migration {migration_id}: replay worker {endpoint}: {message}")]
@@ -307,14 +327,18 @@ impl RemusError {
             Self::NodeOwnsShards { .. }
             | Self::TableMigrating { .. }
             | Self::ShardAlreadyRegistered { .. }
+            | Self::FreezeDuringMigration { .. }
             | Self::TooManyMigrations { .. }
             | Self::TooManyMigratingShards { .. }
-            | Self::GateHeld { .. } => SqlState::OBJECT_IN_USE.code(),
+            | Self::GateHeld { .. }
+            | Self::OwnershipInDoubt { .. } => SqlState::OBJECT_IN_USE.code(),
             Self::SuperuserRequired { .. } => SqlState::INSUFFICIENT_PRIVILEGE.code(),
+            Self::BarrierUntracked { .. } => pg_code::INSUFFICIENT_RESOURCES.code(),
             Self::NodeNameUnset => pg_code::CONFIG_FILE_ERROR.code(),
             Self::NodeVanished { .. }
             | Self::AbortedByMigration { .. }
             | Self::ShardMoved { .. }
+            | Self::ShardMovedAcrossRestart { .. }
             | Self::MigrationConflict { .. } => SqlState::SERIALIZATION_FAILURE.code(),
             // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.
             Self::SyncValidation { .. } => SqlState::SERIALIZATION_FAILURE.code(),
