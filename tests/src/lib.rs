@@ -1,5 +1,6 @@
 //! The integration tests' own fixtures. The cluster harness they run on is
 //! `remus_test_support::cluster`; what is here is workload, not harness.
 
+pub mod consistency;
 pub mod pgbench;
 pub mod shards;
