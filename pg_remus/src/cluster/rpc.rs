@@ -1,6 +1,9 @@
 //! gRPC from a backend: the coordinator (`api::migrate`) and the replay workers that validate
 //! and resolve dual-execution commits (`migration::dual`).
 //!
+//! `remus.coordinator_address` may list several coordinators, comma-separated; only the leader
+//! listens (decision 0010), so [`connect_coordinator`] takes the first that accepts, in order.
+//!
 //! The clients run on a current-thread tokio runtime owned by the backend. Every wait is sliced
 //! so that interrupts (cancel, statement_timeout, terminate) are served within 100 ms, outside
 //! the runtime.
@@ -11,11 +14,16 @@ use std::future::Future;
 use std::time::Duration;
 
 use pgrx::prelude::*;
+use remus_proto::v1::coordinator_client::CoordinatorClient;
 use remus_proto::v1::replay_worker_client::ReplayWorkerClient;
 
 use crate::error::RemusError;
 
 const SLICE: Duration = Duration::from_millis(100);
+
+/// How long one coordinator address may take to accept: a standby refuses at once, but a dead
+/// host must not hold up the next address for long.
+const COORDINATOR_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 thread_local! {
     static RUNTIME: std::cell::OnceCell<tokio::runtime::Runtime> = const { std::cell::OnceCell::new() };
@@ -75,4 +83,61 @@ pub(crate) fn client_for(
 /// Drops the cached client of `endpoint` (after a failed call), so the next call reconnects.
 pub(crate) fn forget_client(endpoint: &str) {
     CLIENTS.with(|c| c.borrow_mut().remove(endpoint));
+}
+
+/// The addresses of a `remus.coordinator_address` value, in order: comma-separated, blanks
+/// around each ignored, empty entries skipped.
+pub(crate) fn coordinator_addresses(setting: &str) -> Vec<&str> {
+    setting
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .collect()
+}
+
+/// A client of the first coordinator of `setting` (see [`coordinator_addresses`]) that
+/// accepts a connection: the leader. A malformed address is a configuration error at once; when
+/// none accepts, the error names each address with its reason.
+pub(crate) async fn connect_coordinator(
+    setting: &str,
+) -> Result<CoordinatorClient<tonic::transport::Channel>, RemusError> {
+    let mut failures = Vec::new();
+    for address in coordinator_addresses(setting) {
+        let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())
+            .map_err(|e| RemusError::BadCoordinatorAddress {
+                address: address.to_string(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(COORDINATOR_CONNECT_TIMEOUT);
+        match endpoint.connect().await {
+            Ok(channel) => return Ok(CoordinatorClient::new(channel)),
+            Err(e) => failures.push(format!("{address}: {e}")),
+        }
+    }
+    Err(RemusError::CoordinatorUnreachable {
+        address: setting.to_string(),
+        reason: if failures.is_empty() {
+            "no address given".to_string()
+        } else {
+            failures.join("; ")
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::coordinator_addresses;
+
+    #[test]
+    fn coordinator_addresses_are_a_comma_separated_list() {
+        assert_eq!(
+            coordinator_addresses("http://127.0.0.1:6102"),
+            vec!["http://127.0.0.1:6102"]
+        );
+        assert_eq!(
+            coordinator_addresses(" http://a:1 , http://b:2,, "),
+            vec!["http://a:1", "http://b:2"]
+        );
+        assert!(coordinator_addresses(" , ").is_empty());
+    }
 }
