@@ -86,7 +86,7 @@ pub fn register() {
     );
     GucRegistry::define_string_guc(
         c"remus.coordinator_address",
-        c"gRPC address of the pg_remus coordinator, e.g. http://127.0.0.1:6102.",
+        c"gRPC address of the pg_remus coordinator, e.g. http://127.0.0.1:6102; several, comma-separated, for a leader and its standbys (the first that accepts is used).",
         c"Used by remus_migrate_shard(), remus_migrate_shards() and the remus_migrations view.",
         &COORDINATOR_ADDRESS,
         GucContext::Sighup,
