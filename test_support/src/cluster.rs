@@ -64,12 +64,23 @@ impl TestCluster {
     /// process can still take one of them between the probe and the daemon's bind. A test that
     /// needs its cluster never passes on a broken start; it only survives a port race.
     pub fn start(nodes: usize) -> Result<Self> {
+        Self::start_with(nodes, &[])
+    }
+
+    /// Like [`start`](Self::start), with a standby coordinator (`cluster up
+    /// --standby-coordinator`, decision 0010): the nodes' `remus.coordinator_address` lists
+    /// both coordinators, the first one leads.
+    pub fn start_with_standby(nodes: usize) -> Result<Self> {
+        Self::start_with(nodes, &["--standby-coordinator"])
+    }
+
+    fn start_with(nodes: usize, up_args: &[&str]) -> Result<Self> {
         if nodes > usize::from(NODE_PORTS) {
             bail!("a test cluster has at most {NODE_PORTS} nodes, not {nodes}");
         }
         let mut last = None;
         for attempt in 1..=START_ATTEMPTS {
-            match Self::start_once(nodes) {
+            match Self::start_once(nodes, up_args) {
                 Ok(c) => return Ok(c),
                 Err(e) => {
                     eprintln!("test cluster start, attempt {attempt} of {START_ATTEMPTS}: {e:#}");
@@ -80,7 +91,7 @@ impl TestCluster {
         Err(last.expect("at least one attempt"))
     }
 
-    fn start_once(nodes: usize) -> Result<Self> {
+    fn start_once(nodes: usize, up_args: &[&str]) -> Result<Self> {
         let ports = PortBlock::reserve();
         let base_port = ports.base();
         // Under /tmp (world-searchable) so the postgres OS user can reach the data directories.
@@ -96,14 +107,17 @@ impl TestCluster {
             nodes,
             _ports: ports,
         };
-        let out = c.ctl(&[
+        let (nodes_arg, port_arg) = (nodes.to_string(), base_port.to_string());
+        let mut args = vec![
             "cluster",
             "up",
             "--nodes",
-            &nodes.to_string(),
+            &nodes_arg,
             "--base-port",
-            &base_port.to_string(),
-        ]);
+            &port_arg,
+        ];
+        args.extend_from_slice(up_args);
+        let out = c.ctl(&args);
         if !out.status.success() {
             // Dropping `c` runs `cluster down`: whatever did start is stopped before the retry.
             bail!(
@@ -213,6 +227,44 @@ impl TestCluster {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         Ok(())
+    }
+
+    /// The port of the coordinator that leads now: of a cluster's coordinators, only the leader
+    /// listens (decision 0010). None while none does (a takeover in progress).
+    pub fn leading_coordinator_port(&self) -> Result<Option<u16>> {
+        let state = self.state()?;
+        let leading = state
+            .coordinators()
+            .filter(|d| d.live_pid().is_some())
+            .map(|d| d.port)
+            .find(|p| remusctl::process::tcp_reachable(*p));
+        Ok(leading)
+    }
+
+    /// Kills the coordinator that leads now with SIGKILL and waits until it is gone; returns
+    /// the port it served on.
+    pub fn kill_leading_coordinator(&self) -> Result<u16> {
+        let Some(port) = self.leading_coordinator_port()? else {
+            bail!("no coordinator leads")
+        };
+        let state = self.state()?;
+        let leader = state
+            .coordinators()
+            .find(|d| d.port == port)
+            .expect("the port is one of the coordinators'");
+        let Some(pid) = leader.live_pid() else {
+            bail!("the coordinator on port {port} is not running")
+        };
+        // SAFETY: plain syscall on a PID the cluster recorded for one of its coordinators.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let started = std::time::Instant::now();
+        while remusctl::process::pid_alive(pid) {
+            if started.elapsed() > std::time::Duration::from_secs(30) {
+                bail!("the coordinator (pid {pid}) survived SIGKILL");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok(port)
     }
 
     /// `remusctl cluster start-coordinator`: the coordinator again, the rest as it is.
