@@ -41,10 +41,11 @@ pub async fn status(state: &ClusterState) -> Vec<ComponentStatus> {
     for (i, d) in state.coordinators().enumerate() {
         let pid = d.live_pid();
         let leading = pid.is_some() && coordinator::client::health(&endpoint(d.port)).await.is_ok();
+        // Named by place (P+102, P+104): which one leads changes with every takeover.
         let name = if i == 0 {
             "coordinator"
         } else {
-            "standby coordinator"
+            "coordinator 2"
         };
         out.push(ComponentStatus {
             component: match (with_standby, leading, pid.is_some()) {
