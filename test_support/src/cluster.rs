@@ -371,6 +371,184 @@ impl TestCluster {
     }
 }
 
+/// Crash helpers: kill -9 of one component and its start again the way an operator would, for
+/// the fault matrix (`tests/tests/fault_matrix.rs`).
+impl TestCluster {
+    /// Kills node `name`'s PostgreSQL with SIGKILL, the postmaster and every process it started
+    /// (a crash of the server, not a clean stop: nothing is flushed or cleaned up), and waits
+    /// until all of them are gone, so that [`start_node`](Self::start_node) finds the shared
+    /// memory free and runs crash recovery.
+    pub fn kill_node(&self, name: &str) -> Result<()> {
+        let state = self.state()?;
+        let Some(pid) = state.node(name)?.postmaster_pid() else {
+            bail!("node {name} is not running")
+        };
+        // Stopped first, so that it forks no child between the listing and the kill.
+        // SAFETY: plain syscall on the postmaster recorded in the node's pid file.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let mut pids = children_of(pid);
+        pids.push(pid);
+        for p in &pids {
+            // SAFETY: plain syscall on the postmaster and its children; a PID that is gone
+            // already yields ESRCH.
+            unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+        }
+        wait_gone(&pids, &format!("node {name}"))
+    }
+
+    /// Kills the replay worker with SIGKILL and waits until it is gone.
+    pub fn kill_replay_worker(&self) -> Result<()> {
+        let Some(pid) = self.state()?.replay_worker.live_pid() else {
+            bail!("the replay worker is not running")
+        };
+        kill9(pid, "the replay worker")
+    }
+
+    /// Starts the replay worker again on its port (as `cluster up` does) and records its PID in
+    /// the cluster's state, so that `cluster down` stops it.
+    pub fn start_replay_worker_again(&self) -> Result<()> {
+        let mut state = self.state()?;
+        if let Some(pid) = state.replay_worker.live_pid() {
+            bail!("the replay worker is running (pid {pid})");
+        }
+        let port = state.replay_worker.port;
+        let pid = remusctl::process::spawn_daemon(
+            Command::new(bin_dir().join("remus-replay-worker"))
+                .arg("--listen")
+                .arg(format!("127.0.0.1:{port}")),
+            &state.replay_worker.log,
+        )?;
+        state.replay_worker.pid = Some(pid);
+        save_state(&state)?;
+        wait_ready(pid, "the replay worker", || {
+            remusctl::process::port_in_use(port)
+        })
+    }
+
+    /// Kills etcd with SIGKILL and waits until it is gone.
+    pub fn kill_etcd(&self) -> Result<()> {
+        let Some(pid) = self.state()?.etcd.live_pid() else {
+            bail!("etcd is not running")
+        };
+        kill9(pid, "etcd")
+    }
+
+    /// Starts etcd again on its data directory and ports (as `cluster up` does) and records its
+    /// PID in the cluster's state; returns once it reports healthy.
+    pub fn start_etcd_again(&self) -> Result<()> {
+        let mut state = self.state()?;
+        if let Some(pid) = state.etcd.live_pid() {
+            bail!("etcd is running (pid {pid})");
+        }
+        let client = format!("http://127.0.0.1:{}", state.etcd.port);
+        let peer = format!("http://127.0.0.1:{}", state.etcd_peer_port());
+        let pid = remusctl::process::spawn_daemon(
+            Command::new("etcd")
+                .arg("--name")
+                .arg("remus")
+                .arg("--data-dir")
+                .arg(state.dir.join("etcd"))
+                .args(["--listen-client-urls", &client])
+                .args(["--advertise-client-urls", &client])
+                .args(["--listen-peer-urls", &peer])
+                .args(["--initial-advertise-peer-urls", &peer])
+                .arg("--initial-cluster")
+                .arg(format!("remus={peer}")),
+            &state.etcd.log,
+        )?;
+        state.etcd.pid = Some(pid);
+        save_state(&state)?;
+        let port = state.etcd.port;
+        wait_ready(pid, "etcd", || remusctl::process::etcd_healthy(port))
+    }
+
+    /// The entries of the migration machinery in node `name`'s shared memory
+    /// (`remus.handover_state()`), as "kind migration_id detail" lines.
+    pub fn handover_state(&self, name: &str) -> Vec<String> {
+        let mut db = self.connect(name).unwrap();
+        db.query(
+            "SELECT kind, migration_id, detail FROM remus.handover_state()",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| {
+            format!(
+                "{}: {} {} {}",
+                name,
+                r.get::<_, String>(0),
+                r.get::<_, i64>(1),
+                r.get::<_, String>(2)
+            )
+        })
+        .collect()
+    }
+}
+
+/// How long a killed process may take to disappear, or a restarted one to be ready.
+const KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+fn kill9(pid: u32, what: &str) -> Result<()> {
+    // SAFETY: plain syscall on a PID the cluster recorded for one of its daemons.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    wait_gone(&[pid], what)
+}
+
+fn wait_gone(pids: &[u32], what: &str) -> Result<()> {
+    let started = std::time::Instant::now();
+    while pids.iter().any(|p| remusctl::process::pid_alive(*p)) {
+        if started.elapsed() > KILL_WAIT {
+            bail!("{what} survived SIGKILL");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn wait_ready(pid: u32, what: &str, ready: impl Fn() -> bool) -> Result<()> {
+    let started = std::time::Instant::now();
+    while !ready() {
+        if !remusctl::process::pid_alive(pid) {
+            bail!("{what} (pid {pid}) exited during its start");
+        }
+        if started.elapsed() > KILL_WAIT {
+            bail!("{what} (pid {pid}) not ready within {KILL_WAIT:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// Live processes whose parent is `pid` (from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // Fields after the parenthesised command name: state, ppid, ...
+                    let rest = &stat[stat.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .filter(|p| remusctl::process::pid_alive(*p))
+        .collect()
+}
+
+/// Writes `state` to the cluster's state file the way remusctl does (whole file, renamed into
+/// place), after a test restarted one of its daemons.
+fn save_state(state: &ClusterState) -> Result<()> {
+    let path = state.dir.join("cluster.json");
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(state)?)?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(())
+}
+
 impl Drop for TestCluster {
     fn drop(&mut self) {
         let out = self.ctl(&["cluster", "down"]);

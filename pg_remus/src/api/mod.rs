@@ -6,7 +6,9 @@
 //!   the `remus_nodes` view.
 //! - [`shards`]: the `remus_shards` view and `remus_shard_size`.
 //! - [`migrate`]: `remus_migrate_shard(s)` and the `remus_migrations` view.
+//! - [`handover_state`]: `remus.handover_state()`, the migration entries in shared memory.
 
+mod handover_state;
 mod migrate;
 mod nodes;
 mod shards;
