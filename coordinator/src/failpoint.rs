@@ -3,8 +3,9 @@
 //!
 //! A failpoint is armed by a file named after it in the coordinator's failpoint directory
 //! (`--failpoint-dir`; `remusctl cluster up` passes `DIR/failpoints`). Its content is the action;
-//! the one action so far is `pause`: the driver writes `<name>.reached` (holding the migration
-//! id) next to it and stops there until the file is removed. Files, not an environment
+//! `pause`: the driver writes `<name>.reached` (holding the migration id) next to it and stops
+//! there until the file is removed; `error`: the step the failpoint names fails as if etcd had
+//! not answered (see each failpoint), and `<name>.reached` is written each time it does. Files, not an environment
 //! variable: several clusters run side by side in one test process, each with its own
 //! directory, and a failpoint must be armed and released while the coordinator runs.
 //!
@@ -30,6 +31,18 @@ pub const HANDOVER_DECIDED: &str = "handover.decided";
 /// Names start with the phase they are in (the log lines say it as `phase`).
 pub const COPY_SNAPSHOT_EXPORTED: &str = "copy.snapshot_exported";
 
+/// `error`: the Tm decision (the record's move to `cleanup`) is written to etcd, but the driver
+/// is told the write failed, as when etcd's answer is lost in a leader election.
+pub const HANDOVER_DECISION_UNACKNOWLEDGED: &str = "handover.decision_unacknowledged";
+
+/// `error`: after a failed decision write, reading the record back fails too (etcd still
+/// unreachable), so the driver cannot tell whether the decision was written.
+pub const HANDOVER_DECISION_UNREADABLE: &str = "handover.decision_unreadable";
+
+/// `error`: a migration's end (succeeded, rolled back, failed) is not written to etcd; the
+/// record stays `running` in the phase it reached, as when etcd is down at the end.
+pub const END_UNRECORDED: &str = "end.unrecorded";
+
 /// The failpoints of one coordinator.
 #[derive(Clone, Debug, Default)]
 pub struct Failpoints {
@@ -39,6 +52,7 @@ pub struct Failpoints {
 #[derive(Debug, PartialEq, Eq)]
 enum Action {
     Pause,
+    Error,
 }
 
 impl Failpoints {
@@ -59,12 +73,13 @@ impl Failpoints {
         let text = fs::read_to_string(&path).ok()?;
         match text.trim() {
             "pause" => Some((path, Action::Pause)),
+            "error" => Some((path, Action::Error)),
             other => {
                 // A typo must not pass silently as "not armed" in a test that relies on it.
                 warn!(
                     failpoint = name,
                     action = other,
-                    "unknown failpoint action ignored (known: pause)"
+                    "unknown failpoint action ignored (known: pause, error)"
                 );
                 None
             }
@@ -91,6 +106,24 @@ impl Failpoints {
                 tokio::time::sleep(POLL).await;
             }
             released(&path, name, migration_id);
+        }
+    }
+
+    /// True when `name` is armed with `error`: the caller then fails the step the failpoint
+    /// names. The reached marker stays, so that a test sees the failure happened.
+    pub fn fails(&self, name: &str, migration_id: u64) -> bool {
+        match self.armed(name) {
+            Some((path, Action::Error)) => {
+                warn!(
+                    migration_id,
+                    phase = phase_of(name),
+                    failpoint = name,
+                    "failing at failpoint"
+                );
+                let _ = fs::write(reached_marker(&path), migration_id.to_string());
+                true
+            }
+            _ => false,
         }
     }
 }

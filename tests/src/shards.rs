@@ -18,3 +18,20 @@ pub fn shards_of(db: &mut postgres::Client, table: &str) -> Vec<(i64, String)> {
 pub fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
     shards_of(&mut c.connect("n1").unwrap(), table)
 }
+
+/// The owner of `shard` as each node's catalog has it, by node name.
+pub fn owners_everywhere(c: &TestCluster, shard: i64) -> Vec<String> {
+    c.node_names()
+        .iter()
+        .map(|n| {
+            c.connect(n)
+                .unwrap()
+                .query_one(
+                    "SELECT node_name FROM remus_shards WHERE shard_id = $1",
+                    &[&shard],
+                )
+                .unwrap()
+                .get(0)
+        })
+        .collect()
+}

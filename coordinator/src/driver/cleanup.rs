@@ -83,7 +83,7 @@ impl Run {
     /// `stream`, the target then applies the source's stream up to here.
     async fn drain_after_tm(&mut self, stream: bool) -> Result<(), DriverError> {
         for (node, at) in self.state.tm_committed_at.clone() {
-            self.wait_for_older_transactions(&node, &at, "transactions older than the handover")
+            self.drain_older_transactions(&node, &at, "transactions older than the handover")
                 .await?;
         }
         if self.plan.mode == Mode::Remus {
@@ -110,6 +110,27 @@ impl Run {
             self.resolve_shadows().await?;
         }
         let source = self.connect_when_up(&self.plan.source).await?;
+        // The last guard before the only destructive step (F3): the source's copy goes only
+        // where the source's own map, committed by Tm, already names the target.
+        let astray: Vec<i64> = source
+            .query(
+                "SELECT shard_id FROM unnest($1::bigint[]) AS s(shard_id)
+                  WHERE NOT EXISTS (SELECT 1 FROM remus.shard_map m
+                                     WHERE m.shard_id = s.shard_id AND m.node_name = $2)",
+                &[&self.plan.shard_ids, &self.plan.target.name],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if !astray.is_empty() {
+            return Err(DriverError::NotHandedOver {
+                source_node: self.plan.source.name.clone(),
+                target: self.plan.target.name.clone(),
+                shards: astray,
+            });
+        }
         source
             .batch_execute(&format!(
                 "DROP TABLE IF EXISTS {}; DROP PUBLICATION IF EXISTS {};",

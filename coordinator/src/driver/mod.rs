@@ -42,7 +42,7 @@ use wal_propagator::{Lsn, ReplicationConnection};
 
 use remus_proto::names;
 
-use crate::failpoint::Failpoints;
+use crate::failpoint::{self, Failpoints};
 use crate::migration::{MigrationError, MigrationRecord, MigrationStore, Mode, Phase, Status};
 use crate::node_conn::{NodeConnError, NodeConnector};
 use crate::node_registry::NodeRecord;
@@ -116,6 +116,16 @@ pub enum DriverError {
     /// from the source's.
     #[error(transparent)]
     Verification(Box<VerificationFailed>),
+    /// Cleanup was about to drop the source's copy of shards that the source's own map does
+    /// not give to the target: Tm did not commit there, so that copy may be the only one.
+    #[error(
+        "refusing to drop the source's copy: on {source_node} the shard map does not give shards {shards:?} to {target}"
+    )]
+    NotHandedOver {
+        source_node: String,
+        target: String,
+        shards: Vec<i64>,
+    },
 }
 
 /// A shard table whose copies differ: rows and digest on each side.
@@ -159,18 +169,110 @@ fn describe(e: &DriverError) -> String {
 struct Reporter {
     store: MigrationStore,
     tx: watch::Sender<MigrationRecord>,
+    failpoints: Failpoints,
 }
+
+/// How long the driver keeps reading back a record whose Tm decision write failed before it
+/// gives up and rolls back (see [`Reporter::advance`]).
+const DECISION_READBACK: Duration = Duration::from_secs(30);
 
 impl Reporter {
     fn id(&self) -> crate::migration::MigrationId {
         self.tx.borrow().id
     }
 
+    /// Moves the record to `next`. For [`Phase::Cleanup`], the Tm decision, a failed write is
+    /// not taken as "not decided": a write whose answer was lost (etcd leader election) may
+    /// have been applied. The record is read back with a compare-and-swap of `waiting_on`
+    /// ([`Self::settle_decision`]); the decision stands if it says `cleanup`.
     async fn advance(&self, next: Phase) -> Result<(), DriverError> {
-        let r = self.store.advance(self.id(), next, |_| {}).await?;
+        let id = self.id();
+        let written = self.store.advance(id, next, |_| {}).await;
+        let written = match written {
+            Ok(_)
+                if next == Phase::Cleanup
+                    && self
+                        .failpoints
+                        .fails(failpoint::HANDOVER_DECISION_UNACKNOWLEDGED, id.0) =>
+            {
+                Err(MigrationError::Invalid(
+                    "failpoint: the decision was written but its answer lost".into(),
+                ))
+            }
+            other => other,
+        };
+        let r = match written {
+            Ok(r) => r,
+            Err(e) if next == Phase::Cleanup => self.settle_decision(e).await?,
+            Err(e) => return Err(e.into()),
+        };
         info!(migration_id = r.id.0, phase = %next, "phase started");
         self.tx.send_replace(r);
         Ok(())
+    }
+
+    /// After the write of the Tm decision failed: whether it was applied anyway. A successful
+    /// compare-and-swap on the record is also a fence: the failed write compared the record's
+    /// older `mod_revision`, so if it is still in flight it can no longer be applied. Returns
+    /// the record when it is in `cleanup` (decided); `failed` when it is not, or when etcd does
+    /// not answer within [`DECISION_READBACK`]. Rolling back then is safe even if the write
+    /// lands later: a resumed migration completes only on evidence from the nodes that Tm
+    /// committed or is still prepared everywhere (`resume.rs`, `Run::tm_outcome`).
+    async fn settle_decision(
+        &self,
+        failed: MigrationError,
+    ) -> Result<MigrationRecord, DriverError> {
+        let id = self.id();
+        warn!(migration_id = id.0, phase = "handover", error = %failed, "the Tm decision's write failed; reading the record back");
+        let note = format!("the Tm decision's write to etcd failed ({failed}); reading it back");
+        let started = Instant::now();
+        loop {
+            let read = if self
+                .failpoints
+                .fails(failpoint::HANDOVER_DECISION_UNREADABLE, id.0)
+            {
+                Err(MigrationError::Invalid(
+                    "failpoint: the record cannot be read back".into(),
+                ))
+            } else {
+                self.store
+                    .update(id, |r| r.waiting_on = Some(note.clone()))
+                    .await
+            };
+            match read {
+                Ok(r) if r.phase == Phase::Cleanup => {
+                    info!(
+                        migration_id = id.0,
+                        phase = "handover",
+                        "the Tm decision was written after all; going on"
+                    );
+                    return Ok(self
+                        .store
+                        .update(id, |r| r.waiting_on = None)
+                        .await
+                        .unwrap_or(r));
+                }
+                Ok(r) => {
+                    warn!(migration_id = id.0, phase = %r.phase, "the Tm decision was not written; rolling back");
+                    self.tx.send_replace(r);
+                    return Err(failed.into());
+                }
+                Err(e)
+                    if started.elapsed() < DECISION_READBACK
+                        && !matches!(
+                            e,
+                            MigrationError::Invalid(_) | MigrationError::IllegalTransition { .. }
+                        ) =>
+                {
+                    warn!(migration_id = id.0, phase = "handover", error = %e, "reading the record back failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => {
+                    warn!(migration_id = id.0, phase = "handover", error = %e, "whether the Tm decision was written is unknown; rolling back (a restarted coordinator decides by the nodes' Tm)");
+                    return Err(failed.into());
+                }
+            }
+        }
     }
 
     async fn update(&self, f: impl FnMut(&mut MigrationRecord)) -> Result<(), DriverError> {
@@ -187,6 +289,13 @@ impl Reporter {
     }
 
     async fn finish(&self, status: Status, error: Option<String>) {
+        if self
+            .failpoints
+            .fails(failpoint::END_UNRECORDED, self.id().0)
+        {
+            warn!(migration_id = self.id().0, %status, "failpoint: the end is not recorded");
+            return;
+        }
         match self.store.finish(self.id(), status, error).await {
             Ok(r) => {
                 self.tx.send_replace(r);
@@ -209,7 +318,12 @@ pub fn spawn(
     let span = info_span!("migration", migration_id = id, mode = %plan.mode);
     tokio::spawn(
         async move {
-            let reporter = Reporter { store, tx };
+            let _caller = register_caller(id, plan.requested_by.as_ref());
+            let reporter = Reporter {
+                store,
+                tx,
+                failpoints: config.failpoints.clone(),
+            };
             let mut run = Run {
                 config,
                 plan,
@@ -236,7 +350,11 @@ pub async fn resume(
     let phase = record.phase;
     let (tx, _rx) = watch::channel(record);
     async move {
-        let reporter = Reporter { store, tx };
+        let reporter = Reporter {
+            store,
+            tx,
+            failpoints: config.failpoints.clone(),
+        };
         let mut run = Run {
             config,
             plan,
@@ -458,29 +576,104 @@ impl Run {
     }
 
     /// Waits until no client transaction that started before `before` (a timestamptz in text)
-    /// is running on `node`, reporting what it waits for.
+    /// and could still use the shards' old placement is running on `node`, reporting what it
+    /// waits for (node, pid, since when) in `waiting_on`.
+    ///
+    /// Which transactions count (review finding F9), and why skipping the others is sound:
+    /// - only this database's: the router and the shard tables live in it, and a session of
+    ///   another database cannot open them;
+    /// - not the backends waiting in `remus_migrate_shard(s)` for a migration (this one's or
+    ///   another's, [`callers_on`]): that call refuses to run in a transaction block, so their
+    ///   transaction is the call itself, which reads no shard (two calls would otherwise wait
+    ///   for each other forever);
+    /// - [`Drain::AfterTm`]: only those that hold a snapshot (`backend_xmin`: a running
+    ///   statement, or a REPEATABLE READ / SERIALIZABLE transaction, whose older snapshot still
+    ///   routes to the old owner) or a lock on one of the moved tables, shell or shard table (a
+    ///   transaction that used the table before Tm pinned its placements and keeps that lock
+    ///   until it ends; a statement on the old owner's copy, also one forwarded from another
+    ///   node, locks the shard table there). A READ COMMITTED transaction idle between
+    ///   statements with neither takes a new snapshot for its next statement, which sees Tm and
+    ///   routes to the new owner.
+    ///
+    /// [`Drain::AfterTm`] is bounded by `remus.cleanup_drain_timeout` on `node`: past it the
+    /// transactions still waited for are terminated (`pg_terminate_backend`, the client sees
+    /// 57P01), counted in `aborted_by_migration`, and the wait goes on until they are gone.
     async fn wait_for_older_transactions(
         &self,
         node: &NodeRecord,
         before: &str,
         what: &str,
     ) -> Result<(), DriverError> {
+        self.wait_for_transactions(node, before, what, Drain::Gate)
+            .await
+            .map(|_| ())
+    }
+
+    /// [`Self::wait_for_older_transactions`] after Tm ([`Drain::AfterTm`]); the transactions it
+    /// terminated count as aborted by the migration.
+    async fn drain_older_transactions(
+        &mut self,
+        node: &NodeRecord,
+        before: &str,
+        what: &str,
+    ) -> Result<(), DriverError> {
+        let killed = self
+            .wait_for_transactions(node, before, what, Drain::AfterTm)
+            .await?;
+        self.state.terminated += killed;
+        Ok(())
+    }
+
+    /// The wait of [`Self::wait_for_older_transactions`]; returns how many it terminated.
+    async fn wait_for_transactions(
+        &self,
+        node: &NodeRecord,
+        before: &str,
+        what: &str,
+        drain: Drain,
+    ) -> Result<u64, DriverError> {
         let mut c = self.connect_when_up(node).await?;
-        let requester = match &self.plan.requested_by {
-            Some((n, pid)) if *n == node.name => *pid,
-            _ => 0,
+        let callers = callers_on(&node.name, self.plan.requested_by.as_ref());
+        let tables: Vec<String> = self
+            .plan
+            .tables
+            .iter()
+            .flat_map(|t| [t.shell.clone(), t.qualified()])
+            .collect();
+        let usage = match drain {
+            Drain::Gate => "AND $3::text[] IS NOT NULL",
+            Drain::AfterTm => {
+                "AND (a.backend_xmin IS NOT NULL OR EXISTS (
+                        SELECT 1 FROM pg_locks l
+                         WHERE l.pid = a.pid AND l.locktype = 'relation'
+                           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                           AND l.relation IN (SELECT to_regclass(t)::oid FROM unnest($3::text[]) t)))"
+            }
         };
-        let query = format!(
-            "SELECT count(*), min(pid), min(xact_start)::text FROM pg_stat_activity
-              WHERE backend_type = 'client backend' AND xact_start < {}::timestamptz
-                AND pid <> pg_backend_pid() AND pid <> {requester}
-                AND application_name <> {}",
-            quote_literal(before),
+        let stragglers = format!(
+            "FROM pg_stat_activity a
+              WHERE a.backend_type = 'client backend' AND a.xact_start < $1::text::timestamptz
+                AND a.datname = current_database()
+                AND a.pid <> pg_backend_pid() AND a.pid <> ALL($2::int4[])
+                AND a.application_name <> {} {usage}",
             quote_literal(names::MIGRATION_APPLICATION_NAME)
         );
-        let mut reported = false;
+        // The bound is read with every poll, so that a reload changes a wait under way.
+        let count = format!(
+            "SELECT count(*), min(a.pid), min(a.xact_start)::text,
+                    (extract(epoch FROM nullif(current_setting('remus.cleanup_drain_timeout', true), '')::interval) * 1000)::bigint
+               {stragglers}"
+        );
+        let terminate = format!(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid)),
+                    string_agg(a.pid::text, ', ' ORDER BY a.pid) {stragglers}"
+        );
+        let started = Instant::now();
+        let mut terminated_once = false;
+        let mut terminated = 0u64;
+        let mut reported: Option<(i64, Option<Duration>)> = None;
         loop {
-            let row = match c.query_one(&query, &[]).await {
+            let row = match c.query_one(&count, &[&before, &callers, &tables]).await {
                 Ok(row) => row,
                 // The node went away (a crash ends its transactions too): ask again once it is
                 // back.
@@ -496,28 +689,114 @@ impl Run {
             if n == 0 {
                 break;
             }
-            if !reported {
+            let bound = (drain == Drain::AfterTm).then(|| {
+                row.get::<_, Option<i64>>(3)
+                    .map(|ms| Duration::from_millis(ms.max(0) as u64))
+                    .unwrap_or(DEFAULT_DRAIN_TIMEOUT)
+            });
+            if reported != Some((n, bound)) {
                 let pid: Option<i32> = row.get(1);
                 let since: Option<String> = row.get(2);
+                let limit = match bound {
+                    Some(b) if !terminated_once => format!(
+                        "; terminated after remus.cleanup_drain_timeout ({} ms) if still open",
+                        b.as_millis()
+                    ),
+                    Some(_) => "; terminated, waiting for them to exit".to_string(),
+                    None => String::new(),
+                };
                 self.reporter
                     .waiting_on(Some(format!(
-                        "{n} {what} on {} (e.g. pid {}, open since {})",
+                        "{n} {what} on {} (e.g. pid {}, open since {}){limit}",
                         node.name,
                         pid.unwrap_or_default(),
                         since.unwrap_or_default()
                     )))
                     .await;
-                reported = true;
+                reported = Some((n, bound));
+            }
+            if let Some(b) = bound.filter(|b| !terminated_once && started.elapsed() >= *b) {
+                let row = c
+                    .query_one(&terminate, &[&before, &callers, &tables])
+                    .await
+                    .map_err(sql(node))?;
+                let killed: i64 = row.get(0);
+                let pids: Option<String> = row.get(1);
+                warn!(
+                    migration_id = self.id(),
+                    phase = "cleanup",
+                    node = %node.name,
+                    terminated = killed,
+                    pids = %pids.unwrap_or_default(),
+                    timeout_ms = b.as_millis() as u64,
+                    "transactions older than the handover still open after remus.cleanup_drain_timeout: terminated"
+                );
+                terminated += killed.max(0) as u64;
+                terminated_once = true;
+                reported = None;
             }
             if let Some(p) = &self.state.propagator {
                 p.check()?;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        if reported {
+        if reported.is_some() {
             self.reporter.waiting_on(None).await;
         }
-        Ok(())
+        Ok(terminated)
+    }
+}
+
+/// Which transactions [`Run::wait_for_older_transactions`] waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// wait_remaster before Tm: every transaction admitted before the gate closed.
+    Gate,
+    /// After Tm: those that can still use the shards' old placement, bounded.
+    AfterTm,
+}
+
+/// `remus.cleanup_drain_timeout` where the node does not define it (an older build); the same
+/// default as the setting's.
+const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The backends of `node` that wait in `remus_migrate_shard(s)` for a migration of this
+/// coordinator, `own` (this migration's caller) included.
+fn callers_on(node: &str, own: Option<&(String, i32)>) -> Vec<i32> {
+    let mut pids: Vec<i32> = CALLERS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|(_, n, _)| n == node)
+        .map(|(_, _, pid)| *pid)
+        .collect();
+    pids.extend(own.filter(|(n, _)| n == node).map(|(_, pid)| *pid));
+    pids
+}
+
+/// Every running migration's caller (migration id, node, pid): see
+/// [`Run::wait_for_older_transactions`].
+static CALLERS: std::sync::Mutex<Vec<(u64, String, i32)>> = std::sync::Mutex::new(Vec::new());
+
+/// Registers `id`'s caller until the returned guard is dropped (the driver's task ends).
+fn register_caller(id: u64, caller: Option<&(String, i32)>) -> CallerGuard {
+    if let Some((node, pid)) = caller {
+        CALLERS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((id, node.clone(), *pid));
+    }
+    CallerGuard(id)
+}
+
+struct CallerGuard(u64);
+
+impl Drop for CallerGuard {
+    fn drop(&mut self) {
+        CALLERS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(id, _, _)| *id != self.0);
     }
 }
 

@@ -9,6 +9,19 @@ use super::handover::finish_tm_if_prepared;
 use super::{describe, sql, DriverError, Run};
 use crate::migration::{Mode, Phase, Status};
 
+/// Tm's fate as the nodes record it ([`Run::tm_outcome`]).
+enum TmOutcome {
+    /// Committed on some node, or prepared on every node: the migration completes.
+    Decided,
+    /// Rolled back on `node` (with no node committed): the migration rolls back.
+    RolledBack { node: String },
+    /// Committed on some nodes and rolled back on others: nothing is touched.
+    Inconsistent {
+        committed: String,
+        rolled_back: String,
+    },
+}
+
 impl Run {
     /// Nothing of the previous run is known but the phase its record reached, so everything it
     /// may have built is assumed to exist; every step below finds out on the node and is
@@ -26,6 +39,47 @@ impl Run {
         // run ended its share is not known: `crate::resume` ends it on every node once every
         // resumed migration has settled its Tm.
         self.state.read_through = false;
+        let mut phase = phase;
+        let mut stopped_in = format!("during phase {phase}");
+        if phase == Phase::Cleanup {
+            // The record says decided, but a decision write whose answer was lost may have
+            // been followed by a rollback (review finding F3): only the nodes know whether Tm
+            // went forward. Nothing is destroyed before they say so.
+            self.state.tm_decided = true;
+            match self.tm_outcome().await {
+                Ok(TmOutcome::Decided) => {}
+                Ok(TmOutcome::RolledBack { node }) => {
+                    warn!(migration_id = id, phase = "cleanup", node = %node, "the record says decided, but Tm was rolled back on a node: rolling back");
+                    self.state.tm_decided = false;
+                    phase = Phase::Handover;
+                    stopped_in =
+                        format!("after an unconfirmed Tm decision (Tm rolled back on {node})");
+                }
+                Ok(TmOutcome::Inconsistent {
+                    committed,
+                    rolled_back,
+                }) => {
+                    let msg = format!(
+                        "the coordinator restarted after the Tm decision, but Tm is committed on \
+                         {committed} and rolled back on {rolled_back}; nothing was changed, an \
+                         operator must decide"
+                    );
+                    warn!(migration_id = id, phase = "cleanup", error = %msg, "resumed migration failed");
+                    self.reporter.finish(Status::Failed, Some(msg)).await;
+                    return;
+                }
+                Err(e) => {
+                    let msg = format!(
+                        "the coordinator restarted after the Tm decision; reading Tm's state on \
+                         the nodes failed, nothing was changed: {}",
+                        describe(&e)
+                    );
+                    warn!(migration_id = id, phase = "cleanup", error = %msg, "resumed migration failed");
+                    self.reporter.finish(Status::Failed, Some(msg)).await;
+                    return;
+                }
+            }
+        }
         if phase == Phase::Cleanup {
             info!(
                 migration_id = id,
@@ -38,7 +92,6 @@ impl Run {
                         .into(),
                 ))
                 .await;
-            self.state.tm_decided = true;
             match self.complete_after_restart().await {
                 Ok(()) => {
                     self.reporter.finish(Status::Succeeded, None).await;
@@ -61,12 +114,11 @@ impl Run {
             info!(migration_id = id, phase = %phase, "resuming after a coordinator restart: before the Tm decision, rolling back");
             self.reporter
                 .waiting_on(Some(format!(
-                    "the coordinator restarted during phase {phase}; rolling back"
+                    "the coordinator restarted {stopped_in}; rolling back"
                 )))
                 .await;
-            let msg = format!(
-                "the coordinator stopped during phase {phase}; rolled back when it restarted"
-            );
+            let msg =
+                format!("the coordinator stopped {stopped_in}; rolled back when it restarted");
             match self.rollback().await {
                 Ok(()) => self.reporter.finish(Status::RolledBack, Some(msg)).await,
                 Err(e) => {
@@ -76,6 +128,57 @@ impl Run {
                 }
             }
         }
+    }
+
+    /// Whether Tm went forward, from the nodes: on each, Tm is still prepared (its gid in
+    /// `pg_prepared_xacts`), committed (not prepared, the map names the target for the
+    /// shards) or rolled back (not prepared, the map names someone else). The record reached
+    /// `cleanup` only after Tm was prepared on every node, and the driver commits Tm only
+    /// after the decision and rolls it back only before it, so: committed somewhere, or
+    /// prepared everywhere, is [`TmOutcome::Decided`] (a rollback releases every node before
+    /// it drops the target's copy, so that copy is intact); rolled back somewhere is
+    /// [`TmOutcome::RolledBack`]; both at once cannot come from this driver and is refused.
+    async fn tm_outcome(&self) -> Result<TmOutcome, DriverError> {
+        let id = self.id();
+        let mut committed = Vec::new();
+        let mut rolled_back = Vec::new();
+        for node in &self.plan.nodes {
+            let c = self.connect_when_up(node).await?;
+            let row = c
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_prepared_xacts WHERE gid = $1),
+                            (SELECT count(*) FROM remus.shard_map
+                              WHERE shard_id = ANY($2) AND node_name = $3)",
+                    &[
+                        &names::tm_gid(id, &node.name),
+                        &self.plan.shard_ids,
+                        &self.plan.target.name,
+                    ],
+                )
+                .await
+                .map_err(sql(node))?;
+            let prepared: bool = row.get(0);
+            let at_target: i64 = row.get(1);
+            if prepared {
+                continue;
+            }
+            if at_target == self.plan.shard_ids.len() as i64 {
+                committed.push(node.name.clone());
+            } else {
+                rolled_back.push(node.name.clone());
+            }
+        }
+        info!(migration_id = id, phase = "cleanup", committed = ?committed, rolled_back = ?rolled_back, "Tm's state on the nodes");
+        Ok(match (committed.is_empty(), rolled_back.is_empty()) {
+            (_, true) => TmOutcome::Decided,
+            (true, false) => TmOutcome::RolledBack {
+                node: rolled_back.join(", "),
+            },
+            (false, false) => TmOutcome::Inconsistent {
+                committed: committed.join(", "),
+                rolled_back: rolled_back.join(", "),
+            },
+        })
     }
 
     /// The rest of a migration decided by its Tm, with the stream gone with the previous
@@ -109,7 +212,7 @@ impl Run {
         }
         self.state.gate_closed = false;
         for (node, at) in self.state.tm_committed_at.clone() {
-            self.wait_for_older_transactions(
+            self.drain_older_transactions(
                 &node,
                 &at,
                 "transactions older than the coordinator's restart",
@@ -132,7 +235,7 @@ impl Run {
                 .await?;
         }
         self.drop_slot(None).await?;
-        let aborted = self.finish_after_drain().await?;
+        let aborted = self.finish_after_drain().await? + self.state.terminated;
         self.reporter
             .update(move |r| r.aborted_by_migration = aborted)
             .await?;
