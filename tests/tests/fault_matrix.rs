@@ -527,7 +527,8 @@ fn full_matrix() {
             println!(
                 "MATRIX {name}: {} in {:?}: {}",
                 outcome.cell_text(),
-                started.elapsed()
+                started.elapsed(),
+                outcome.detail()
             );
             row.push(outcome.cell_text());
             if !outcome.passed() {
