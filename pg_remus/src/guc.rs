@@ -28,6 +28,11 @@ pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
 /// source (`migration::handover::remus`); 0 turns the wait off.
 pub static DRAIN_WAIT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 
+/// Longest wait of a dual-execution commit for its Validate call (`migration::dual`); past it
+/// the transaction fails with 40001. Above the replay worker's own waits (30 s for the stream,
+/// 5 s per row lock), so it only ends validations that would otherwise hang (review F11).
+pub static VALIDATION_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+
 /// The database the background workers connect to (where pg_remus is created).
 pub static DATABASE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"postgres"));
@@ -99,6 +104,16 @@ pub fn register() {
         &NODE_NAME,
         GucContext::Userset,
         GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"remus.validation_timeout",
+        c"Longest wait of a commit in dual execution for its validation on the destination.",
+        c"A transaction that wrote a migrating shard in dual execution is validated by the destination's replay worker before it commits; with no answer within this time (destination hung or unreachable) it fails with SQLSTATE 40001 instead of waiting.",
+        &VALIDATION_TIMEOUT_MS,
+        10,
+        3_600_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
     );
 }
 

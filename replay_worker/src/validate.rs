@@ -43,6 +43,18 @@ pub const STREAM_WAIT: Duration = Duration::from_secs(30);
 /// Longest wait, when the Apply call ends, for running validations and resolutions to give their
 /// sessions back (each is bounded by its lock timeout) before the origins are detached.
 const CLOSE_WAIT: Duration = Duration::from_secs(30);
+/// Longest run of one statement of a validation session on the destination (its server-side
+/// `statement_timeout`): above the row-lock wait, so only a destination that hangs hits it.
+const VALIDATION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for a new validation session (TCP connect, start-up, origin set-up): a
+/// destination that accepts connections but never answers must not hold a permit forever.
+const SESSION_OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// TCP keepalive and user timeout of the validation sessions: a partitioned destination
+/// (packets dropped, no reset) ends the session instead of leaving it waiting forever.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 /// PostgreSQL's GIDSIZE (200) includes the terminating NUL.
 const MAX_GID_BYTES: usize = 199;
 
@@ -155,14 +167,34 @@ impl Validator {
         self.migration_id
     }
 
+    /// A destination session whose socket cannot wait forever (review F11): keepalives and a
+    /// TCP user timeout for a partition, a bounded start-up for a server that does not answer.
     async fn connect(&self) -> Result<PooledSession, ValidateError> {
         let migration_id = self.migration_id;
-        let (client, connection) = tokio_postgres::connect(&self.conninfo, NoTls)
-            .await
-            .map_err(|e| ValidateError::Session {
-                migration_id,
-                message: pg_message(&e),
-            })?;
+        let session_error = |message: String| ValidateError::Session {
+            migration_id,
+            message,
+        };
+        let mut config: tokio_postgres::Config = self
+            .conninfo
+            .parse()
+            .map_err(|e: tokio_postgres::Error| session_error(pg_message(&e)))?;
+        config
+            .keepalives(true)
+            .keepalives_idle(KEEPALIVE_IDLE)
+            .keepalives_interval(KEEPALIVE_INTERVAL)
+            .keepalives_retries(KEEPALIVE_RETRIES)
+            .tcp_user_timeout(TCP_USER_TIMEOUT);
+        let (client, connection) =
+            match tokio::time::timeout(SESSION_OPEN_TIMEOUT, config.connect(NoTls)).await {
+                Ok(r) => r.map_err(|e| session_error(pg_message(&e)))?,
+                Err(_) => {
+                    return Err(session_error(format!(
+                        "the destination did not accept a session within {} s",
+                        SESSION_OPEN_TIMEOUT.as_secs()
+                    )))
+                }
+            };
         let connection = tokio::spawn(
             async move {
                 if let Err(e) = connection.await {
@@ -184,11 +216,26 @@ impl Validator {
         for _ in 0..2 * MAX_VALIDATION_SESSIONS {
             let k = self.next_origin.fetch_add(1, Ordering::Relaxed);
             // Like the apply sessions.
-            let setup = origin_session_setup(
-                &validation_origin(migration_id, k),
-                &format!("remus-validate m{migration_id} v{k}"),
+            let setup = format!(
+                "{}\nSET statement_timeout = '{}ms';",
+                origin_session_setup(
+                    &validation_origin(migration_id, k),
+                    &format!("remus-validate m{migration_id} v{k}"),
+                ),
+                VALIDATION_STATEMENT_TIMEOUT.as_millis()
             );
-            match session.client.batch_execute(&setup).await {
+            let setup_run =
+                tokio::time::timeout(SESSION_OPEN_TIMEOUT, session.client.batch_execute(&setup));
+            let Ok(result) = setup_run.await else {
+                return Err(ValidateError::Session {
+                    migration_id,
+                    message: format!(
+                        "the destination did not set up a session within {} s",
+                        SESSION_OPEN_TIMEOUT.as_secs()
+                    ),
+                });
+            };
+            match result {
                 Ok(()) => {
                     debug!(migration_id, origin = k, "validation session ready");
                     return Ok(session);

@@ -46,14 +46,17 @@ impl Run {
             .iter()
             .map(|t| {
                 // The write-set capture trigger comes with the table, as on the source: a later
-                // migration of this shard must not need DDL on a hot table.
+                // migration of this shard must not need DDL on a hot table. ALWAYS, as
+                // `catalog::shard_ddl` makes it: replica-role sessions are captured too (F14).
                 format!(
                     "CREATE TABLE {q} (LIKE {} INCLUDING ALL);\n\
                      CREATE TRIGGER {} AFTER INSERT OR UPDATE OR DELETE ON {q} \
-                     FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n",
+                     FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n\
+                     ALTER TABLE {q} ENABLE ALWAYS TRIGGER {};\n",
                     t.shell,
                     names::CAPTURE_TRIGGER,
                     t.shard_id,
+                    names::CAPTURE_TRIGGER,
                     q = t.qualified()
                 )
             })

@@ -201,6 +201,12 @@ pub enum RemusError {
     },
     #[error("this backend (pgprocno {procno}) is beyond the {max} backends the sync barrier of shard migrations tracks, so it cannot commit a write to a migrating shard before the barrier; retry on another connection, or lower max_connections")]
     BarrierUntracked { procno: i32, max: usize },
+    #[error("{what} would freeze rows of shard {shard_id}, which shard migration {migration_id} is moving (frozen rows hide destination writes from its write-write conflict check); retry when the migration has ended")]
+    FreezeDuringMigration {
+        what: String,
+        migration_id: i64,
+        shard_id: i64,
+    },
     #[error("shard {shard_id} is already registered by migration {migration_id}")]
     ShardAlreadyRegistered { shard_id: i64, migration_id: i64 },
     #[error("too many concurrent migrations on this node (at most {max})")]
@@ -327,6 +333,7 @@ impl RemusError {
             Self::NodeOwnsShards { .. }
             | Self::TableMigrating { .. }
             | Self::ShardAlreadyRegistered { .. }
+            | Self::FreezeDuringMigration { .. }
             | Self::FreezeDuringMigration { .. }
             | Self::TooManyMigrations { .. }
             | Self::TooManyMigratingShards { .. }

@@ -48,6 +48,9 @@ fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
         return Ok(m);
     }
     // Once per table per backend: names, key columns (the primary key) and output functions.
+    // STORED generated columns are left out, as pgoutput and COPY leave them out: the
+    // destination computes them, and an INSERT or UPDATE naming one fails there (428C9), which
+    // would refuse every write of such a table in dual execution (review finding F8).
     let rows: Vec<(String, String, String, i16, bool, pg_sys::Oid)> = Spi::connect(|c| {
         c.select(
             "SELECT n.nspname::text, cl.relname::text, a.attname::text, a.attnum,
@@ -55,6 +58,7 @@ fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
                FROM pg_class cl
                JOIN pg_namespace n ON n.oid = cl.relnamespace
                JOIN pg_attribute a ON a.attrelid = cl.oid AND a.attnum > 0 AND NOT a.attisdropped
+                                   AND a.attgenerated = ''
                LEFT JOIN pg_index i ON i.indrelid = cl.oid AND i.indisprimary
               WHERE cl.oid = $1
               ORDER BY a.attnum",

@@ -30,6 +30,39 @@ pub(crate) fn check_ddl(table: &str, shard_ids: &[i64]) -> Result<(), RemusError
     Ok(())
 }
 
+/// Before a VACUUM that freezes (FREEZE, or `vacuum_freeze_min_age = 0`): `table` and the shards
+/// it is or has, or `None` for the whole database. Refused while one of them (for the whole
+/// database: any shard) is registered by a migration here: MOCC on the destination tells a
+/// pre-migration row from a destination write by its xmin's commit timestamp and origin, which
+/// a frozen version no longer has once the commit-timestamp data is truncated (review F15).
+pub(crate) fn check_freeze(table: Option<&str>, shard_ids: &[i64]) -> Result<(), RemusError> {
+    if !active() || exempt() {
+        return Ok(());
+    }
+    let s = STATE.share();
+    let found = match table {
+        Some(_) => shard_ids
+            .iter()
+            .find_map(|&id| migration_of(&s, id).map(|m| (id, m))),
+        None => s
+            .shards
+            .iter()
+            .find(|e| e.migration_id != 0)
+            .map(|e| (e.shard_id, e.migration_id)),
+    };
+    match found {
+        Some((shard_id, migration_id)) => Err(RemusError::FreezeDuringMigration {
+            what: match table {
+                Some(t) => format!("VACUUM FREEZE of {t}"),
+                None => "VACUUM FREEZE of the whole database".to_string(),
+            },
+            migration_id,
+            shard_id,
+        }),
+        None => Ok(()),
+    }
+}
+
 #[pg_schema]
 mod remus {
     use pgrx::prelude::*;

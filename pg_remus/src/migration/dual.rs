@@ -110,14 +110,32 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         changes,
         lock_timeout_ms: 0,
     };
+    // Bounded (remus.validation_timeout): a destination that stops answering (partition,
+    // SIGSTOP, I/O hang) fails this commit with 40001 instead of holding it, and its row locks,
+    // forever (review finding F11). The deadline also travels as grpc-timeout, so the replay
+    // worker drops the validation (and its destination session) when it passes.
+    let deadline = Duration::from_millis(crate::guc::VALIDATION_TIMEOUT_MS.get().max(1) as u64);
+    let mut request = tonic::Request::new(request);
+    request.set_timeout(deadline);
     // The channel is made inside the runtime: tonic spawns its connection task there.
     let reply = block_on(async move {
         let mut client = client_for(endpoint)?;
-        Ok::<_, RemusError>(client.validate(request).await)
+        Ok::<_, RemusError>(tokio::time::timeout(deadline, client.validate(request)).await)
     });
     let reply = match reply {
         Err(e) | Ok(Err(e)) => return Err(e),
-        Ok(Ok(Err(status))) => {
+        Ok(Ok(Err(_))) => {
+            forget_client(endpoint);
+            return Err(RemusError::SyncValidation {
+                migration_id,
+                endpoint: endpoint.to_string(),
+                message: format!(
+                    "no answer within {} ms (remus.validation_timeout)",
+                    deadline.as_millis()
+                ),
+            });
+        }
+        Ok(Ok(Ok(Err(status)))) => {
             forget_client(endpoint);
             return Err(RemusError::SyncValidation {
                 migration_id,
@@ -125,7 +143,7 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
                 message: status.message().to_string(),
             });
         }
-        Ok(Ok(Ok(reply))) => reply.into_inner(),
+        Ok(Ok(Ok(Ok(reply)))) => reply.into_inner(),
     };
     if !reply.ok {
         count_migration_abort(migration_id);

@@ -181,6 +181,22 @@ unsafe fn guard_migrating(stmt: *mut pg_sys::Node) -> Result<(), RemusError> {
                     }
                 }
             }
+            pg_sys::NodeTag::T_VacuumStmt => {
+                let v = stmt as *mut pg_sys::VacuumStmt;
+                if !(*v).is_vacuumcmd || !vacuum_freezes(v) {
+                    return Ok(());
+                }
+                let rels = list_ptrs::<pg_sys::VacuumRelation>((*v).rels);
+                if rels.is_empty() {
+                    return crate::migration::copy::check_freeze(None, &[]);
+                }
+                for r in rels {
+                    if let Some((name, ids)) = relation_shards((*r).relation, true)? {
+                        crate::migration::copy::check_freeze(Some(&name), &ids)?;
+                    }
+                }
+                return Ok(());
+            }
             pg_sys::NodeTag::T_CopyStmt => {
                 let copy = stmt as *mut pg_sys::CopyStmt;
                 if (*copy).is_from {
@@ -198,6 +214,26 @@ unsafe fn guard_migrating(stmt: *mut pg_sys::Node) -> Result<(), RemusError> {
             }
         }
         Ok(())
+    }
+}
+
+/// Does this VACUUM freeze every row it can: the FREEZE option, or `vacuum_freeze_min_age = 0`
+/// (what FREEZE sets)?
+///
+/// # Safety
+/// `v` must be the statement about to run.
+unsafe fn vacuum_freezes(v: *mut pg_sys::VacuumStmt) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract; the option list and its
+    // DefElems belong to the statement; the setting is a plain read of a backend global.
+    unsafe {
+        pg_sys::vacuum_freeze_min_age == 0
+            || list_ptrs::<pg_sys::DefElem>((*v).options)
+                .into_iter()
+                .any(|d| {
+                    !(*d).defname.is_null()
+                        && CStr::from_ptr((*d).defname).to_bytes() == b"freeze"
+                        && pg_sys::defGetBoolean(d)
+                })
     }
 }
 
