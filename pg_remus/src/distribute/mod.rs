@@ -446,9 +446,11 @@ mod remus {
     fn shard_id_for(relid: pg_sys::Oid, value: AnyElement) -> i64 {
         let run = || -> Result<i64, RemusError> {
             let Some(t) = crate::catalog::dist_table(relid)? else {
-                // Named as the caller wrote it (regclass text), not by oid.
+                // Named schema-qualified, as the other messages name tables, not by oid.
                 let table = Spi::get_one_with_args::<String>(
-                    "SELECT $1::regclass::text",
+                    "SELECT format('%I.%I', n.nspname, c.relname)
+                       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                      WHERE c.oid = $1",
                     &[relid.into()],
                 )?
                 .unwrap_or_else(|| relid.to_u32().to_string());

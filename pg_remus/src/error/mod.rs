@@ -89,7 +89,7 @@ pub enum RemusError {
     ShardCountOutOfRange { shard_count: i32, max: i32 },
     #[error("relation with oid {oid} does not exist")]
     NoSuchRelation { oid: u32 },
-    #[error("{table} is not a distributed table")]
+    #[error("table {table} is not distributed")]
     NotDistributed { table: String },
     #[error("relation {relid:?} has no columns")]
     NoColumns { relid: pgrx::pg_sys::Oid },
