@@ -28,6 +28,10 @@ pub static RECOVERY_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(2000);
 /// source (`migration::handover::remus`); 0 turns the wait off.
 pub static DRAIN_WAIT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 
+/// Longest wait of a READ COMMITTED statement (or a write on the old owner) for a Tm prepared
+/// on this node to be decided (`migration::handover`); past it the statement fails (55006).
+pub static IN_DOUBT_WAIT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
+
 /// Longest wait of a dual-execution commit for its Validate call (`migration::dual`); past it
 /// the transaction fails with 40001. Above the replay worker's own waits (30 s for the stream,
 /// 5 s per row lock), so it only ends validations that would otherwise hang (review F11).
@@ -104,6 +108,16 @@ pub fn register() {
         &NODE_NAME,
         GucContext::Userset,
         GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"remus.in_doubt_wait_timeout",
+        c"Longest wait for a shard-map row held by a prepared Tm (an ownership change in doubt).",
+        c"A statement that needs a shard whose ownership change is prepared on this node but not yet decided here waits for the decision; past this it fails with SQLSTATE 55006 (0: fail at once).",
+        &IN_DOUBT_WAIT_TIMEOUT_MS,
+        0,
+        3_600_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
     );
     GucRegistry::define_int_guc(
         c"remus.validation_timeout",

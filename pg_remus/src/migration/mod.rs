@@ -18,7 +18,9 @@
 //! Rollback and resume (`coordinator/src/driver/{rollback,resume}.rs`) have no node side of
 //! their own: they call the functions above. Everything lives in shared memory ([`state`]), so
 //! every backend of the node obeys it at its next statement; a node restart clears it (the
-//! coordinator's record in etcd says what was going on). The coordinator decides when each
+//! coordinator's record in etcd says what was going on), and until the coordinator has
+//! finished the migration the node guards the moving shards from durable state alone
+//! ([`handover::restart`]). The coordinator decides when each
 //! primitive is used; nothing here knows the order of the phases.
 //!
 //! Every session of the migration machinery (`remus.migration_session`) is exempt from the
@@ -35,6 +37,7 @@ pub(crate) mod state;
 /// Reserves the shared memory; must run while the library is preloaded.
 pub(crate) fn init_shmem() {
     state::init_shmem();
+    handover::restart::init_shmem();
 }
 
 #[cfg(any(test, feature = "pg_test"))]

@@ -25,14 +25,16 @@ pub(crate) unsafe fn placement_for(
         let d = crate::pg::datum::coerce_via_text(value, value_type, table.key_type);
         let hash = crate::catalog::hashing::hash_datum(d, table.key_type, pg_sys::InvalidOid)?;
         let idx = crate::catalog::hashing::shard_index(hash, table.shard_count as u32) as i32;
-        placements
+        let p = placements
             .iter()
             .find(|p| p.shard_index == idx)
             .cloned()
             .ok_or_else(|| RemusError::NoShardAtIndex {
                 index: idx,
                 table: table.qualified_name.clone(),
-            })
+            })?;
+        // The chosen shard's ownership change, if in doubt here, is waited for now (F5).
+        super::placement::settle(p)
     }
 }
 

@@ -424,7 +424,7 @@ unsafe fn run_select(
         let anchor_relid = pg_sys::Oid::from((*anchor).constvalue.value() as u32);
         let table =
             super::placement::dist_table(anchor_relid)?.ok_or(RemusError::TableDisappeared)?;
-        let all = super::placement::placements(anchor_relid)?;
+        let all = super::placement::placements_for_key(anchor_relid)?;
         let (v, isnull, ty) = super::execute::eval_expr(value, ps);
         if isnull {
             // `key = NULL` selects nothing.

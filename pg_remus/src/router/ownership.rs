@@ -9,7 +9,9 @@
 //!   replicated changes (a replication origin is set) and sessions of the migration machinery
 //!   (`remus.migration_session`) are exempt too. The hook itself is `hooks::executor_start`.
 //! - Before that check, the migration handover primitives have their say (`migration::handover`): the
-//!   admission gate, aborted transactions, and the write fence of a moved shard.
+//!   admission gate, aborted transactions, the write fence of a moved shard, and, after a
+//!   restart that lost a migration's state, the refusal of writes on a copy that is moving
+//!   away (`migration::handover::restart`).
 
 use std::ffi::CStr;
 
@@ -62,6 +64,9 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
         // A write reaching a fenced shard was routed with a stale map, marker or not.
         if (*query_desc).operation != pg_sys::CmdType::CMD_SELECT {
             crate::migration::handover::lock_abort::check_write(&shards)?;
+            // After a restart that lost a migration's state: no unvalidated write on a copy
+            // the migration moves away (review finding F4).
+            crate::migration::handover::restart::check_write(&shards)?;
         }
         if crate::router::marker::marker_honoured()
             && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some()

@@ -21,6 +21,8 @@ thread_local! {
     /// Set while the cache itself is being filled (its SPI queries are planned too).
     static IN_LOOKUP: Cell<bool> = const { Cell::new(false) };
     static PINS: RefCell<HashMap<i64, String>> = RefCell::new(HashMap::new());
+    /// Shards [`placements_for_key`] left unpinned because their Tm is in doubt here.
+    static DEFERRED: RefCell<HashMap<i64, handover::InDoubt>> = RefCell::new(HashMap::new());
 }
 
 /// Runs `f`, a catalog query of the router, with the lookups of the queries it plans turned off.
@@ -66,55 +68,117 @@ pub(crate) fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusE
 }
 
 /// Placements as this transaction uses them: read with the current statement's snapshot, and
-/// pinned per shard at first use until the transaction ends.
+/// pinned per shard at first use until the transaction ends. A READ COMMITTED transaction
+/// first waits (bounded) for every shard of the table whose ownership change is in doubt on
+/// this node: for callers that may use any shard.
 pub(crate) fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
+    read_placements(relid, false)
+}
+
+/// [`placements`] for a caller that uses one shard, chosen by key and passed through
+/// [`settle`] (`router::key::placement_for` does): a shard in doubt is left unpinned here and
+/// waited for only if it is the one chosen, so a statement on another shard of the same table
+/// does not wait for a migration it does not touch (review finding F5).
+pub(crate) fn placements_for_key(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
+    read_placements(relid, true)
+}
+
+fn read_placements(relid: pg_sys::Oid, defer: bool) -> Result<Vec<ShardPlacement>, RemusError> {
     let reference = matches!(dist_table(relid), Ok(Some(t)) if t.kind == 'r');
-    let mut r = match map_cache::get(relid.to_u32()) {
-        Some(hit) => hit,
+    let (mut r, read_at) = match map_cache::get(relid.to_u32()) {
+        Some(hit) => (hit, None),
         None => {
             let gen = map_cache::generation();
-            IN_LOOKUP.with(|f| f.set(true));
-            let r = if reference {
-                catalog::reference_placements(relid)
-            } else {
-                catalog::placements(relid)
-            };
-            IN_LOOKUP.with(|f| f.set(false));
-            let r = r?;
-            map_cache::put(relid.to_u32(), gen, r.clone());
-            r
+            let r = looking_up(|| {
+                if reference {
+                    catalog::reference_placements(relid)
+                } else {
+                    catalog::placements(relid)
+                }
+            })?;
+            (r, Some(gen))
         }
     };
-    // While a Tm runs (read-through on, so nothing above came from the cache), a READ
-    // COMMITTED transaction routing these shards for the first time waits for a Tm prepared
-    // here (it may be committed elsewhere already), then reads the map with a snapshot taken
-    // after that: a Tm that committed here since the statement's snapshot counts too.
-    if !reference
-        && map_cache::read_through()
-        && handover::routes_at_latest()
-        && r.iter().any(|p| !is_pinned(p.shard_id))
-    {
-        IN_LOOKUP.with(|f| f.set(true));
-        let waited = handover::wait_for_in_doubt_flip(relid);
-        IN_LOOKUP.with(|f| f.set(false));
-        waited?;
-        // SAFETY: a snapshot taken now, active only for the map read; push and pop pair (an
-        // ERROR in between aborts the transaction, which resets the stack).
-        unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
-        IN_LOOKUP.with(|f| f.set(true));
-        let again = catalog::placements(relid);
-        IN_LOOKUP.with(|f| f.set(false));
-        // SAFETY: pairs the push above.
-        unsafe { pg_sys::PopActiveSnapshot() };
-        r = again?;
+    // Shards of this table whose map row a Tm prepared here holds: looked for while a Tm runs
+    // (read-through on), and, since a restart loses read-through, until the node has settled
+    // after its start (`handover::restart`), from the catalog alone.
+    let look =
+        !reference && (map_cache::read_through() || !looking_up(handover::restart::settled)?);
+    let doubt = if look {
+        looking_up(|| handover::in_doubt(Some(relid), None))?
+    } else {
+        Vec::new()
+    };
+    // A map read while a row is in doubt is what this statement sees, not the map to cache.
+    if let Some(gen) = read_at.filter(|_| doubt.is_empty()) {
+        map_cache::put(relid.to_u32(), gen, r.clone());
+    }
+    // A READ COMMITTED transaction routing these shards for the first time waits (bounded) for
+    // a Tm prepared here (it may be committed elsewhere already), then reads the map with a
+    // snapshot taken after that: a Tm that committed here since the statement's snapshot
+    // counts too.
+    let mut deferred = Vec::new();
+    if look && handover::routes_at_latest() && r.iter().any(|p| !is_pinned(p.shard_id)) {
+        let pending: Vec<_> = doubt
+            .into_iter()
+            .filter(|d| !is_pinned(d.shard_id))
+            .collect();
+        if defer {
+            deferred = pending;
+        } else {
+            looking_up(|| handover::wait_decided(&pending))?;
+        }
+        r = looking_up(|| with_latest_snapshot(|| catalog::placements(relid)))?;
     }
     // A reference table's shard is on every node: there is no owner to pin.
     if !reference {
         for p in &mut r {
-            p.node_name = pinned_owner(p.shard_id, &p.node_name);
+            if let Some(d) = deferred.iter().find(|d| d.shard_id == p.shard_id) {
+                DEFERRED.with(|m| m.borrow_mut().insert(p.shard_id, *d));
+            } else {
+                p.node_name = pinned_owner(p.shard_id, &p.node_name);
+            }
         }
     }
     Ok(r)
+}
+
+/// The placement a statement is about to use, chosen from [`placements_for_key`]: if its
+/// shard was left in doubt there, waits (bounded) for that Tm's decision on this node, reads
+/// the owner with a snapshot taken after it and pins it. Otherwise `p` as pinned.
+pub(crate) fn settle(mut p: ShardPlacement) -> Result<ShardPlacement, RemusError> {
+    let Some(d) = DEFERRED.with(|m| m.borrow_mut().remove(&p.shard_id)) else {
+        return Ok(p);
+    };
+    if !is_pinned(p.shard_id) {
+        looking_up(|| handover::wait_decided(&[d]))?;
+        let now = looking_up(|| with_latest_snapshot(|| catalog::placements(relid_of(&d)?)))?;
+        if let Some(owner) = now.into_iter().find(|q| q.shard_id == p.shard_id) {
+            p.node_name = owner.node_name;
+        }
+    }
+    p.node_name = pinned_owner(p.shard_id, &p.node_name);
+    Ok(p)
+}
+
+/// The distributed table whose shard `d` is.
+fn relid_of(d: &handover::InDoubt) -> Result<pg_sys::Oid, RemusError> {
+    crate::pg::spi::read_one::<pg_sys::Oid>(
+        "SELECT min(logicalrelid::oid) FROM remus.shards WHERE shard_id = $1",
+        &[d.shard_id.into()],
+    )?
+    .ok_or(RemusError::TableDisappeared)
+}
+
+/// Runs `f`, a catalog read, with a snapshot taken now as the active one.
+fn with_latest_snapshot<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: a snapshot taken now, active only for `f`; push and pop pair (an ERROR in between
+    // aborts the transaction, which resets the stack).
+    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
+    let r = f();
+    // SAFETY: pairs the push above.
+    unsafe { pg_sys::PopActiveSnapshot() };
+    r
 }
 
 /// Shells referenced anywhere in the top level of a query's range table.
@@ -161,4 +225,5 @@ pub(crate) fn is_pinned(shard_id: i64) -> bool {
 /// The transaction ended: its pins go.
 pub(crate) fn end_of_transaction() {
     PINS.with(|p| p.borrow_mut().clear());
+    DEFERRED.with(|d| d.borrow_mut().clear());
 }

@@ -208,7 +208,12 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
         let relid = (*ss.ss_currentRelation).rd_id;
         let table =
             super::placement::dist_table(relid)?.ok_or(RemusError::TableDisappearedDuringScan)?;
-        let all = super::placement::placements(relid)?;
+        // By key: only the chosen shard waits for an ownership change in doubt (F5).
+        let all = if (*s).key_expr.is_null() {
+            super::placement::placements(relid)?
+        } else {
+            super::placement::placements_for_key(relid)?
+        };
 
         let desc = (*ss.ss_ScanTupleSlot).tts_tupleDescriptor;
         let natts = (*desc).natts as usize;

@@ -14,8 +14,11 @@
 //! - [`remus`]: from Tm until the migration ends, the node the shards left (the drain source),
 //!   and the wait of a newer writer on the new owner for the row's older writers there.
 //!
-//! Here: [`admit_statement`] (the start of every statement) and the wait of a READ COMMITTED
-//! transaction for a Tm that is prepared on this node ([`wait_for_in_doubt_flip`]).
+//! - [`restart`]: what the node enforces when a restart lost a running migration's state.
+//!
+//! Here: [`admit_statement`] (the start of every statement), the shards whose ownership change
+//! (Tm) is prepared on this node but not decided here ([`in_doubt`]), and the bounded wait for
+//! that decision ([`wait_decided`]).
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -25,6 +28,7 @@ use crate::migration::state::{active, exempt};
 
 pub(crate) mod lock_abort;
 pub(crate) mod remus;
+pub(crate) mod restart;
 pub(crate) mod wait_remaster;
 
 /// At the start of every statement of a client session (planner, ExecutorStart and utility
@@ -46,34 +50,86 @@ pub(crate) fn routes_at_latest() -> bool {
     (unsafe { pg_sys::XactIsoLevel } as u32) < pg_sys::XACT_REPEATABLE_READ
 }
 
-/// First use of `relid`'s shards in a READ COMMITTED transaction while this node's map is read
-/// through (a Tm in progress): waits for any prepared Tm on those shards' map rows. Returns
-/// true when it waited.
-pub(crate) fn wait_for_in_doubt_flip(relid: pg_sys::Oid) -> Result<bool, RemusError> {
-    let in_doubt: Vec<u32> = Spi::connect(|c| {
+/// A shard whose map row is held by a prepared Tm on this node: its ownership change is
+/// decided elsewhere (perhaps committed on the target already) but not yet here.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct InDoubt {
+    pub(crate) shard_id: i64,
+    /// The prepared Tm's xid.
+    pub(crate) xid: u32,
+    pub(crate) migration_id: i64,
+}
+
+/// The shards of `relid` (all distributed tables when None, or only `shard_ids` when given)
+/// whose map row, as the active snapshot sees it, is held by a prepared Tm (`remus_tm:` gid).
+/// Read from the catalog and `pg_prepared_xacts` only: it does not depend on shared memory,
+/// so it holds after a restart that lost the migration's state (review finding F4).
+pub(crate) fn in_doubt(
+    relid: Option<pg_sys::Oid>,
+    shard_ids: Option<&[i64]>,
+) -> Result<Vec<InDoubt>, RemusError> {
+    let rows = Spi::connect(|c| {
         c.select(
-            "SELECT m.xmax::text::bigint
-               FROM remus.shards s
-               JOIN remus.shard_map m USING (shard_id)
-              WHERE s.logicalrelid = $1 AND m.xmax <> '0'::xid
-                AND EXISTS (SELECT 1 FROM pg_catalog.pg_prepared_xacts p WHERE p.transaction = m.xmax)",
+            "SELECT m.shard_id, m.xmax::text::bigint,
+                    split_part(p.gid, ':', 2)::bigint
+               FROM remus.shard_map m
+               JOIN remus.shards s USING (shard_id)
+               JOIN pg_catalog.pg_prepared_xacts p ON p.transaction = m.xmax
+              WHERE m.xmax <> '0'::xid AND starts_with(p.gid, 'remus_tm:')
+                AND ($1::oid IS NULL OR s.logicalrelid = $1)
+                AND ($2::bigint[] IS NULL OR m.shard_id = ANY ($2))",
             None,
-            &[relid.into()],
+            &[relid.into(), shard_ids.map(|s| s.to_vec()).into()],
         )?
-        .map(|r| r.get::<i64>(1).map(|x| x.unwrap_or(0) as u32))
+        .map(|r| {
+            Ok(InDoubt {
+                shard_id: r.get::<i64>(1)?.unwrap_or(0),
+                xid: r.get::<i64>(2)?.unwrap_or(0) as u32,
+                migration_id: r.get::<i64>(3)?.unwrap_or(0),
+            })
+        })
         .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })?;
-    for xid in &in_doubt {
-        // SAFETY: waits on the prepared transaction's xid lock (interruptible; lock_timeout
-        // applies), like a writer that meets its row version.
-        unsafe {
-            pg_sys::XactLockTableWait(
-                pg_sys::TransactionId::from(*xid),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                pg_sys::XLTW_Oper::XLTW_None,
-            )
-        };
+    Ok(rows)
+}
+
+/// How long to poll between looks at a prepared Tm while waiting for its decision.
+const IN_DOUBT_POLL_MS: i64 = 10;
+
+/// Waits until each prepared Tm of `rows` is decided on this node (committed or rolled back),
+/// at most `remus.in_doubt_wait_timeout` in all; past it fails with 55006 naming the shard.
+/// The wait shows in `pg_stat_activity` as wait event `Extension` with the Tm's shard in the
+/// log, and a cancel or statement_timeout ends it (review finding F5: it used to be an
+/// unbounded lock wait).
+pub(crate) fn wait_decided(rows: &[InDoubt]) -> Result<(), RemusError> {
+    if rows.is_empty() {
+        return Ok(());
     }
-    Ok(!in_doubt.is_empty())
+    let limit_ms = i64::from(crate::guc::IN_DOUBT_WAIT_TIMEOUT_MS.get());
+    let started = std::time::Instant::now();
+    for r in rows {
+        pgrx::debug1!(
+            "shard {} waits for the decision of migration {}'s Tm (xid {})",
+            r.shard_id,
+            r.migration_id,
+            r.xid
+        );
+        loop {
+            // SAFETY: tries the prepared transaction's xid lock without blocking; true once
+            // that transaction is no longer in progress.
+            if unsafe { pg_sys::ConditionalXactLockTableWait(pg_sys::TransactionId::from(r.xid)) } {
+                break;
+            }
+            let waited = started.elapsed().as_millis() as i64;
+            if waited >= limit_ms {
+                return Err(RemusError::OwnershipInDoubt {
+                    shard_id: r.shard_id,
+                    migration_id: r.migration_id,
+                    waited_ms: waited,
+                });
+            }
+            crate::pg::latch::wait_ms(IN_DOUBT_POLL_MS.min(limit_ms - waited).max(1));
+        }
+    }
+    Ok(())
 }

@@ -18,12 +18,13 @@
 //!   commits and commits its shadow before it lets go of its locks; so the row the destination
 //!   then locks already carries their writes, and the newer writer re-evaluates on top of
 //!   them, as on a single node.
-//! - [`super::wait_for_in_doubt_flip`]: a READ COMMITTED transaction that routes a shard for the first
+//! - [`super::wait_decided`]: a READ COMMITTED transaction that routes a shard for the first
 //!   time while this node's Tm is prepared (decided elsewhere, perhaps already committed on the
 //!   destination) waits for that outcome and reads the map again, rather than start a new
 //!   writer on the source while others already write on the destination.
 //!
-//! Neither wait can fail the statement: a source that does not answer, or holds the row past
+//! The drain wait cannot fail the statement (the in-doubt wait can, past
+//! `remus.in_doubt_wait_timeout`, with 55006): a source that does not answer, or holds the row past
 //! `remus.drain_wait_timeout`, is logged and the write goes ahead (its older writer may then
 //! get the conflict it would have got without the wait).
 
