@@ -75,7 +75,21 @@ impl Run {
                 let status: Option<String> = row.get(0);
                 let committed_at: Option<String> = row.get(1);
                 let lsn: String = row.get(2);
-                let verb = if status.as_deref() == Some("committed") {
+                let verdict = shadow_verdict(status.as_deref());
+                if verdict == ShadowVerdict::Unknown {
+                    // F16: no status means the source's commit log no longer covers the
+                    // transaction, not that it aborted. Guessing either way could lose or
+                    // invent a committed write; the shadow stays prepared for an operator and
+                    // cleanup stops before it drops the source's copy.
+                    warn!(migration_id = self.id(), phase = "cleanup", %gid, ?status, "the fate of a shadow's source transaction is unknown; left prepared");
+                    return Err(DriverError::ShadowInDoubt {
+                        gid: gid.clone(),
+                        source_node: self.plan.source.name.clone(),
+                        target_node: self.plan.target.name.clone(),
+                        status: status.unwrap_or_else(|| "NULL".into()),
+                    });
+                }
+                let verb = if verdict == ShadowVerdict::Commit {
                     if let Some(at) = committed_at {
                         target
                             .batch_execute(&format!(
@@ -135,5 +149,35 @@ impl Run {
                 .map_err(sql(&self.plan.target))?;
         }
         Ok(())
+    }
+}
+
+/// What becomes of a prepared shadow, from its source transaction's `pg_xact_status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ShadowVerdict {
+    Commit,
+    Rollback,
+    /// NULL (the source's commit log was truncated past the transaction) or anything else
+    /// unexpected: not known, so neither (review finding F16).
+    Unknown,
+}
+
+fn shadow_verdict(status: Option<&str>) -> ShadowVerdict {
+    match status {
+        Some("committed") => ShadowVerdict::Commit,
+        Some("aborted") => ShadowVerdict::Rollback,
+        _ => ShadowVerdict::Unknown,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shadow_whose_source_status_is_unknown_is_neither_committed_nor_rolled_back() {
+        assert_eq!(shadow_verdict(Some("committed")), ShadowVerdict::Commit);
+        assert_eq!(shadow_verdict(Some("aborted")), ShadowVerdict::Rollback);
+        assert_eq!(shadow_verdict(None), ShadowVerdict::Unknown);
     }
 }

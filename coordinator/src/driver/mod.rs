@@ -126,6 +126,18 @@ pub enum DriverError {
         target: String,
         shards: Vec<i64>,
     },
+    /// A prepared shadow whose source transaction's fate cannot be read any more (F16): left
+    /// prepared, for an operator to commit or roll back.
+    #[error(
+        "shadow transaction {gid} on {target_node} left prepared: the status of its source transaction on {source_node} is {status} \
+         (its commit log is truncated); cleanup stopped before dropping the source's copy: COMMIT PREPARED it there if that transaction committed, else ROLLBACK PREPARED"
+    )]
+    ShadowInDoubt {
+        gid: String,
+        source_node: String,
+        target_node: String,
+        status: String,
+    },
 }
 
 /// A shard table whose copies differ: rows and digest on each side.
