@@ -393,7 +393,16 @@ impl TestCluster {
             // already yields ESRCH.
             unsafe { libc::kill(*p as i32, libc::SIGKILL) };
         }
-        wait_gone(&pids, &format!("node {name}"))
+        wait_gone(&pids, &format!("node {name}"))?;
+        // In a container whose PID 1 does not reap, the dead postmaster stays a zombie, which
+        // its successor's liveness probe (kill 0) takes for a running server: the successor
+        // refuses to start ("lock file ... already exists"). With every process of
+        // the server gone, the lock files (data directory, Unix socket) are stale, as after a
+        // reboot.
+        let n = state.node(name)?;
+        let _ = std::fs::remove_file(n.data_dir.join("postmaster.pid"));
+        let _ = std::fs::remove_file(n.socket_dir.join(format!(".s.PGSQL.{}.lock", n.port)));
+        Ok(())
     }
 
     /// Kills the replay worker with SIGKILL and waits until it is gone.
