@@ -8,8 +8,9 @@
 //! the target holds, before it the migration rolls back and the source keeps the shards
 //! (`driver::resume`).
 //!
-//! Resumed migrations run one after another, and new ones are refused (SQLSTATE 57P03) until
-//! all of them have ended: the read-through switch is a counter per node shared by every
+//! Resumed migrations run side by side, each in its own task (one held in its drain does not
+//! hold up another's rollback), and new ones are refused (SQLSTATE 57P03) until all of them
+//! have ended: the read-through switch is a counter per node shared by every
 //! migration, and whether the previous run ended its share is unknown, so the last step here
 //! ends read-through on every node, which is only right once no Tm can be in flight.
 
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::driver::{self, DriverConfig};
-use crate::migration::{MigrationStore, Status};
+use crate::migration::{MigrationRecord, MigrationStore, Status};
 use crate::node_registry::NodeRegistry;
 use crate::plan;
 
@@ -74,36 +75,54 @@ async fn resume_each(
             return 0;
         }
     };
-    let mut resumed = 0;
+    // Each in its own task (review finding F18): one held in its drain must not keep another's
+    // source in sync mode with no stream behind it, failing every write to its shards.
+    let mut tasks = tokio::task::JoinSet::new();
     for record in running {
-        let id = record.id.0;
-        info!(migration_id = id, phase = %record.phase, "resuming a migration the previous coordinator was running");
-        let started = Instant::now();
-        let plan = loop {
-            match plan::plan_for_resume(registry, &config.connector, &record).await {
-                Ok(p) => break Some(p),
-                Err(e) if started.elapsed() < PLAN_WAIT => {
-                    warn!(migration_id = id, phase = %record.phase, error = %e, "cannot plan the resumed migration yet; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                Err(e) => {
-                    let msg = format!(
-                        "the coordinator restarted and could not resume the migration: {e}"
-                    );
-                    warn!(migration_id = id, phase = %record.phase, error = %msg, "resumed migration failed");
-                    if let Err(e) = store.finish(record.id, Status::Failed, Some(msg)).await {
-                        warn!(migration_id = id, phase = %record.phase, error = %e, "could not record the end");
-                    }
-                    break None;
-                }
-            }
-        };
-        if let Some(plan) = plan {
-            driver::resume(config.clone(), store.clone(), plan, record).await;
-            resumed += 1;
+        let (config, store, registry) = (config.clone(), store.clone(), registry.clone());
+        tasks.spawn(async move { resume_one(config, store, registry, record).await });
+    }
+    let mut resumed = 0;
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(true) => resumed += 1,
+            Ok(false) => {}
+            Err(e) => warn!(phase = "resume", error = %e, "a resumed migration's task failed"),
         }
     }
     resumed
+}
+
+/// Plans and resumes one migration; false if it could not be planned (recorded failed).
+async fn resume_one(
+    config: Arc<DriverConfig>,
+    store: MigrationStore,
+    registry: NodeRegistry,
+    record: MigrationRecord,
+) -> bool {
+    let id = record.id.0;
+    info!(migration_id = id, phase = %record.phase, "resuming a migration the previous coordinator was running");
+    let started = Instant::now();
+    let plan = loop {
+        match plan::plan_for_resume(&registry, &config.connector, &record).await {
+            Ok(p) => break p,
+            Err(e) if started.elapsed() < PLAN_WAIT => {
+                warn!(migration_id = id, phase = %record.phase, error = %e, "cannot plan the resumed migration yet; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => {
+                let msg =
+                    format!("the coordinator restarted and could not resume the migration: {e}");
+                warn!(migration_id = id, phase = %record.phase, error = %msg, "resumed migration failed");
+                if let Err(e) = store.finish(record.id, Status::Failed, Some(msg)).await {
+                    warn!(migration_id = id, phase = %record.phase, error = %e, "could not record the end");
+                }
+                return false;
+            }
+        }
+    };
+    driver::resume(config, store, plan, record).await;
+    true
 }
 
 /// Ends read-through on every node that answers (one that restarted has it off already).

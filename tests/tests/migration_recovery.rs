@@ -12,12 +12,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use coordinator::failpoint::{
-    END_UNRECORDED, HANDOVER_DECISION_UNACKNOWLEDGED, HANDOVER_DECISION_UNREADABLE,
+    DUAL_STARTED, END_UNRECORDED, HANDOVER_DECIDED, HANDOVER_DECISION_UNACKNOWLEDGED,
+    HANDOVER_DECISION_UNREADABLE,
 };
 use integration::pgbench::init_tpcb;
 use integration::shards::{owners, owners_everywhere};
 use remus_test_support::cluster::TestCluster;
-use remus_test_support::{sqlstate, wait_for};
+use remus_test_support::{sqlstate, wait_for, wait_until};
 
 /// Arms failpoint `name` with `error` (see `coordinator::failpoint`).
 fn arm_error(c: &TestCluster, name: &str) {
@@ -264,6 +265,299 @@ fn an_ambiguous_tm_decision_never_drops_the_only_copy() {
     );
     assert_eq!(shard_content(&c, "n1", second), None);
     touch_account(&c, second, 1);
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
+}
+
+/// The running migration `id`'s `waiting_on`, if any.
+fn waiting_on(c: &TestCluster, id: i64) -> Option<String> {
+    c.connect("n1")
+        .unwrap()
+        .query_one(
+            "SELECT waiting_on FROM remus_migrations WHERE migration_id = $1",
+            &[&id],
+        )
+        .ok()?
+        .get(0)
+}
+
+/// The id of the latest migration of `shard`, once there is one (it may have ended).
+fn running_migration_of(c: &TestCluster, shard: i64) -> i64 {
+    let mut db = c.connect("n1").unwrap();
+    wait_for(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            db.query_opt(
+                "SELECT max(migration_id) FROM remus_migrations WHERE $1 = ANY(shard_ids)",
+                &[&shard],
+            )
+            .unwrap()
+            .and_then(|r| r.get(0))
+        },
+        || format!("no migration of shard {shard} started"),
+    )
+}
+
+/// Waits for a migration call to return (its status), reporting what the migration waits for
+/// if it does not.
+fn call_result(c: &TestCluster, call: Call, id: i64) -> String {
+    wait_until(
+        Duration::from_secs(180),
+        Duration::from_millis(50),
+        || call.is_finished(),
+        || {
+            format!(
+                "migration {id} still running, waiting on {:?}\n{}",
+                waiting_on(c, id),
+                c.daemon_logs(40)
+            )
+        },
+    );
+    call.join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("migration {id}: {e:?}"))
+}
+
+/// Sets `remus.cleanup_drain_timeout` on every node (None: back to its default).
+fn set_drain_timeout(c: &TestCluster, value: Option<&str>) {
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        match value {
+            Some(v) => db
+                .batch_execute(&format!(
+                    "ALTER SYSTEM SET remus.cleanup_drain_timeout = '{v}'"
+                ))
+                .unwrap(),
+            None => db
+                .batch_execute("ALTER SYSTEM RESET remus.cleanup_drain_timeout")
+                .unwrap(),
+        }
+        db.batch_execute("SELECT pg_reload_conf()").unwrap();
+    }
+}
+
+/// Review finding F9 and the issue's two psql sessions. The cleanup drain waits only for what
+/// can still use the old placement, and not forever:
+///
+/// 1. An idle READ COMMITTED `BEGIN; SELECT 1` in the cluster's database on the source and on
+///    another node, open since before the migration, does not hold it (before: cleanup waited
+///    for it forever); it is not terminated either.
+/// 2. Two `remus_migrate_shard` calls from two sessions at once (a tellers and an accounts
+///    shard of n3) both complete (before: each waited in cleanup for the other's calling
+///    session, forever).
+/// 3. A REPEATABLE READ transaction on the source that read the shard before the migration is
+///    waited for, named (node and pid) in `waiting_on`; once `remus.cleanup_drain_timeout`
+///    (lowered by a reload) has passed it is terminated and the migration completes.
+#[test]
+fn the_cleanup_drain_waits_only_for_what_can_use_the_old_copy_and_is_bounded() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    let accounts = owners(&c, "pgbench_accounts");
+    let on = |node: &str| -> Vec<i64> {
+        accounts
+            .iter()
+            .filter(|(_, o)| o == node)
+            .map(|(s, _)| *s)
+            .collect()
+    };
+    let (on_n1, on_n3) = (on("n1"), on("n3"));
+
+    // 1. Idle transactions that hold neither a snapshot nor a lock on the moved tables.
+    let mut idle: Vec<postgres::Client> = ["n1", "n3"]
+        .iter()
+        .map(|n| {
+            let mut db = c.connect(n).unwrap();
+            db.batch_execute("BEGIN; SELECT 1").unwrap();
+            db
+        })
+        .collect();
+    let call = start_migration(&c, on_n1[0], "n2");
+    let id = running_migration_of(&c, on_n1[0]);
+    assert_eq!(call_result(&c, call, id), "succeeded");
+    for db in &mut idle {
+        db.batch_execute("SELECT 2; COMMIT")
+            .expect("an unrelated idle transaction is not terminated");
+    }
+
+    // 2. Two calls from two sessions of n3 at once, held together at their sync barriers by
+    //    a write lock on both shard tables (taken without an xid), then let go together.
+    let tellers = owners(&c, "pgbench_tellers")
+        .into_iter()
+        .find(|(_, o)| o == "n3")
+        .map(|(s, _)| s)
+        .unwrap();
+    let mut holder = c.connect("n3").unwrap();
+    holder
+        .batch_execute(&format!(
+            "BEGIN;
+             LOCK TABLE remus_shards.pgbench_tellers_{tellers} IN ROW EXCLUSIVE MODE;
+             LOCK TABLE remus_shards.pgbench_accounts_{} IN ROW EXCLUSIVE MODE",
+            on_n3[0]
+        ))
+        .unwrap();
+    let calls = [(tellers, "n1"), (on_n3[0], "n2")].map(|(shard, target)| {
+        let call = start_migration(&c, shard, target);
+        (call, running_migration_of(&c, shard))
+    });
+    let mut db = c.connect("n1").unwrap();
+    wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(20),
+        || {
+            let at_barrier: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM remus_migrations
+                      WHERE status = 'running' AND phase = 'barrier'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            at_barrier == 2
+        },
+        || {
+            format!(
+                "the two migrations never met at the barrier\n{}",
+                c.daemon_logs(40)
+            )
+        },
+    );
+    holder.batch_execute("COMMIT").unwrap();
+    for (call, id) in calls {
+        assert_eq!(call_result(&c, call, id), "succeeded");
+    }
+
+    // 3. A REPEATABLE READ reader of the shard on the source: waited for, named, terminated
+    //    at the bound.
+    let shard = on_n1[1];
+    let mut reader = c.connect("n1").unwrap();
+    reader
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .unwrap();
+    let aid: i32 = reader
+        .query_one(
+            &format!("SELECT min(aid) FROM remus_shards.pgbench_accounts_{shard}"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    reader
+        .query_one(
+            "SELECT abalance FROM pgbench_accounts WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
+    let pid: i32 = reader
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    let call = start_migration(&c, shard, "n2");
+    let id = running_migration_of(&c, shard);
+    wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(20),
+        || waiting_on(&c, id).is_some_and(|w| w.contains(&format!("on n1 (e.g. pid {pid},"))),
+        || {
+            format!(
+                "the drain never named the reader (pid {pid} on n1): {:?}",
+                waiting_on(&c, id)
+            )
+        },
+    );
+    assert!(!call.is_finished(), "the reader is waited for");
+    set_drain_timeout(&c, Some("100ms"));
+    let status = call_result(&c, call, id);
+    set_drain_timeout(&c, None);
+    assert_eq!(status, "succeeded");
+    let aborted: i64 = c
+        .connect("n1")
+        .unwrap()
+        .query_one(
+            "SELECT aborted_by_migration FROM remus_migrations WHERE migration_id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert!(aborted >= 1, "the terminated reader counts as aborted");
+    let e = reader
+        .batch_execute("SELECT 1")
+        .expect_err("the reader was terminated");
+    println!("the reader after the bound: {e:?}");
+    assert_eq!(owners_everywhere(&c, shard), vec!["n2".to_string(); 3]);
+}
+
+/// Review finding F18. Two migrations cut off by a coordinator kill: A (accounts shard of n1)
+/// past its Tm decision, B (tellers shard of n3) in dual execution. The successor resumes
+/// both; A's drain is held by a REPEATABLE READ transaction open since before the restart
+/// (`remus.cleanup_drain_timeout` set to an hour), and B must be rolled back meanwhile, its
+/// source out of sync mode (before: resumed one after another, B waited behind A).
+#[test]
+fn a_resumed_migration_held_in_its_drain_does_not_hold_up_another() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    set_drain_timeout(&c, Some("1h"));
+    let a_shard = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .unwrap()
+        .0;
+    let b_shard = owners(&c, "pgbench_tellers")
+        .into_iter()
+        .find(|(_, o)| o == "n3")
+        .unwrap()
+        .0;
+    let mut reader = c.connect("n1").unwrap();
+    reader
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .unwrap();
+
+    c.arm_pause(HANDOVER_DECIDED).unwrap();
+    let a_call = start_migration(&c, a_shard, "n2");
+    let a = c
+        .wait_paused_at(HANDOVER_DECIDED, Duration::from_secs(120))
+        .unwrap();
+    c.arm_pause(DUAL_STARTED).unwrap();
+    let b_call = start_migration(&c, b_shard, "n2");
+    let b = c
+        .wait_paused_at(DUAL_STARTED, Duration::from_secs(120))
+        .unwrap();
+    assert!(a < b, "A is resumed first when they run in turn");
+    restart_coordinator(&c, &[HANDOVER_DECIDED, DUAL_STARTED]);
+    let _ = (a_call.join().unwrap(), b_call.join().unwrap());
+
+    let (status, error) = wait_ended(&c, b, Duration::from_secs(180));
+    assert_eq!(status, "rolled_back", "{error:?}");
+    assert_eq!(owners_everywhere(&c, b_shard), vec!["n3".to_string(); 3]);
+    let a_waits = waiting_on(&c, a).unwrap_or_default();
+    assert_eq!(migration_state(&c, a).0, "running");
+    let pid: i32 = reader
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    assert!(a_waits.contains(&format!("pid {pid}")), "{a_waits}");
+    // B's source takes writes on its shard again (no validation against a stream that is gone).
+    let mut n3 = c.connect("n3").unwrap();
+    let tid: i32 = n3
+        .query_one(
+            &format!("SELECT min(tid) FROM remus_shards.pgbench_tellers_{b_shard}"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    n3.execute(
+        "UPDATE pgbench_tellers SET tbalance = tbalance + 1 WHERE tid = $1",
+        &[&tid],
+    )
+    .unwrap_or_else(|e| panic!("a write on B's shard after its rollback: {e:?}"));
+
+    reader.batch_execute("COMMIT").unwrap();
+    let (status, error) = wait_ended(&c, a, Duration::from_secs(180));
+    assert_eq!(status, "succeeded", "{error:?}");
+    assert_eq!(owners_everywhere(&c, a_shard), vec!["n2".to_string(); 3]);
+    set_drain_timeout(&c, None);
     assert!(
         c.migration_artifacts().is_empty(),
         "{:?}",
