@@ -37,6 +37,11 @@ pub static IN_DOUBT_WAIT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_
 /// 5 s per row lock), so it only ends validations that would otherwise hang (review F11).
 pub static VALIDATION_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
 
+/// Longest wait of a migration's cleanup for the transactions older than its handover that can
+/// still use the old placement; past it they are terminated. Read by the coordinator from each
+/// node (`coordinator/src/driver/mod.rs`, `wait_for_transactions`), not used in the backend.
+pub static CLEANUP_DRAIN_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(300_000);
+
 /// The database the background workers connect to (where pg_remus is created).
 pub static DATABASE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"postgres"));
@@ -127,6 +132,16 @@ pub fn register() {
         10,
         3_600_000,
         GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"remus.cleanup_drain_timeout",
+        c"Longest wait of a migration's cleanup for transactions older than its handover.",
+        c"After the handover, the migration waits for the transactions that started before it and can still use the old placement (they hold a snapshot or a lock on a moved table); past this they are terminated (SQLSTATE 57P01).",
+        &CLEANUP_DRAIN_TIMEOUT_MS,
+        100,
+        i32::MAX,
+        GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
 }
