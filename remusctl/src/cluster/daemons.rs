@@ -195,7 +195,12 @@ pub(super) async fn start_coordinator(
                 return Ok(());
             }
         }
-        if log_since(&daemon.log, log_start).contains(coordinator::leader::STANDBY_LINE) {
+        // Waiting as the standby is a good start only behind a live leader: a coordinator
+        // started again after a crash waits here until the dead one's lease has ended and it
+        // serves, so that `start-coordinator` returns with a coordinator that answers.
+        if other_alive(state, role)
+            && log_since(&daemon.log, log_start).contains(coordinator::leader::STANDBY_LINE)
+        {
             return Ok(());
         }
         if Instant::now() > deadline {
@@ -209,6 +214,14 @@ pub(super) async fn start_coordinator(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Whether the cluster's other coordinator (than `role`) runs.
+fn other_alive(state: &ClusterState, role: Role) -> bool {
+    [Role::First, Role::Standby]
+        .into_iter()
+        .filter(|r| *r != role)
+        .any(|r| r.daemon(state).is_some_and(|d| d.live_pid().is_some()))
 }
 
 /// What `log` holds past byte `from`.
