@@ -13,9 +13,9 @@ pub use remusctl::cluster::ClusterState;
 
 use crate::ports::{PortBlock, NODE_PORTS, SERVICE_OFFSET, SERVICE_PORTS};
 
-// A cluster on base port P uses P..P+N-1 for its nodes and P+100..P+103 for etcd (client and
-// peer), the coordinator and the replay worker (`remus_proto::names::ports`): all inside one
-// `PortBlock`.
+// A cluster on base port P uses P..P+N-1 for its nodes and P+100..P+104 for etcd (client and
+// peer), the coordinator, the replay worker and the standby coordinator
+// (`remus_proto::names::ports`): all inside one `PortBlock`.
 const _: () =
     assert!(ETCD_CLIENT_OFFSET >= SERVICE_OFFSET && MAX_OFFSET < SERVICE_OFFSET + SERVICE_PORTS);
 
