@@ -1360,7 +1360,25 @@ fn a_new_transaction_waits_for_an_in_doubt_tm_and_runs_on_the_destination() {
             &[&aid],
         )
     });
-    wait_lock_waiter(&c, "n2", "UPDATE pgbench_accounts");
+    // The in-doubt wait polls on its latch (bounded by remus.in_doubt_wait_timeout, review F5):
+    // wait event Extension.
+    let mut watcher = c.connect("n2").unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE wait_event_type = 'Extension' AND strpos(query, 'UPDATE pgbench_accounts') > 0",
+                    &[],
+                )
+                .unwrap()
+                .get::<_, i64>(0)
+                > 0
+        },
+        || "the writer on n2 does not wait for the in-doubt Tm".to_string(),
+    );
     assert!(
         !writer.is_finished(),
         "the writer routed while Tm was in doubt"
