@@ -459,3 +459,203 @@ fn full_concurrency_matrix() {
         run_matrix(mode, &cases);
     }
 }
+
+/// The first account id of accounts shard `shard` on its owner `node`.
+fn first_aid(c: &TestCluster, node: &str, shard: i64) -> i32 {
+    c.connect(node)
+        .unwrap()
+        .query_one(
+            &format!("SELECT min(aid) FROM remus_shards.pgbench_accounts_{shard}"),
+            &[],
+        )
+        .unwrap()
+        .get(0)
+}
+
+/// A session of `node` that a closed admission gate does not hold (a migration session): the
+/// test's own observations must not wait at the gate they observe.
+fn observer(c: &TestCluster, node: &str) -> postgres::Client {
+    let mut db = c.connect(node).unwrap();
+    db.batch_execute("SET remus.migration_session = on")
+        .unwrap();
+    db
+}
+
+/// The running migration's `waiting_on`, as node n1 lists it.
+fn waiting_on(c: &TestCluster) -> Option<String> {
+    observer(c, "n1")
+        .query(
+            "SELECT waiting_on FROM remus_migrations WHERE status = 'running'",
+            &[],
+        )
+        .unwrap()
+        .first()
+        .and_then(|r| r.get(0))
+}
+
+/// Waits (bounded) until the statement of the session with backend pid `pid` on `node` is
+/// running (held somewhere, since the caller knows it cannot finish yet); false if it never was.
+fn wait_active(c: &TestCluster, node: &str, pid: i32) -> bool {
+    let mut db = observer(c, node);
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(60) {
+        let active: bool = db
+            .query_one(
+                "SELECT state = 'active' FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .unwrap()
+            .get(0);
+        if active {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+fn backend_pid(db: &mut postgres::Client) -> i32 {
+    db.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0)
+}
+
+/// Review finding F20: under REPEATABLE READ (the session default), an autocommit UPDATE that
+/// waited at wait_remaster's admission gate took its snapshot before the gate opened, so before
+/// Tm. Without the fix it read the old shard map, wrote the source's copy after Tm and the write
+/// was dropped with that copy. Now it fails with 40001 and its retry runs on the new owner.
+#[test]
+fn an_rr_statement_that_waited_at_the_gate_does_not_write_the_old_copy() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    let shard = shard_with_rows(&c, "pgbench_accounts", "n1").expect("an accounts shard of n1");
+    let aid = first_aid(&c, "n1", shard);
+    // A transaction in flight when the gate closes: the handover waits for it, with the gate
+    // closed, until it commits.
+    let mut holder = c.connect("n3").unwrap();
+    holder
+        .batch_execute("BEGIN; SELECT count(*) FROM pgbench_branches")
+        .unwrap();
+    let mut rr = c.connect("n3").unwrap();
+    rr.batch_execute("SET default_transaction_isolation = 'repeatable read'")
+        .unwrap();
+    let rr_pid = backend_pid(&mut rr);
+    let update = format!("UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = {aid}");
+    thread::scope(|s| {
+        let mover = s.spawn(|| ctl_migrate(&c, shard, "n2", "wait_remaster"));
+        wait_until(
+            Duration::from_secs(120),
+            Duration::from_millis(20),
+            || waiting_on(&c).is_some_and(|w| w.contains("gate closed")),
+            || format!("the gate never closed\n{}", c.daemon_logs(40)),
+        );
+        // Simple protocol, autocommit, as pgbench runs it: the snapshot is taken before the
+        // statement reaches the gate.
+        let writer = s.spawn(|| {
+            let first = rr.batch_execute(&update);
+            (first, rr)
+        });
+        let held = wait_active(&c, "n3", rr_pid);
+        // Committed whatever happened, or the migration (and this scope) would wait forever.
+        holder.batch_execute("COMMIT").unwrap();
+        assert!(held, "the UPDATE never ran");
+        let moved = mover.join().unwrap();
+        assert!(moved.succeeded, "{}", moved.output);
+        let (first, mut rr) = writer.join().unwrap();
+        match first {
+            Ok(()) => println!("the held UPDATE committed"),
+            Err(e) => {
+                assert_eq!(
+                    e.code().map(|c| c.code()),
+                    Some("40001"),
+                    "the held UPDATE: {e:?}"
+                );
+                println!("the held UPDATE got 40001: {:?}; retrying", e.as_db_error());
+                rr.batch_execute(&update).expect("the retry");
+            }
+        }
+    });
+    let on_target: i32 = c
+        .connect("n2")
+        .unwrap()
+        .query_one(
+            &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        on_target, 7,
+        "the committed UPDATE must be on the new owner"
+    );
+}
+
+/// Review finding F12: a READ COMMITTED transaction inserts a history row (co-located with
+/// accounts) before Tm, so its history shard is pinned on the source; after Tm it joins
+/// accounts and history on that aid, accounts used for the first time and so routed to the
+/// new owner. Without the fix the join ran on the new owner, reading its history shard, and
+/// missed the transaction's own insert. Now it either sees its insert or fails with 40001; it
+/// never reads a shard where the transaction does not route it.
+#[test]
+fn a_colocated_join_after_tm_reads_each_shard_where_the_transaction_routes_it() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    let shard = shard_with_rows(&c, "pgbench_accounts", "n1").expect("an accounts shard of n1");
+    let aid = first_aid(&c, "n1", shard);
+    c.arm_pause(DUAL_STARTED).unwrap();
+    let mut tx = c.connect("n3").unwrap();
+    thread::scope(|s| {
+        let mover = s.spawn(|| ctl_migrate(&c, shard, "n2", "remus"));
+        c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120))
+            .unwrap();
+        tx.batch_execute(&format!(
+            "BEGIN; INSERT INTO pgbench_history (tid, bid, aid, delta, mtime)
+                    VALUES (1, 1, {aid}, 4242, now())"
+        ))
+        .unwrap();
+        c.release_failpoint(DUAL_STARTED).unwrap();
+        // Tm committed on n3; cleanup's drain waits for this transaction.
+        let mut n3 = c.connect("n3").unwrap();
+        wait_until(
+            Duration::from_secs(120),
+            Duration::from_millis(20),
+            || {
+                n3.query_one(
+                    "SELECT node_name FROM remus_shards WHERE shard_id = $1",
+                    &[&shard],
+                )
+                .unwrap()
+                .get::<_, String>(0)
+                    == "n2"
+            },
+            || format!("n3 never saw n2 owning shard {shard}"),
+        );
+        let joined = tx.query(
+            &format!(
+                "SELECT h.delta FROM pgbench_accounts a JOIN pgbench_history h ON a.aid = h.aid
+                  WHERE a.aid = {aid} AND h.delta = 4242"
+            ),
+            &[],
+        );
+        match joined {
+            Ok(rows) => {
+                assert_eq!(
+                    rows.len(),
+                    1,
+                    "the join must see the transaction's own insert"
+                );
+                tx.batch_execute("COMMIT").unwrap();
+            }
+            Err(e) => {
+                assert_eq!(e.code().map(|c| c.code()), Some("40001"), "{e:?}");
+                println!("the join got 40001: {:?}", e.as_db_error());
+                tx.batch_execute("ROLLBACK").unwrap();
+            }
+        }
+        let moved = mover.join().unwrap();
+        assert!(moved.succeeded, "{}", moved.output);
+    });
+    assert!(
+        c.migration_artifacts().is_empty(),
+        "{:?}",
+        c.migration_artifacts()
+    );
+}

@@ -201,12 +201,6 @@ pub enum RemusError {
     },
     #[error("this backend (pgprocno {procno}) is beyond the {max} backends the sync barrier of shard migrations tracks, so it cannot commit a write to a migrating shard before the barrier; retry on another connection, or lower max_connections")]
     BarrierUntracked { procno: i32, max: usize },
-    #[error("{what} would freeze rows of shard {shard_id}, which shard migration {migration_id} is moving (frozen rows hide destination writes from its write-write conflict check); retry when the migration has ended")]
-    FreezeDuringMigration {
-        what: String,
-        migration_id: i64,
-        shard_id: i64,
-    },
     #[error("shard {shard_id} is already registered by migration {migration_id}")]
     ShardAlreadyRegistered { shard_id: i64, migration_id: i64 },
     #[error("too many concurrent migrations on this node (at most {max})")]
@@ -230,6 +224,20 @@ pub enum RemusError {
     /// that moves it (lost in a restart): unvalidated, it would be dropped with the copy.
     #[error("shard {shard_id} now belongs to node {owner}; this node lost the state of the migration that moved it in a restart, so its copy here takes no more writes; retry the transaction (it will run on the new owner)")]
     ShardMovedAcrossRestart { shard_id: i64, owner: String },
+    /// wait_remaster: a REPEATABLE READ or SERIALIZABLE transaction that waited at the
+    /// admission gate holds a snapshot from before the gate opened, so from before the
+    /// ownership change it waited for (review finding F20).
+    #[error("this transaction waited at the admission gate of shard migration {migration_id} and its snapshot predates the ownership change; retry the transaction (it will run on the new owner)")]
+    GateWaitedWithOldSnapshot { migration_id: i64 },
+    /// A co-located join whose tables this transaction routes to different nodes (one used
+    /// before an ownership change, one first after it; review finding F12).
+    #[error("this transaction reads shard {shard_id} on node {node} but co-located shard {other_shard_id} on node {other_node} (an ownership change happened in between); a join of both cannot run on one node; retry the transaction")]
+    ColocatedShardsApart {
+        shard_id: i64,
+        node: String,
+        other_shard_id: i64,
+        other_node: String,
+    },
     #[error("the ownership change of shard {shard_id} (shard migration {migration_id}) is still undecided on this node after {waited_ms} ms (remus.in_doubt_wait_timeout); retry when the coordinator has completed it")]
     OwnershipInDoubt {
         shard_id: i64,
@@ -334,7 +342,6 @@ impl RemusError {
             | Self::TableMigrating { .. }
             | Self::ShardAlreadyRegistered { .. }
             | Self::FreezeDuringMigration { .. }
-            | Self::FreezeDuringMigration { .. }
             | Self::TooManyMigrations { .. }
             | Self::TooManyMigratingShards { .. }
             | Self::GateHeld { .. }
@@ -346,6 +353,8 @@ impl RemusError {
             | Self::AbortedByMigration { .. }
             | Self::ShardMoved { .. }
             | Self::ShardMovedAcrossRestart { .. }
+            | Self::GateWaitedWithOldSnapshot { .. }
+            | Self::ColocatedShardsApart { .. }
             | Self::MigrationConflict { .. } => SqlState::SERIALIZATION_FAILURE.code(),
             // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.
             Self::SyncValidation { .. } => SqlState::SERIALIZATION_FAILURE.code(),

@@ -431,6 +431,7 @@ unsafe fn run_select(
             return Ok(());
         }
         let placement = super::key::placement_for(&table, &all, v, ty)?;
+        same_node_for_every_table(query, anchor_relid, &placement, v, ty)?;
         let out_types: Vec<(pg_sys::Oid, i32)> =
             list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
                 .into_iter()
@@ -448,6 +449,49 @@ unsafe fn run_select(
         (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
         pg_sys::MemoryContextSwitchTo(old);
         store_rows((*s).tstore, desc, r.rows, out_types.len());
+        Ok(())
+    }
+}
+
+/// The statement runs on the anchor's node, and that node reads every table of the join from
+/// its own co-located shard (`marker::pin_to_local_shard`). So each table's shard must be
+/// where this transaction routes it: its own pin, not the anchor's. They differ when the
+/// transaction used a table before an ownership change (Tm) and another table of the group
+/// first after it, under READ COMMITTED: reading both on one node would miss the transaction's
+/// own uncommitted writes on the other, or read a copy that no longer takes writes (review
+/// finding F12). Neither node has the whole truth for this transaction, so it fails with 40001;
+/// its retry pins the whole group on the new owner.
+///
+/// # Safety
+/// `query` must be a valid Query whose relations are co-located with `anchor_relid`; `value`
+/// of type `value_type` is the anchor's key value.
+unsafe fn same_node_for_every_table(
+    query: *mut pg_sys::Query,
+    anchor_relid: pg_sys::Oid,
+    anchor: &ShardPlacement,
+    value: pg_sys::Datum,
+    value_type: pg_sys::Oid,
+) -> Result<(), RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        for rte in list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable) {
+            if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION || (*rte).relid == anchor_relid {
+                continue;
+            }
+            let Some(other) = super::placement::dist_table((*rte).relid)? else {
+                continue;
+            };
+            let all = super::placement::placements((*rte).relid)?;
+            let theirs = super::key::placement_for(&other, &all, value, value_type)?;
+            if theirs.node_name != anchor.node_name {
+                return Err(RemusError::ColocatedShardsApart {
+                    shard_id: anchor.shard_id,
+                    node: anchor.node_name.clone(),
+                    other_shard_id: theirs.shard_id,
+                    other_node: theirs.node_name,
+                });
+            }
+        }
         Ok(())
     }
 }

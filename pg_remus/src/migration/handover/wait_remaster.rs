@@ -21,9 +21,14 @@ pub(crate) fn wait_at_gate() {
     }
     // SAFETY: we are inside a transaction whenever a statement runs.
     let xact_start = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    // The migration this statement waited for, if it waited.
+    let mut waited_for = None;
     loop {
         let gate = STATE.share().gate;
         if gate.migration_id == 0 || xact_start < gate.closed_at {
+            if let Some(migration_id) = waited_for {
+                refuse_old_snapshot(migration_id);
+            }
             return;
         }
         // SAFETY: plain clock read.
@@ -42,9 +47,31 @@ pub(crate) fn wait_at_gate() {
                 "the admission gate of shard migration {} stayed closed past its timeout; going on",
                 gate.migration_id
             );
+            if waited_for.is_some() {
+                refuse_old_snapshot(gate.migration_id);
+            }
             return;
         }
+        waited_for = Some(gate.migration_id);
         crate::pg::latch::wait_ms(GATE_POLL_MS);
+    }
+}
+
+/// After a wait at the gate, a transaction that keeps one snapshot for its whole life
+/// (REPEATABLE READ, SERIALIZABLE) and has taken it already (the statement that waited took it
+/// before planning) would read the shard map as it was before the ownership change it waited
+/// for, route to the old owner and write its copy after Tm: a write no baseline handover
+/// carries to the new owner (review finding F20). Such a transaction has done nothing through
+/// the gate yet (it waited at its first statement after the gate closed), so failing it with
+/// 40001 is safe and its retry starts after the gate opened, with a snapshot that sees the
+/// change. A READ COMMITTED statement routes by the latest map and takes a new snapshot to run,
+/// so it goes on. Any wait counts, also one that ended by the gate's timeout or a rollback: the
+/// snapshot's age is what matters, not what the migration did.
+fn refuse_old_snapshot(migration_id: i64) {
+    // SAFETY: reads a process global of this backend.
+    let snapshot_taken = unsafe { pg_sys::FirstSnapshotSet };
+    if snapshot_taken && !super::routes_at_latest() {
+        RemusError::GateWaitedWithOldSnapshot { migration_id }.raise();
     }
 }
 
