@@ -1,8 +1,8 @@
 //! Blocks of loopback ports for test servers, instead of ports picked by hand.
 //!
 //! A [`PortBlock`] is `base..base+10` (nodes, one server each) plus `base+100..base+110` (the
-//! services of a local cluster at `base+100..base+103`, see the `cluster` module). The blocks
-//! are cut from [`AREA`] so that no two overlap:
+//! services of a local cluster at `base+100..base+104`, the last the standby coordinator, see the
+//! `cluster` module). The blocks are cut from [`AREA`] so that no two overlap:
 //! `base(k) = AREA.start + 200 * (k / 10) + 10 * (k % 10)`, 700 blocks in all. Everything
 //! stays below 32768, where Linux's ephemeral range begins (any client socket of a concurrently
 //! running test may hold a port there), and away from the fixed base ports of the scripts

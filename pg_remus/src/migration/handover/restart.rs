@@ -1,5 +1,5 @@
 //! What a node enforces after a restart lost the shared-memory state of a running migration
-//! (review finding F4; design note `docs/design/notes/0003-migration-state-across-restarts.md`).
+//! (review finding F4; design note `docs/design/notes/0001-migration-state-across-node-restarts.md`).
 //!
 //! A crash-restart (a backend's segfault or OOM kill is enough) or a stop and start clears
 //! everything in [`super::super::state`]: the registration, capture, sync mode, the drain
