@@ -564,3 +564,38 @@ fn a_resumed_migration_held_in_its_drain_does_not_hold_up_another() {
         c.migration_artifacts()
     );
 }
+
+/// Review finding F13. Read-through is held per migration and ending it is idempotent: a
+/// rollback that ends it on a node its Tm never reached (migration 2 here), or a retried end,
+/// must not end another migration's hold (before: one counter per node, decremented by every
+/// end, saturating at 0, so 2's rollback switched off 1's read-through in the middle of its
+/// flip).
+#[test]
+fn one_migration_cannot_end_another_ones_read_through() {
+    let c = TestCluster::start(1).expect("cluster up");
+    let mut db = c.connect("n1").unwrap();
+    let mut holders = |q: &str| -> i32 { db.query_one(q, &[]).unwrap().get(0) };
+    assert_eq!(holders("SELECT remus.begin_read_through(1)"), 1);
+    assert_eq!(
+        holders("SELECT remus.begin_read_through(1)"),
+        1,
+        "idempotent"
+    );
+    assert_eq!(
+        holders("SELECT remus.end_read_through(2)"),
+        1,
+        "a migration that never began read-through here ends nothing"
+    );
+    assert_eq!(holders("SELECT remus.begin_read_through(3)"), 2);
+    assert_eq!(holders("SELECT remus.end_read_through(3)"), 1);
+    assert_eq!(
+        holders("SELECT remus.end_read_through(3)"),
+        1,
+        "a retried end"
+    );
+    assert_eq!(holders("SELECT remus.end_read_through(1)"), 0);
+    assert_eq!(holders("SELECT remus.end_read_through(1)"), 0);
+    // The id-less form (a restarted coordinator's "end every hold") still ends everything.
+    holders("SELECT remus.begin_read_through(4)");
+    assert_eq!(holders("SELECT remus.end_read_through()"), 0);
+}

@@ -35,10 +35,10 @@ impl Run {
         self.state.tm_prepared = true;
         self.state.gate_closed = self.plan.mode == Mode::WaitRemaster;
         self.state.capturing = self.plan.mode == Mode::Remus;
-        // Read-through is one counter per node for all migrations, and whether the previous
-        // run ended its share is not known: `crate::resume` ends it on every node once every
-        // resumed migration has settled its Tm.
-        self.state.read_through = false;
+        // Read-through is held per migration id and ending it is idempotent (F13): a rollback
+        // ends this migration's hold wherever it is; `crate::resume` also ends every hold on
+        // every node once all resumed migrations have settled their Tm.
+        self.state.read_through = true;
         let mut phase = phase;
         let mut stopped_in = format!("during phase {phase}");
         if phase == Phase::Cleanup {

@@ -112,7 +112,8 @@ impl Run {
                 .await?;
         }
         if self.state.read_through {
-            c.batch_execute("SELECT remus.end_read_through()")
+            // This migration's hold only (F13): on a node its Tm never reached, nothing.
+            c.batch_execute(&format!("SELECT remus.end_read_through({id})"))
                 .await
                 .map_err(sql(node))?;
         }

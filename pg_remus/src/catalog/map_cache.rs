@@ -4,10 +4,15 @@
 //! each table's placements per backend. Two shared-memory words keep it honest:
 //! - `MAP_GENERATION`: bumped (`remus.bump_map_generation()`) after any change of the map has
 //!   committed; a cached entry from an older generation is re-read.
-//! - `READ_THROUGH`: while non-zero (`remus.begin_read_through()` … `remus.end_read_through()`,
-//!   held by a migration around its ownership flip) the cache is not used at all and every
-//!   transaction reads the map with its own snapshot. This closes the window in which the
-//!   flip is visible to new snapshots but a backend has not yet seen the generation bump.
+//! - read-through: while any migration holds it (`remus.begin_read_through(id)` …
+//!   `remus.end_read_through(id)`, around its ownership flip) the cache is not used at all and
+//!   every transaction reads the map with its own snapshot. This closes the window in which the
+//!   flip is visible to new snapshots but a backend has not yet seen the generation bump. It is
+//!   a set of migration ids (`READ_THROUGH_SET`), not a counter (review finding F13): beginning
+//!   and ending are idempotent per migration, so a rollback that ends read-through on a node its
+//!   Tm never reached, or a retried end, cannot switch off another migration's read-through.
+//!   `READ_THROUGH` counts the set's members (written under its lock) plus the anonymous holds
+//!   of the id-less `begin_read_through()`, for the per-statement check.
 //!
 //! A transaction whose snapshot predates the last bump reads the map as it was (right for that
 //! transaction) but must not cache it as the current generation: every later transaction of
@@ -26,7 +31,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use pgrx::prelude::*;
-use pgrx::{pg_shmem_init, PgAtomic};
+use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 
 use super::ShardPlacement;
 
@@ -38,6 +43,40 @@ static LAST_BUMP_XID: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_map_b
 // SAFETY: as for MAP_GENERATION: set up by `init_shmem` before any backend reads it.
 static READ_THROUGH: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_map_read_through") };
 
+/// Most migrations that can hold read-through on one node at once.
+const MAX_READ_THROUGH: usize = 64;
+
+/// The migrations holding read-through on this node (0 = free slot).
+#[derive(Clone, Copy)]
+pub struct ReadThroughSet {
+    ids: [i64; MAX_READ_THROUGH],
+    /// Holds of the id-less `begin_read_through()` (older coordinators).
+    anonymous: u32,
+}
+
+impl Default for ReadThroughSet {
+    fn default() -> Self {
+        ReadThroughSet {
+            ids: [0; MAX_READ_THROUGH],
+            anonymous: 0,
+        }
+    }
+}
+
+impl ReadThroughSet {
+    fn holders(&self) -> u32 {
+        self.ids.iter().filter(|i| **i != 0).count() as u32 + self.anonymous
+    }
+}
+
+// SAFETY: plain old data (integers only), no pointers: valid in shared memory in every backend.
+unsafe impl PGRXSharedMemory for ReadThroughSet {}
+
+// SAFETY: set up by `init_shmem` (pg_shmem_init!) while the library is preloaded, before any
+// backend uses it.
+static READ_THROUGH_SET: PgLwLock<ReadThroughSet> =
+    unsafe { PgLwLock::new(c"remus_map_read_through_set") };
+
 thread_local! {
     static CACHE: RefCell<HashMap<u32, (u64, Vec<ShardPlacement>)>> = RefCell::new(HashMap::new());
 }
@@ -47,6 +86,48 @@ pub fn init_shmem() {
     pg_shmem_init!(MAP_GENERATION);
     pg_shmem_init!(LAST_BUMP_XID);
     pg_shmem_init!(READ_THROUGH);
+    pg_shmem_init!(READ_THROUGH_SET);
+}
+
+/// Changes the read-through set under its lock and publishes how many hold it.
+fn change_read_through(f: impl FnOnce(&mut ReadThroughSet)) -> u32 {
+    let mut set = READ_THROUGH_SET.exclusive();
+    f(&mut set);
+    let holders = set.holders();
+    READ_THROUGH.get().store(holders, Ordering::Release);
+    holders
+}
+
+/// Adds `migration_id` to the holders of read-through (no change if it holds it already).
+pub fn begin_read_through_for(migration_id: i64) -> Result<u32, crate::error::RemusError> {
+    if migration_id <= 0 {
+        return Err(crate::error::RemusError::InvalidMigrationId { migration_id });
+    }
+    let mut full = false;
+    let holders = change_read_through(|set| {
+        if set.ids.contains(&migration_id) {
+            return;
+        }
+        match set.ids.iter_mut().find(|i| **i == 0) {
+            Some(slot) => *slot = migration_id,
+            None => full = true,
+        }
+    });
+    if full {
+        return Err(crate::error::RemusError::TooManyMigrations {
+            max: MAX_READ_THROUGH,
+        });
+    }
+    Ok(holders)
+}
+
+/// Removes `migration_id` from the holders (no change if it does not hold it).
+pub fn end_read_through_for(migration_id: i64) -> u32 {
+    change_read_through(|set| {
+        for slot in set.ids.iter_mut().filter(|i| **i == migration_id) {
+            *slot = 0;
+        }
+    })
 }
 
 pub fn generation() -> u64 {
@@ -129,20 +210,39 @@ mod remus {
     }
 
     /// Makes every backend of this node read the shard map with its own snapshot, bypassing
-    /// caches, until a matching `end_read_through`. Nests.
+    /// caches, until a matching `end_read_through()`. Nests. For coordinators that do not name
+    /// their migration; see `begin_read_through(migration_id)`.
     #[pg_extern(volatile, parallel_unsafe)]
     fn begin_read_through() -> i32 {
-        (super::READ_THROUGH.get().fetch_add(1, Ordering::AcqRel) + 1) as i32
+        super::change_read_through(|set| set.anonymous += 1) as i32
     }
 
+    /// Ends one id-less hold, or, with none left, every hold of this node (what a restarted
+    /// coordinator does once none of its migrations can be in Tm). Returns the holders left.
     #[pg_extern(volatile, parallel_unsafe)]
     fn end_read_through() -> i32 {
-        let prev = super::READ_THROUGH
-            .get()
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                Some(v.saturating_sub(1))
-            })
-            .unwrap_or(0);
-        prev.saturating_sub(1) as i32
+        super::change_read_through(|set| {
+            if set.anonymous > 0 {
+                set.anonymous -= 1;
+            } else {
+                *set = super::ReadThroughSet::default();
+            }
+        }) as i32
+    }
+
+    /// Read-through held by migration `migration_id` (idempotent); returns how many hold it.
+    #[pg_extern(name = "begin_read_through", volatile, parallel_unsafe)]
+    fn begin_read_through_of(migration_id: i64) -> i32 {
+        match super::begin_read_through_for(migration_id) {
+            Ok(n) => n as i32,
+            Err(e) => e.raise(),
+        }
+    }
+
+    /// Migration `migration_id` no longer holds read-through (idempotent: a node it never
+    /// reached, or a second call, changes nothing); returns how many still hold it.
+    #[pg_extern(name = "end_read_through", volatile, parallel_unsafe)]
+    fn end_read_through_of(migration_id: i64) -> i32 {
+        super::end_read_through_for(migration_id) as i32
     }
 }

@@ -74,7 +74,7 @@ impl Run {
             c.batch_execute(&format!(
                 "{drain}
                  BEGIN;
-                 SELECT remus.begin_read_through();
+                 SELECT remus.begin_read_through({id});
                  UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});
                  PREPARE TRANSACTION {};",
                 quote_literal(&names::tm_gid(id, &node.name))
@@ -135,8 +135,13 @@ impl Run {
             self.state.tm_committed_at.push((node.clone(), at));
         }
         for (node, c) in &sessions {
-            self.after_decision(node, c, "SELECT remus.end_read_through()::text, NULL::text")
-                .await?;
+            // Per migration and idempotent (F13): a retry cannot end another migration's.
+            self.after_decision(
+                node,
+                c,
+                &format!("SELECT remus.end_read_through({id})::text, NULL::text"),
+            )
+            .await?;
         }
         self.state.read_through = false;
         info!(
