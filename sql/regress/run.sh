@@ -11,7 +11,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 pg_regress=$(dirname "$(/usr/lib/postgresql/15/bin/pg_config --pgxs)")/../test/regress/pg_regress
 "$pg_regress" --use-existing --host="$PGHOST" --port="$PGPORT" --user="$PGUSER" --dbname="$PGDATABASE" \
-    --inputdir="$here" --outputdir="$out" --bindir=/usr/lib/postgresql/15/bin errors migrate_errors handover_errors || {
+    --inputdir="$here" --outputdir="$out" --bindir=/usr/lib/postgresql/15/bin errors migrate_errors handover_errors api_errors || {
     if [ "${REGRESS_ACCEPT:-0}" = 1 ]; then
         # Regenerate the golden files (review the diff before committing it).
         cp "$out/results/"*.out "$here/expected/"
