@@ -15,7 +15,7 @@
 //! a lock wait past the timeout or a deadlock is a conflict too (the source must not wait on the
 //! destination forever).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -55,6 +55,8 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_RETRIES: u32 = 3;
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+/// The verdict of a validation whose source transaction rolled back meanwhile (nobody reads it).
+const SOURCE_ROLLED_BACK: &str = "the source transaction rolled back during its validation";
 /// PostgreSQL's GIDSIZE (200) includes the terminating NUL.
 const MAX_GID_BYTES: usize = 199;
 
@@ -115,6 +117,11 @@ pub struct Validator {
     /// Cleared when the Apply call received `finish`: the source has no sync transaction left,
     /// so a late validation could only leave a shadow the stream never commits.
     accepting: AtomicBool,
+    /// Shadows whose source transaction rolled back before its validation was known to have
+    /// prepared anything (a cancel or a lost reply during COMMIT; the source records the gid
+    /// before it asks): a validation still running for one rolls back what it prepares, at
+    /// once, instead of leaving an orphan holding its rows until cleanup (review F6).
+    rolled_back: Mutex<HashSet<String>>,
 }
 
 /// Migrations whose `Apply` call is running in this process, by id.
@@ -154,6 +161,7 @@ impl Validator {
             permits: Semaphore::new(MAX_VALIDATION_SESSIONS),
             next_origin: AtomicUsize::new(0),
             accepting: AtomicBool::new(true),
+            rolled_back: Mutex::new(HashSet::new()),
         }
     }
 
@@ -318,8 +326,30 @@ impl Validator {
         } else {
             lock_timeout_ms
         };
+        if self.source_rolled_back(gid) {
+            self.give_back(session);
+            return Ok(Verdict::Conflict(SOURCE_ROLLED_BACK.into()));
+        }
         let verdict = run_shadow(&session.client, gid, &checks, lock_timeout).await;
         match verdict {
+            // Checked after the PREPARE: a rollback recorded before it is seen here, and one
+            // recorded after it finds the prepared shadow itself.
+            Ok(Verdict::Prepared) if self.source_rolled_back(gid) => {
+                let rollback = format!("ROLLBACK PREPARED {}", quote_literal(gid));
+                let done = finish_prepared(&session.client, &rollback, None).await;
+                self.forget_rolled_back(gid);
+                match done {
+                    Ok(_) => {
+                        info!(
+                            migration_id = self.migration_id,
+                            gid, "the source rolled back during validation; shadow rolled back"
+                        );
+                        self.give_back(session);
+                        Ok(Verdict::Conflict(SOURCE_ROLLED_BACK.into()))
+                    }
+                    Err(e) => Err(ValidateError::Destination(pg_message(&e))),
+                }
+            }
             Ok(v) => {
                 self.give_back(session);
                 Ok(v)
@@ -344,6 +374,13 @@ impl Validator {
         commit_time_us: i64,
     ) -> Result<bool, ValidateError> {
         check_gid(self.migration_id, gid)?;
+        if !commit {
+            // Before anything else, so a validation of it still running sees it (F6).
+            self.rolled_back
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(gid.to_string());
+        }
         let (_permit, session) = self.session().await?;
         let result = if commit {
             commit_prepared_with_origin(&session.client, gid, commit_lsn, commit_time_us).await
@@ -357,11 +394,29 @@ impl Validator {
         };
         match result {
             Ok(found) => {
+                if found && !commit {
+                    // Its shadow is gone; no validation of it can prepare another.
+                    self.forget_rolled_back(gid);
+                }
                 self.give_back(session);
                 Ok(found)
             }
             Err(e) => Err(ValidateError::Destination(pg_message(&e))),
         }
+    }
+
+    fn source_rolled_back(&self, gid: &str) -> bool {
+        self.rolled_back
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(gid)
+    }
+
+    fn forget_rolled_back(&self, gid: &str) {
+        self.rolled_back
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(gid);
     }
 
     /// Refuses validations from now on (the Apply call received `finish`); resolutions still

@@ -11,6 +11,11 @@
 //! - A target that stops answering (SIGSTOP of its postmaster and backends): a source COMMIT
 //!   fails with 40001 once `remus.validation_timeout` has passed, instead of hanging (F11).
 //! - VACUUM that would freeze a migrating shard's rows is refused with 55006 (F15).
+//! - A source COMMIT cancelled while its validation waits for the stream leaves no prepared
+//!   shadow behind on the target once the validation completes there (F6): the row takes new
+//!   source writes at once, in dual execution, not only after cleanup.
+//! - A commit refused because its validation failed (not only a conflict) counts in
+//!   `aborted_by_migration` (F19).
 
 use std::sync::mpsc;
 use std::thread;
@@ -22,7 +27,8 @@ use integration::shards::owners;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
-type MigrationCall = thread::JoinHandle<Result<String, postgres::Error>>;
+/// (status, aborted_by_migration) of the migration call.
+type MigrationCall = thread::JoinHandle<Result<(String, i64), postgres::Error>>;
 
 /// A two-node cluster with `t(id, a, b, s = a + b STORED)` distributed over 4 shards, rows
 /// 1..=200, and a migration of one of n1's shards to n2 paused in dual execution: the cluster,
@@ -46,10 +52,10 @@ fn paused_in_dual_execution() -> (TestCluster, i64, MigrationCall) {
     let mut db = c.connect("n1").unwrap();
     let mover = thread::spawn(move || {
         db.query_one(
-            "SELECT status FROM remus_migrate_shard($1, 'n2')",
+            "SELECT status, aborted_by_migration FROM remus_migrate_shard($1, 'n2')",
             &[&shard],
         )
-        .map(|r| r.get::<_, String>(0))
+        .map(|r| (r.get(0), r.get(1)))
     });
     c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120))
         .unwrap();
@@ -76,14 +82,20 @@ fn first_row(c: &TestCluster, shard: i64) -> (i32, i32) {
     (id, row(c, "n1", id).unwrap().0)
 }
 
-/// Lets the paused migration go on and expects it to succeed.
-fn finish(c: &TestCluster, mover: MigrationCall) {
+/// Lets the paused migration go on, expects it to succeed and returns how many transactions
+/// it aborted.
+fn finish(c: &TestCluster, mover: MigrationCall) -> i64 {
     c.release_failpoint(DUAL_STARTED).unwrap();
-    let status = mover
+    joined(c, mover)
+}
+
+fn joined(c: &TestCluster, mover: MigrationCall) -> i64 {
+    let (status, aborted) = mover
         .join()
         .unwrap()
         .unwrap_or_else(|e| panic!("migration: {e:?}\n{}", c.daemon_logs(40)));
     assert_eq!(status, "succeeded");
+    aborted
 }
 
 /// (a, b, s) of row `id` as the routed table shows it through `via`.
@@ -116,7 +128,7 @@ fn generated_columns_are_validated_and_computed_on_the_target() {
     tx.commit()
         .unwrap_or_else(|e| panic!("COMMIT in dual execution: {e:?}"));
 
-    finish(&c, mover);
+    assert_eq!(finish(&c, mover), 0, "nothing was aborted");
     assert_eq!(
         owners(&c, "t").iter().find(|(s, _)| *s == shard).unwrap().1,
         "n2"
@@ -171,11 +183,7 @@ fn a_replica_role_writer_is_validated_and_loses_no_destination_write() {
     // The source writer commits last: its write set must be checked against the destination's
     // newer write (a write-write conflict), never applied blindly over it.
     let commit = w.batch_execute("COMMIT");
-    let status = mover
-        .join()
-        .unwrap()
-        .unwrap_or_else(|e| panic!("migration: {e:?}\n{}", c.daemon_logs(40)));
-    assert_eq!(status, "succeeded");
+    let aborted = joined(&c, mover);
     let (a, _, _) = row(&c, "n1", id).unwrap();
     assert_eq!(
         a,
@@ -186,6 +194,10 @@ fn a_replica_role_writer_is_validated_and_loses_no_destination_write() {
         Err(e) => assert_eq!(sqlstate(&e), "40001", "{e:?}"),
         Ok(()) => panic!("the replica-role writer committed over a newer destination write"),
     }
+    assert_eq!(
+        aborted, 1,
+        "the refused writer counts as aborted by the migration"
+    );
 }
 
 /// Stops (SIGSTOP) a postmaster and every process it started; continues them when dropped, so
@@ -213,6 +225,10 @@ impl Stopped {
                 pids.push(pid);
             }
         }
+        Stopped::pids(pids)
+    }
+
+    fn pids(pids: Vec<i32>) -> Stopped {
         for &pid in &pids {
             // SAFETY: plain kill(2) of processes of the test's own server.
             unsafe { libc::kill(pid, libc::SIGSTOP) };
@@ -252,7 +268,12 @@ fn a_source_commit_fails_instead_of_hanging_when_the_target_stops_answering() {
         Err((code, e)) => assert_eq!(code, "40001", "{e}"),
         Ok(n) => panic!("the source COMMIT succeeded ({n} rows) with the target stopped"),
     }
-    finish(&c, mover);
+    // Counted like a conflict (review F19).
+    assert_eq!(
+        finish(&c, mover),
+        1,
+        "the timed-out commit counts as aborted"
+    );
     let (a, _, _) = row(&c, "n1", id).unwrap();
     assert_eq!(a, a0, "the refused write must not be on the new owner");
     assert_eq!(prepared_everywhere(&c), 0, "no shadow is left prepared");
@@ -297,4 +318,98 @@ fn vacuum_that_freezes_a_migrating_shard_is_refused() {
         .unwrap()
         .batch_execute(&format!("VACUUM (FREEZE) {table}"))
         .unwrap();
+}
+
+#[test]
+fn a_commit_cancelled_during_validation_leaves_no_prepared_shadow() {
+    let (c, shard, mover) = paused_in_dual_execution();
+    let (id, a0) = first_row(&c, shard);
+    let mut n1 = c.connect("n1").unwrap();
+    let walsender: i32 = n1
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots
+              WHERE slot_name LIKE 'remus\\_m%' AND active_pid IS NOT NULL",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    // The stream stops: a validation waits for it to pass the transaction's L_T.
+    let stopped = Stopped::pids(vec![walsender]);
+    let mut w = c.connect("n1").unwrap();
+    let pid: i32 = w.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let writer = thread::spawn(move || {
+        w.execute("UPDATE t SET a = a + 100 WHERE id = $1", &[&id])
+            .map_err(|e| sqlstate(&e))
+    });
+    // The writer is in its COMMIT's validation once its transaction has an xid and the
+    // statement has been running for a while (the UPDATE itself takes microseconds).
+    remus_test_support::wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            n1.query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'
+                    AND backend_xid IS NOT NULL AND now() - query_start > interval '300 ms'",
+                &[&pid],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+                == 1
+        },
+        || "the writer never reached its validation".into(),
+    );
+    n1.execute("SELECT pg_cancel_backend($1)", &[&pid]).unwrap();
+    assert_eq!(writer.join().unwrap(), Err("57014".to_string()));
+    drop(stopped);
+    // The stream goes on: the validation waiting for it wakes up.
+    let lsn: String = n1
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .unwrap()
+        .get(0);
+    remus_test_support::wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            n1.query_one(
+                "SELECT count(*) FROM pg_replication_slots
+                  WHERE slot_name LIKE 'remus\\_m%' AND confirmed_flush_lsn >= $1::text::pg_lsn",
+                &[&lsn],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+                == 1
+        },
+        || "the stream never caught up".into(),
+    );
+    // Still in dual execution: a new source write of the row validates and commits (an
+    // orphan shadow holding the row would refuse it after its lock timeout).
+    n1.execute("UPDATE t SET a = a + 1 WHERE id = $1", &[&id])
+        .unwrap_or_else(|e| panic!("a later write of the row: {e:?}"));
+    // Nothing of the cancelled commit stays prepared on the target, and no validation of it
+    // is still running there (one waiting for the row behind the later write would prepare
+    // an orphan right after it).
+    let mut n2 = c.connect("n2").unwrap();
+    remus_test_support::wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(50),
+        || {
+            n2.query_one(
+                "SELECT (SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus:%')
+                      + (SELECT count(*) FROM pg_stat_activity
+                          WHERE application_name LIKE 'remus-validate%' AND state <> 'idle')",
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+                == 0
+        },
+        || {
+            format!(
+                "a shadow of the cancelled commit stays prepared on n2\n{}",
+                c.daemon_logs(40)
+            )
+        },
+    );
+    finish(&c, mover);
+    assert_eq!(row(&c, "n2", id).unwrap().0, a0 + 1);
 }

@@ -20,16 +20,26 @@ pub enum CommitMode {
     Gone,
 }
 
-/// This backend's pgprocno (index of its PGPROC), for the barrier marks.
-fn my_procno() -> Option<usize> {
+/// This backend's pgprocno (index of its PGPROC), for the barrier marks; -1 without a PGPROC.
+fn my_pgprocno() -> i32 {
     // SAFETY: MyProc is this backend's own PGPROC once it runs transactions.
-    let procno = unsafe {
+    unsafe {
         if pg_sys::MyProc.is_null() {
-            return None;
+            -1
         } else {
             (*pg_sys::MyProc).pgprocno
         }
-    };
+    }
+}
+
+/// This backend's barrier mark, if the marks reach it.
+fn my_procno() -> Option<usize> {
+    mark_slot(my_pgprocno())
+}
+
+/// The barrier mark of backend `procno`, if the marks reach it (they cover the first
+/// [`MAX_PROCS`] PGPROCs; review F17: a backend past them must not commit unmarked).
+fn mark_slot(procno: i32) -> Option<usize> {
     usize::try_from(procno).ok().filter(|&p| p < MAX_PROCS)
 }
 
@@ -42,7 +52,19 @@ thread_local! {
 /// commit" under the same lock, so the barrier either sees the mark or this backend sees sync
 /// (the Dekker pairing of the paper's barrier, made trivial by the lock). The mark stays until
 /// [`leave_commit`] at the end of the transaction.
-pub(crate) fn enter_commit(migrations: &[i64]) -> Vec<(i64, CommitMode)> {
+///
+/// A backend the marks do not reach (pgprocno past [`MAX_PROCS`], with max_connections in the
+/// thousands) is refused an async commit: unmarked, the barrier would not wait for it, and its
+/// write could reach the destination only through the stream after the sync point, unchecked.
+pub(crate) fn enter_commit(migrations: &[i64]) -> Result<Vec<(i64, CommitMode)>, RemusError> {
+    enter_commit_as(migrations, my_pgprocno())
+}
+
+/// [`enter_commit`] for the backend with PGPROC number `pgprocno`.
+fn enter_commit_as(
+    migrations: &[i64],
+    pgprocno: i32,
+) -> Result<Vec<(i64, CommitMode)>, RemusError> {
     let mut s = STATE.exclusive();
     let mut modes = Vec::with_capacity(migrations.len());
     let mut mark = false;
@@ -64,15 +86,20 @@ pub(crate) fn enter_commit(migrations: &[i64]) -> Vec<(i64, CommitMode)> {
         modes.push((migration_id, mode));
     }
     if mark {
-        if let Some(procno) = my_procno() {
-            let seq = MARK_SEQ.with(|c| {
-                c.set(c.get() + 1);
-                c.get()
+        let Some(procno) = mark_slot(pgprocno) else {
+            drop(s);
+            return Err(RemusError::BarrierUntracked {
+                procno: pgprocno,
+                max: MAX_PROCS,
             });
-            s.async_commit[procno] = seq;
-        }
+        };
+        let seq = MARK_SEQ.with(|c| {
+            c.set(c.get() + 1);
+            c.get()
+        });
+        s.async_commit[procno] = seq;
     }
-    modes
+    Ok(modes)
 }
 
 /// At the end of the transaction: clears this backend's barrier mark.
@@ -132,5 +159,31 @@ mod remus {
         }
         // SAFETY: reads the shared WAL insert position.
         unsafe { pg_sys::GetXLogInsertRecPtr() as i64 }
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    use super::{enter_commit_as, CommitMode};
+    use crate::migration::state::{MAX_PROCS, STATE};
+
+    /// A backend past the marks (review F17) must not commit async unmarked: the barrier would
+    /// not wait for it. One within them is marked.
+    #[pg_test]
+    fn a_backend_past_the_barrier_marks_is_refused_an_async_commit() {
+        Spi::run("SELECT remus.migration_begin(9171, ARRAY[917101])").unwrap();
+        Spi::run("SELECT remus.migration_capture(9171, 'http://127.0.0.1:1')").unwrap();
+        let last = (MAX_PROCS - 1) as i32;
+        let modes = enter_commit_as(&[9171], last).expect("within the marks");
+        assert_eq!(modes, vec![(9171, CommitMode::Async)]);
+        assert_ne!(STATE.share().async_commit[MAX_PROCS - 1], 0, "marked");
+        STATE.exclusive().async_commit[MAX_PROCS - 1] = 0;
+        let past = enter_commit_as(&[9171], MAX_PROCS as i32 + 3);
+        Spi::run("SELECT remus.migration_end(9171)").unwrap();
+        let e = past.expect_err("past the marks");
+        assert_eq!(e.sqlstate(), "53000", "{e}");
     }
 }

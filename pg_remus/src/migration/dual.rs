@@ -70,7 +70,7 @@ pub(crate) fn pre_commit() -> Result<(), RemusError> {
         return Ok(());
     }
     let ids: Vec<i64> = by_migration.iter().map(|(m, _)| *m).collect();
-    let modes = enter_commit(&ids);
+    let modes = enter_commit(&ids)?;
     if modes.iter().any(|(_, m)| *m == CommitMode::Async) {
         MARKED.with(|m| m.set(true));
     }
@@ -117,15 +117,33 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
     let deadline = Duration::from_millis(crate::guc::VALIDATION_TIMEOUT_MS.get().max(1) as u64);
     let mut request = tonic::Request::new(request);
     request.set_timeout(deadline);
+    // Noted before asking (review F6): if the answer never arrives here (a cancel served
+    // during the wait, a lost reply, the deadline) the shadow may still be prepared; the
+    // abort then asks the replay worker to roll it back, which it also does to one that a
+    // still-running validation prepares later.
+    VALIDATED.with(|v| {
+        v.borrow_mut().push(Validated {
+            migration_id,
+            gid: gid.clone(),
+            endpoint: endpoint.to_string(),
+            xid: fxid as u32,
+        })
+    });
     // The channel is made inside the runtime: tonic spawns its connection task there.
     let reply = block_on(async move {
         let mut client = client_for(endpoint)?;
         Ok::<_, RemusError>(tokio::time::timeout(deadline, client.validate(request)).await)
     });
     let reply = match reply {
-        Err(e) | Ok(Err(e)) => return Err(e),
+        Err(e) | Ok(Err(e)) => {
+            // Nothing was sent (no runtime, no channel): nothing to roll back.
+            VALIDATED.with(|v| v.borrow_mut().retain(|x| x.gid != gid));
+            count_migration_abort(migration_id);
+            return Err(e);
+        }
         Ok(Ok(Err(_))) => {
             forget_client(endpoint);
+            count_migration_abort(migration_id);
             return Err(RemusError::SyncValidation {
                 migration_id,
                 endpoint: endpoint.to_string(),
@@ -137,6 +155,9 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         }
         Ok(Ok(Ok(Err(status)))) => {
             forget_client(endpoint);
+            // Aborted by the migration as much as a conflict is (review F19: these were not
+            // counted in aborted_by_migration).
+            count_migration_abort(migration_id);
             return Err(RemusError::SyncValidation {
                 migration_id,
                 endpoint: endpoint.to_string(),
@@ -146,20 +167,14 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         Ok(Ok(Ok(Ok(reply)))) => reply.into_inner(),
     };
     if !reply.ok {
+        // Refused: the replay worker left nothing prepared.
+        VALIDATED.with(|v| v.borrow_mut().retain(|x| x.gid != gid));
         count_migration_abort(migration_id);
         return Err(RemusError::MigrationConflict {
             migration_id,
             conflict: reply.conflict,
         });
     }
-    VALIDATED.with(|v| {
-        v.borrow_mut().push(Validated {
-            migration_id,
-            gid: gid.clone(),
-            endpoint: endpoint.to_string(),
-            xid: fxid as u32,
-        })
-    });
     let content = CString::new(gid).expect("gid has no NUL");
     // SAFETY: transactional message inside this transaction; the strings outlive the call.
     unsafe {
@@ -192,7 +207,14 @@ fn end_of_last_record(insert: u64) -> u64 {
     }
 }
 
+/// Raises this transaction's synchronous_commit to `on`, never lowers it: a session's
+/// `remote_apply` stays (review F19: forcing `on` weakened it).
 fn force_synchronous_commit() {
+    // SAFETY: plain read of this backend's setting.
+    let level = unsafe { pg_sys::synchronous_commit } as pg_sys::SyncCommitLevel::Type;
+    if level >= pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_REMOTE_FLUSH {
+        return;
+    }
     // SAFETY: transaction-local GUC change, reverted at transaction end (after the commit
     // record is flushed), exactly as SET LOCAL does.
     unsafe {
@@ -421,5 +443,33 @@ fn resolve(v: &Validated, commit: bool, commit_time_us: i64, commit_lsn: u64) {
             v.gid,
             v.migration_id
         );
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    fn synchronous_commit() -> String {
+        Spi::get_one::<String>("SHOW synchronous_commit")
+            .unwrap()
+            .unwrap()
+    }
+
+    /// Validation forces synchronous_commit on for the transaction, but never below what the
+    /// session asked for (review F19).
+    #[pg_test]
+    fn forcing_synchronous_commit_never_weakens_it() {
+        for (set, forced) in [
+            ("off", "on"),
+            ("local", "on"),
+            ("on", "on"),
+            ("remote_apply", "remote_apply"),
+        ] {
+            Spi::run(&format!("SET LOCAL synchronous_commit = {set}")).unwrap();
+            super::force_synchronous_commit();
+            assert_eq!(synchronous_commit(), forced, "from {set}");
+        }
     }
 }
