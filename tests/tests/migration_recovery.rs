@@ -12,7 +12,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use coordinator::failpoint::{
-    DUAL_STARTED, END_UNRECORDED, HANDOVER_DECIDED, HANDOVER_DECISION_UNACKNOWLEDGED,
+    CLEANUP_STARTED, DUAL_STARTED, END_UNRECORDED, HANDOVER_DECISION_UNACKNOWLEDGED,
     HANDOVER_DECISION_UNREADABLE,
 };
 use integration::pgbench::init_tpcb;
@@ -490,8 +490,8 @@ fn the_cleanup_drain_waits_only_for_what_can_use_the_old_copy_and_is_bounded() {
 }
 
 /// Review finding F18. Two migrations cut off by a coordinator kill: A (accounts shard of n1)
-/// past its Tm decision, B (tellers shard of n3) in dual execution. The successor resumes
-/// both; A's drain is held by a REPEATABLE READ transaction open since before the restart
+/// past its Tm (committed, cleanup not begun), B (tellers shard of n3) in dual execution. The
+/// successor resumes both; A's drain is held by a REPEATABLE READ transaction open since before the restart
 /// (`remus.cleanup_drain_timeout` set to an hour), and B must be rolled back meanwhile, its
 /// source out of sync mode (before: resumed one after another, B waited behind A).
 #[test]
@@ -514,10 +514,11 @@ fn a_resumed_migration_held_in_its_drain_does_not_hold_up_another() {
         .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
         .unwrap();
 
-    c.arm_pause(HANDOVER_DECIDED).unwrap();
+    // A waits after Tm committed (nothing prepared that would hold B's slot creation).
+    c.arm_pause(CLEANUP_STARTED).unwrap();
     let a_call = start_migration(&c, a_shard, "n2");
     let a = c
-        .wait_paused_at(HANDOVER_DECIDED, Duration::from_secs(120))
+        .wait_paused_at(CLEANUP_STARTED, Duration::from_secs(120))
         .unwrap();
     c.arm_pause(DUAL_STARTED).unwrap();
     let b_call = start_migration(&c, b_shard, "n2");
@@ -525,7 +526,7 @@ fn a_resumed_migration_held_in_its_drain_does_not_hold_up_another() {
         .wait_paused_at(DUAL_STARTED, Duration::from_secs(120))
         .unwrap();
     assert!(a < b, "A is resumed first when they run in turn");
-    restart_coordinator(&c, &[HANDOVER_DECIDED, DUAL_STARTED]);
+    restart_coordinator(&c, &[CLEANUP_STARTED, DUAL_STARTED]);
     let _ = (a_call.join().unwrap(), b_call.join().unwrap());
 
     let (status, error) = wait_ended(&c, b, Duration::from_secs(180));
