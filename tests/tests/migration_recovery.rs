@@ -504,11 +504,22 @@ fn a_resumed_migration_held_in_its_drain_does_not_hold_up_another() {
         .find(|(_, o)| o == "n1")
         .unwrap()
         .0;
+    // A tellers shard of n3 that holds a teller (scale 1 has ten, most shards are empty).
+    let mut n3 = c.connect("n3").unwrap();
     let b_shard = owners(&c, "pgbench_tellers")
         .into_iter()
-        .find(|(_, o)| o == "n3")
-        .unwrap()
-        .0;
+        .filter(|(_, o)| o == "n3")
+        .map(|(s, _)| s)
+        .find(|s| {
+            n3.query_one(
+                &format!("SELECT count(*) FROM remus_shards.pgbench_tellers_{s}"),
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+                > 0
+        })
+        .expect("n3 holds a teller");
     let mut reader = c.connect("n1").unwrap();
     reader
         .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
@@ -540,7 +551,6 @@ fn a_resumed_migration_held_in_its_drain_does_not_hold_up_another() {
         .get(0);
     assert!(a_waits.contains(&format!("pid {pid}")), "{a_waits}");
     // B's source takes writes on its shard again (no validation against a stream that is gone).
-    let mut n3 = c.connect("n3").unwrap();
     let tid: i32 = n3
         .query_one(
             &format!("SELECT min(tid) FROM remus_shards.pgbench_tellers_{b_shard}"),
