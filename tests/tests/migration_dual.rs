@@ -14,6 +14,9 @@
 //! - A source COMMIT cancelled while its validation waits for the stream leaves no prepared
 //!   shadow behind on the target once the validation completes there (F6): the row takes new
 //!   source writes at once, in dual execution, not only after cleanup.
+//!   Caveat: run against a build without the fix (17:50 on 2026-11-25) this test passed as
+//!   well: the cancel scenario of the review did not leave an orphan here, so it is a
+//!   regression check of the new path, not a proof of the finding.
 //! - A commit refused because its validation failed (not only a conflict) counts in
 //!   `aborted_by_migration` (F19).
 
