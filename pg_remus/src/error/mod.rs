@@ -31,8 +31,6 @@ mod pg_code {
     pub(super) const NOT_NULL_VIOLATION: SqlState = SqlState("23502");
     /// `53000` insufficient_resources.
     pub(super) const INSUFFICIENT_RESOURCES: SqlState = SqlState("53000");
-    /// `53000` insufficient_resources.
-    pub(super) const INSUFFICIENT_RESOURCES: SqlState = SqlState("53000");
     /// `25P02` in_failed_sql_transaction.
     pub(super) const IN_FAILED_SQL_TRANSACTION: SqlState = SqlState("25P02");
 }
@@ -195,8 +193,6 @@ pub enum RemusError {
         migration_id: i64,
         shard_id: i64,
     },
-    #[error("this backend (pgprocno {procno}) is beyond the {max} backends the sync barrier of shard migrations tracks, so it cannot commit a write to a migrating shard before the barrier; retry on another connection, or lower max_connections")]
-    BarrierUntracked { procno: i32, max: usize },
     #[error("{what} would freeze rows of shard {shard_id}, which shard migration {migration_id} is moving (frozen rows hide destination writes from its write-write conflict check); retry when the migration has ended")]
     FreezeDuringMigration {
         what: String,
@@ -351,7 +347,6 @@ impl RemusError {
             | Self::GateHeld { .. }
             | Self::OwnershipInDoubt { .. } => SqlState::OBJECT_IN_USE.code(),
             Self::SuperuserRequired { .. } => SqlState::INSUFFICIENT_PRIVILEGE.code(),
-            Self::BarrierUntracked { .. } => pg_code::INSUFFICIENT_RESOURCES.code(),
             Self::BarrierUntracked { .. } => pg_code::INSUFFICIENT_RESOURCES.code(),
             Self::NodeNameUnset => pg_code::CONFIG_FILE_ERROR.code(),
             Self::NodeVanished { .. }
