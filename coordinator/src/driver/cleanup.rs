@@ -151,26 +151,40 @@ impl Run {
         let Some(slot) = self.state.slot.clone() else {
             return Ok(());
         };
-        match conn {
+        let dropped_over_stream = match conn {
             Some(mut conn) => {
-                tokio::task::spawn_blocking(move || conn.drop_slot(&slot))
+                let name = slot.clone();
+                let r = tokio::task::spawn_blocking(move || conn.drop_slot(&name))
                     .await
                     .map_err(|source| DriverError::Thread {
                         what: "drop slot",
                         source,
-                    })??;
+                    })?;
+                match r {
+                    Ok(()) => true,
+                    Err(e) => {
+                        // The replication connection died with its node (a source killed
+                        // mid-migration): the slot is durable and outlives it, so it is dropped
+                        // over SQL once the node answers again.
+                        warn!(migration_id = self.id(), node = %self.plan.source.name, error = %e, "slot not dropped over the replication connection; dropping it over SQL");
+                        false
+                    }
+                }
             }
-            None => {
-                let source = self.config.connector.connect(&self.plan.source).await?;
-                // A walsender that just lost its client may still hold the slot for a moment.
-                execute_while_in_use(
-                    &source,
-                    &self.plan.source,
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
-                    &slot,
-                )
-                .await?;
-            }
+            None => false,
+        };
+        if !dropped_over_stream {
+            // Waits for a source that is down, during a rollback or after the decision
+            // (`connect_when_up`); otherwise the first failure is the answer.
+            let source = self.connect_when_up(&self.plan.source).await?;
+            // A walsender that just lost its client may still hold the slot for a moment.
+            execute_while_in_use(
+                &source,
+                &self.plan.source,
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+                &slot,
+            )
+            .await?;
         }
         self.state.slot = None;
         Ok(())

@@ -308,11 +308,35 @@ impl Reporter {
             warn!(migration_id = self.id().0, %status, "failpoint: the end is not recorded");
             return;
         }
-        match self.store.finish(self.id(), status, error).await {
-            Ok(r) => {
-                self.tx.send_replace(r);
+        // An etcd that is down or restarting (fault matrix: etcd killed mid-migration) must not
+        // leave the record `running` for ever after the nodes were rolled back or completed:
+        // the write is retried while etcd does not answer, for at most NODE_WAIT. A write that
+        // landed although its answer was lost shows up on the retry as a record that already
+        // ended with this status.
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(200);
+        loop {
+            match self.store.finish(self.id(), status, error.clone()).await {
+                Ok(r) => {
+                    self.tx.send_replace(r);
+                    return;
+                }
+                Err(MigrationError::Etcd(e)) if started.elapsed() < NODE_WAIT => {
+                    warn!(migration_id = self.id().0, %status, error = %e, "could not record the end yet; retrying while etcd does not answer");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => {
+                    if let Ok(r) = self.store.get(self.id()).await {
+                        if r.status == status {
+                            self.tx.send_replace(r);
+                            return;
+                        }
+                    }
+                    warn!(migration_id = self.id().0, error = %e, "could not record the end");
+                    return;
+                }
             }
-            Err(e) => warn!(migration_id = self.id().0, error = %e, "could not record the end"),
         }
     }
 }

@@ -49,7 +49,9 @@ impl Run {
         note(self.drop_slot(conn).await);
         if self.state.publication {
             let r = async {
-                let c = self.config.connector.connect(&self.plan.source).await?;
+                // A source that is down is waited for (bounded, shown in `waiting_on`): the
+                // publication is durable and would outlive a rollback that gave up on it.
+                let c = self.connect_when_up(&self.plan.source).await?;
                 c.batch_execute(&format!(
                     "DROP PUBLICATION IF EXISTS {}",
                     self.publication()

@@ -7,6 +7,7 @@
 //! - [`sql`]: quoting for SQL text sent to this or another node.
 //! - [`extension`]: is pg_remus created in this database?
 //! - [`latch`]: the interruptible sleep of every wait loop.
+//! - [`isolation`]: the transaction's isolation level, as routing asks it.
 //! - [`ffi`]: the C functions pgrx does not bind.
 //! - [`custom_scan`]: filling and registering a CustomScan's method tables.
 
@@ -14,6 +15,7 @@ pub(crate) mod custom_scan;
 pub(crate) mod datum;
 pub(crate) mod extension;
 pub(crate) mod ffi;
+pub(crate) mod isolation;
 pub(crate) mod latch;
 pub(crate) mod list;
 pub(crate) mod spi;

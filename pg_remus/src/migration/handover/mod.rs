@@ -42,13 +42,8 @@ pub(crate) fn admit_statement() -> Result<(), RemusError> {
     lock_abort::fail_if_aborted()
 }
 
-/// Does this transaction route by the latest map (READ COMMITTED)? One that keeps a snapshot
-/// for the whole transaction routes by that snapshot: whatever it waited for, it would route as
-/// an older transaction.
-pub(crate) fn routes_at_latest() -> bool {
-    // SAFETY: reads the backend's isolation level.
-    (unsafe { pg_sys::XactIsoLevel } as u32) < pg_sys::XACT_REPEATABLE_READ
-}
+// In pg glue so that the handover's submodules reach it without an edge back to this module.
+pub(crate) use crate::pg::isolation::routes_at_latest;
 
 /// A shard whose map row is held by a prepared Tm on this node: its ownership change is
 /// decided elsewhere (perhaps committed on the target already) but not yet here.

@@ -70,7 +70,7 @@ pub(crate) fn wait_at_gate() {
 fn refuse_old_snapshot(migration_id: i64) {
     // SAFETY: reads a process global of this backend.
     let snapshot_taken = unsafe { pg_sys::FirstSnapshotSet };
-    if snapshot_taken && !super::routes_at_latest() {
+    if snapshot_taken && !crate::pg::isolation::routes_at_latest() {
         RemusError::GateWaitedWithOldSnapshot { migration_id }.raise();
     }
 }
