@@ -425,7 +425,6 @@ fn concurrent_remus_migrations_at_every_isolation_level() {
 /// The CI tier's baselines: READ COMMITTED and REPEATABLE READ (review finding F20: an RR
 /// statement that waited at wait_remaster's gate must not write the old copy).
 #[test]
-#[ignore = "not yet seen green: two concurrent baseline migrations may meet the per-node admission gate (GateHeld, 55006) and the cleanup drain of each other; run with --ignored"]
 fn concurrent_lock_abort_migrations_at_rc_and_rr() {
     run_matrix(
         "lock_abort",
@@ -437,7 +436,6 @@ fn concurrent_lock_abort_migrations_at_rc_and_rr() {
 }
 
 #[test]
-#[ignore = "not yet seen green: two concurrent baseline migrations may meet the per-node admission gate (GateHeld, 55006) and the cleanup drain of each other; run with --ignored"]
 fn concurrent_wait_remaster_migrations_at_rc_and_rr() {
     run_matrix(
         "wait_remaster",

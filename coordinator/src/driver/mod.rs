@@ -287,10 +287,28 @@ impl Reporter {
         }
     }
 
-    async fn update(&self, f: impl FnMut(&mut MigrationRecord)) -> Result<(), DriverError> {
-        let r = self.store.update(self.id(), f).await?;
-        self.tx.send_replace(r);
-        Ok(())
+    /// Changes the record. While etcd does not answer (restarting, a leader election), the
+    /// change is retried for at most [`NODE_WAIT`]: after the Tm decision a progress note must
+    /// not turn a migration that can only go forward into a failed cleanup (fault matrix: etcd
+    /// killed after the decision). An update is a compare-and-swap of the whole record, so a
+    /// retry after a lost answer applies `f` to what etcd holds, not twice to a stale copy.
+    async fn update(&self, mut f: impl FnMut(&mut MigrationRecord)) -> Result<(), DriverError> {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(200);
+        loop {
+            match self.store.update(self.id(), &mut f).await {
+                Ok(r) => {
+                    self.tx.send_replace(r);
+                    return Ok(());
+                }
+                Err(MigrationError::Etcd(e)) if started.elapsed() < NODE_WAIT => {
+                    warn!(migration_id = self.id().0, error = %e, "could not update the record yet; retrying while etcd does not answer");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     async fn waiting_on(&self, what: Option<String>) {

@@ -2,7 +2,7 @@
 //! node (`remus.close_gate` / `remus.open_gate`: the extension's half) while the ones in flight
 //! finish.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::info;
 
@@ -18,14 +18,7 @@ impl Run {
         self.state.gate_closed = true;
         for node in &self.plan.nodes {
             let c = self.config.connector.connect(node).await?;
-            let at: String = c
-                .query_one(
-                    &format!("SELECT remus.close_gate({id}, {timeout_ms})::text"),
-                    &[],
-                )
-                .await
-                .map_err(sql(node))?
-                .get(0);
+            let at = self.close_gate_when_free(node, &c, timeout_ms).await?;
             closed_at.push((node.clone(), at));
         }
         let started = Instant::now();
@@ -51,6 +44,56 @@ impl Run {
         };
         self.open_gates().await?;
         tm
+    }
+
+    /// Closes the gate of `node` for this migration. A node has one gate: while another
+    /// migration's handover holds it (55006), this one waits its turn, for at most the gate's
+    /// own timeout (after which the other's gate opens by itself), named in `waiting_on`. Every
+    /// migration closes the gates in the order of the plan's nodes, so two handovers cannot
+    /// each hold a gate the other waits for.
+    async fn close_gate_when_free(
+        &self,
+        node: &crate::node_registry::NodeRecord,
+        c: &tokio_postgres::Client,
+        timeout_ms: i64,
+    ) -> Result<String, DriverError> {
+        let id = self.id();
+        let started = Instant::now();
+        let mut reported = false;
+        loop {
+            let r = c
+                .query_one(
+                    &format!("SELECT remus.close_gate({id}, {timeout_ms})::text"),
+                    &[],
+                )
+                .await;
+            match r {
+                Ok(row) => {
+                    if reported {
+                        self.reporter.waiting_on(None).await;
+                    }
+                    return Ok(row.get(0));
+                }
+                Err(e)
+                    if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE)
+                        && started.elapsed() < self.config.gate_timeout =>
+                {
+                    if !reported {
+                        let what = e
+                            .as_db_error()
+                            .map(|d| d.message().to_string())
+                            .unwrap_or_else(|| e.to_string());
+                        info!(migration_id = id, phase = "handover", node = %node.name, "{what}; waiting for its handover to end");
+                        self.reporter
+                            .waiting_on(Some(format!("node {}: {what}", node.name)))
+                            .await;
+                        reported = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(sql(node)(e)),
+            }
+        }
     }
 
     async fn open_gates(&mut self) -> Result<(), DriverError> {
