@@ -39,7 +39,7 @@ use coordinator::failpoint::{
     HANDOVER_DECIDED, HANDOVER_TM_PREPARED,
 };
 use integration::pgbench::{finish, init_tpcb};
-use integration::shards::owners;
+use integration::shards::{owners, owners_everywhere};
 use remus_test_support::cluster::TestCluster;
 
 /// The process a cell kills.
@@ -392,15 +392,7 @@ fn run_cell(c: &TestCluster, victim: Victim, step: &str) -> Outcome {
         problems.push(format!("left behind: {left:?}"));
     }
 
-    for n in c.node_names() {
-        let mut db = c.connect(&n).unwrap();
-        let on: String = db
-            .query_one(
-                "SELECT node_name FROM remus_shards WHERE shard_id = $1",
-                &[&shard],
-            )
-            .unwrap()
-            .get(0);
+    for (n, on) in c.node_names().into_iter().zip(owners_everywhere(c, shard)) {
         if on != owner {
             problems.push(format!("{n} has shard {shard} on {on}, not {owner}"));
         }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use coordinator::failpoint::{COPY_SNAPSHOT_EXPORTED, DUAL_STARTED, HANDOVER_DECIDED};
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
-use integration::shards::owners;
+use integration::shards::{owners, owners_everywhere};
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::{wait_for, wait_until};
 
@@ -1436,23 +1436,6 @@ fn wait_ended(c: &TestCluster, id: i64, limit: Duration) -> (String, Option<Stri
             )
         },
     )
-}
-
-/// The owner of `shard` as each node's catalog has it.
-fn owners_everywhere(c: &TestCluster, shard: i64) -> Vec<String> {
-    c.node_names()
-        .iter()
-        .map(|n| {
-            c.connect(n)
-                .unwrap()
-                .query_one(
-                    "SELECT node_name FROM remus_shards WHERE shard_id = $1",
-                    &[&shard],
-                )
-                .unwrap()
-                .get(0)
-        })
-        .collect()
 }
 
 /// A source writer open in dual execution when the coordinator dies: its COMMIT either fails
