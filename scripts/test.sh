@@ -61,7 +61,8 @@ run_tier regress regress
 # pg_regress prints "All N tests passed."; count its files like the other tiers' tests.
 sed -n 's/.*All \([0-9]*\) tests passed.*/test result: ok. \1 passed; 0 failed;/p' "$results.regress.log" >> "$results" 2>/dev/null || true
 
-run_tier integration cargo test --release -p integration -- --test-threads=2
+# --no-fail-fast: a failing test binary must not hide the results of the binaries after it.
+run_tier integration cargo test --release --no-fail-fast -p integration -- --test-threads=2
 
 log "all tiers passed in $((SECONDS - start)) s"
 summary
