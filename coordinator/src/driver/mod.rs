@@ -293,19 +293,14 @@ impl Reporter {
     /// killed after the decision). An update is a compare-and-swap of the whole record, so a
     /// retry after a lost answer applies `f` to what etcd holds, not twice to a stale copy.
     async fn update(&self, mut f: impl FnMut(&mut MigrationRecord)) -> Result<(), DriverError> {
-        let started = Instant::now();
-        let mut pause = Duration::from_millis(200);
+        let mut etcd = EtcdRetry::new();
         loop {
             match self.store.update(self.id(), &mut f).await {
                 Ok(r) => {
                     self.tx.send_replace(r);
                     return Ok(());
                 }
-                Err(MigrationError::Etcd(e)) if started.elapsed() < NODE_WAIT => {
-                    warn!(migration_id = self.id().0, error = %e, "could not update the record yet; retrying while etcd does not answer");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(5));
-                }
+                Err(e) if etcd.again(self.id(), "update the record", &e).await => {}
                 Err(e) => return Err(e.into()),
             }
         }
@@ -331,19 +326,14 @@ impl Reporter {
         // the write is retried while etcd does not answer, for at most NODE_WAIT. A write that
         // landed although its answer was lost shows up on the retry as a record that already
         // ended with this status.
-        let started = Instant::now();
-        let mut pause = Duration::from_millis(200);
+        let mut etcd = EtcdRetry::new();
         loop {
             match self.store.finish(self.id(), status, error.clone()).await {
                 Ok(r) => {
                     self.tx.send_replace(r);
                     return;
                 }
-                Err(MigrationError::Etcd(e)) if started.elapsed() < NODE_WAIT => {
-                    warn!(migration_id = self.id().0, %status, error = %e, "could not record the end yet; retrying while etcd does not answer");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(5));
-                }
+                Err(e) if etcd.again(self.id(), "record the end", &e).await => {}
                 Err(e) => {
                     if let Ok(r) = self.store.get(self.id()).await {
                         if r.status == status {
@@ -356,6 +346,43 @@ impl Reporter {
                 }
             }
         }
+    }
+}
+
+/// The retry policy of record writes while etcd does not answer (restarting, a leader
+/// election): back off from 200 ms to 5 s, for at most [`NODE_WAIT`] from the first failure.
+/// Only [`MigrationError::Etcd`] is retried; a refused change (an illegal transition, a
+/// compare-and-swap that lost to another writer) is an answer, not an outage.
+struct EtcdRetry {
+    started: Instant,
+    pause: Duration,
+}
+
+impl EtcdRetry {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            pause: Duration::from_millis(200),
+        }
+    }
+
+    /// After `failed`: sleeps and returns true when the write should be tried again.
+    async fn again(
+        &mut self,
+        id: crate::migration::MigrationId,
+        what: &str,
+        failed: &MigrationError,
+    ) -> bool {
+        let MigrationError::Etcd(e) = failed else {
+            return false;
+        };
+        if self.started.elapsed() >= NODE_WAIT {
+            return false;
+        }
+        warn!(migration_id = id.0, error = %e, "could not {what} yet; retrying while etcd does not answer");
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(Duration::from_secs(5));
+        true
     }
 }
 
