@@ -42,6 +42,22 @@ pub static VALIDATION_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_00
 /// node (`coordinator/src/driver/mod.rs`, `wait_for_transactions`), not used in the backend.
 pub static CLEANUP_DRAIN_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(300_000);
 
+/// Longest wait of a commit in dual execution, after it committed, for the destination to
+/// commit (or roll back) its shadow (`migration::dual`, the Resolve call). Past it the client
+/// gets its COMMIT with a WARNING and the coordinator's periodic resolver finishes the shadow
+/// by the transaction's fate (review F6).
+pub static RESOLVE_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+
+/// Largest write set (row changes captured for validation, counted as their encoded size on the
+/// wire) one transaction may hold per migration, in kB (`migration::catchup`). Past it, in dual
+/// execution, the statement fails with 54000 instead of the backend growing until an allocation
+/// fails and the node crash-restarts (review F10).
+pub static MAX_WRITE_SET_KB: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+
+/// Size of one chunk of a write set sent to the replay worker's Validate, in kB
+/// (`migration::dual`).
+pub static WRITE_SET_CHUNK_KB: GucSetting<i32> = GucSetting::<i32>::new(1024);
+
 /// The database the background workers connect to (where pg_remus is created).
 pub static DATABASE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"postgres"));
@@ -143,6 +159,36 @@ pub fn register() {
         i32::MAX,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"remus.resolve_timeout",
+        c"Longest wait of a dual-execution commit for the destination to finish its shadow transaction.",
+        c"After a validated transaction commits or rolls back, its client waits for the destination's shadow to follow; past this it gets its COMMIT (or ROLLBACK) with a WARNING, and the migration's periodic resolver finishes the shadow by the transaction's fate within about a second.",
+        &RESOLVE_TIMEOUT_MS,
+        1,
+        3_600_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"remus.max_write_set_bytes",
+        c"Largest write set a transaction may build on a migrating shard.",
+        c"A transaction that writes a shard under a Remus migration keeps its row changes for validation on the destination. Past this size (the changes' encoded size) a write in dual execution fails with SQLSTATE 54000; a transaction that passed it before dual execution commits unvalidated if it commits before the sync barrier, and fails with 54000 at COMMIT after it.",
+        &MAX_WRITE_SET_KB,
+        64,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_KB,
+    );
+    GucRegistry::define_int_guc(
+        c"remus.write_set_chunk_bytes",
+        c"Size of one chunk of a write set sent to the destination for validation.",
+        c"A write set is streamed to the replay worker in chunks of about this size (at least one row each); the worker runs each chunk as one pipelined batch.",
+        &WRITE_SET_CHUNK_KB,
+        1,
+        64 * 1024,
+        GucContext::Userset,
+        GucFlags::UNIT_KB,
     );
 }
 

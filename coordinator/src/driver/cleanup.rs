@@ -22,6 +22,11 @@ impl Run {
             .failpoints
             .pause(failpoint::CLEANUP_STARTED, id)
             .await;
+        if self.plan.mode == Mode::Remus {
+            // Orphan shadows keep being resolved through the drain (F6); a resumed cleanup has
+            // not run dual execution in this process, so its resolver starts here.
+            self.start_shadow_resolver();
+        }
         let stream_lost = match self.drain_after_tm(true).await {
             Ok(()) => None,
             // Remus after Tm: every source commit since the sync barrier was validated, so its

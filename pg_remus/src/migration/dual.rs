@@ -15,7 +15,8 @@
 //! - After the commit, the backend asks the replay worker to commit the shadow with this
 //!   transaction's commit time and waits for it before the client gets its COMMIT, so a client
 //!   that commits here and reads on the destination sees its write. This wait cannot raise (the
-//!   transaction is committed): a failure is a WARNING, and the stream commits the shadow later.
+//!   transaction is committed): it is bounded by `remus.resolve_timeout`, a failure is a
+//!   WARNING, and the coordinator's periodic resolver (or the stream) finishes the shadow.
 //!   An abort after validation rolls the shadow back the same way; a shadow whose source died
 //!   in between is resolved by the coordinator from the source transaction's status.
 //! - A 2PC participant's shadows wait for its COMMIT / ROLLBACK PREPARED, which may run in
@@ -30,18 +31,16 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 use remus_proto::names;
 use remus_proto::v1::{ResolveRequest, RowChange, ValidateRequest};
+use remus_proto::Message;
 
 use crate::cluster::rpc::{block_on, client_for, forget_client};
 use crate::error::RemusError;
 use crate::migration::barrier::{enter_commit, leave_commit, CommitMode};
-use crate::migration::catchup::{clear_write_set, take_write_set};
+use crate::migration::catchup::{clear_write_set, take_write_set, write_set_too_large};
 use crate::migration::state::{
     active, count_migration_abort, PreparedShadow, MAX_PREPARED_SHADOWS, STATE,
 };
 use crate::pg::ffi::LogLogicalMessage;
-
-/// Longest wait of the post-commit shadow commit (the client's COMMIT waits for it).
-const RESOLVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A write set the destination accepted: its prepared shadow awaits this transaction's fate.
 struct Validated {
@@ -60,10 +59,18 @@ thread_local! {
 /// Pre-commit / pre-prepare: validates the captured write sets of migrations in sync mode.
 pub(crate) fn pre_commit() -> Result<(), RemusError> {
     let mut by_migration: Vec<(i64, Vec<RowChange>)> = Vec::new();
-    for (migration_id, change) in take_write_set() {
+    let (write_set, overflowed) = take_write_set();
+    for (migration_id, change) in write_set {
         match by_migration.iter_mut().find(|(m, _)| *m == migration_id) {
             Some((_, changes)) => changes.push(change),
             None => by_migration.push((migration_id, vec![change])),
+        }
+    }
+    // A write set dropped for its size before dual execution still needs its mode: async
+    // commits as usual, sync cannot be validated.
+    for &migration_id in &overflowed {
+        if !by_migration.iter().any(|(m, _)| *m == migration_id) {
+            by_migration.push((migration_id, Vec::new()));
         }
     }
     if by_migration.is_empty() {
@@ -76,6 +83,10 @@ pub(crate) fn pre_commit() -> Result<(), RemusError> {
     }
     for ((migration_id, changes), (_, mode)) in by_migration.into_iter().zip(modes) {
         if let CommitMode::Sync { endpoint } = mode {
+            if overflowed.contains(&migration_id) {
+                count_migration_abort(migration_id);
+                return Err(write_set_too_large(migration_id));
+            }
             validate(migration_id, &endpoint, changes)?;
         }
     }
@@ -103,19 +114,23 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
         (fxid, lsn)
     };
     let gid = shadow_gid(migration_id, fxid);
-    let request = ValidateRequest {
-        migration_id: migration_id as u64,
-        gid: gid.clone(),
-        wait_lsn,
+    let request = chunked(
+        ValidateRequest {
+            migration_id: migration_id as u64,
+            gid: gid.clone(),
+            wait_lsn,
+            changes: Vec::new(),
+            lock_timeout_ms: 0,
+        },
         changes,
-        lock_timeout_ms: 0,
-    };
+        (crate::guc::WRITE_SET_CHUNK_KB.get().max(1) as usize).saturating_mul(1024),
+    );
     // Bounded (remus.validation_timeout): a destination that stops answering (partition,
     // SIGSTOP, I/O hang) fails this commit with 40001 instead of holding it, and its row locks,
     // forever (review finding F11). The deadline also travels as grpc-timeout, so the replay
     // worker drops the validation (and its destination session) when it passes.
     let deadline = Duration::from_millis(crate::guc::VALIDATION_TIMEOUT_MS.get().max(1) as u64);
-    let mut request = tonic::Request::new(request);
+    let mut request = tonic::Request::new(tonic::codegen::tokio_stream::iter(request));
     request.set_timeout(deadline);
     // Noted before asking (review F6): if the answer never arrives here (a cancel served
     // during the wait, a lost reply, the deadline) the shadow may still be prepared; the
@@ -187,6 +202,36 @@ fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Resul
     }
     force_synchronous_commit();
     Ok(())
+}
+
+/// The Validate messages of a write set: `header` with the first chunk, then one message per
+/// further chunk, each about `chunk_bytes` encoded (at least one change). Chunked so that a
+/// write set has no size limit (review F10: one message was capped at 256 MiB) and the replay
+/// worker holds and runs one chunk at a time; `remus.write_set_chunk_bytes` (1 MB by default)
+/// is far above per-message overhead and far below any message limit. Lazy: a chunk is made
+/// when the call sends it, from changes moved out of the write set (nothing is copied).
+fn chunked(
+    header: ValidateRequest,
+    changes: Vec<RowChange>,
+    chunk_bytes: usize,
+) -> impl Iterator<Item = ValidateRequest> + Send + 'static {
+    let mut header = Some(header);
+    let mut changes = changes.into_iter().peekable();
+    std::iter::from_fn(move || {
+        let mut message = match header.take() {
+            Some(h) => h,
+            None if changes.peek().is_none() => return None,
+            None => ValidateRequest::default(),
+        };
+        let mut bytes = 0;
+        while let Some(change) = changes
+            .next_if(|c| message.changes.is_empty() || bytes + c.encoded_len() <= chunk_bytes)
+        {
+            bytes += change.encoded_len();
+            message.changes.push(change);
+        }
+        Some(message)
+    })
 }
 
 /// The insert position just past a page header is where the next record starts, but the
@@ -424,22 +469,28 @@ fn resolve(v: &Validated, commit: bool, commit_time_us: i64, commit_lsn: u64) {
         commit_time_us,
         commit_lsn,
     };
-    // Interrupts are held here (the transaction is over): a bounded wait, never an ERROR.
+    // Interrupts are held here (the transaction is over): a bounded wait
+    // (remus.resolve_timeout), never an ERROR. Past it the coordinator's periodic resolver
+    // finishes the shadow by this transaction's fate (review F6).
+    let timeout = Duration::from_millis(crate::guc::RESOLVE_TIMEOUT_MS.get().max(1) as u64);
     let outcome = block_on(async move {
         let mut client = client_for(&endpoint)?;
-        Ok::<_, RemusError>(tokio::time::timeout(RESOLVE_TIMEOUT, client.resolve(request)).await)
+        Ok::<_, RemusError>(tokio::time::timeout(timeout, client.resolve(request)).await)
     });
     let failure = match outcome {
         Ok(Ok(Ok(Ok(_)))) => None,
         Ok(Ok(Ok(Err(status)))) => Some(status.message().to_string()),
-        Ok(Ok(Err(_))) => Some(format!("no answer within {} s", RESOLVE_TIMEOUT.as_secs())),
+        Ok(Ok(Err(_))) => Some(format!(
+            "no answer within {} ms (remus.resolve_timeout)",
+            timeout.as_millis()
+        )),
         Ok(Err(e)) | Err(e) => Some(e.to_string()),
     };
     if let Some(why) = failure {
         forget_client(&v.endpoint);
         let what = if commit { "committed" } else { "rolled back" };
         warning!(
-            "pg_remus: shadow transaction {} of shard migration {} could not be {what} on the destination yet ({why}); the migration resolves it",
+            "pg_remus: shadow transaction {} of shard migration {} could not be {what} on the destination yet ({why}); the migration's periodic resolver finishes it by this transaction's fate",
             v.gid,
             v.migration_id
         );
