@@ -2,5 +2,6 @@
 //! `remus_test_support::cluster`; what is here is workload, not harness.
 
 pub mod consistency;
+pub mod migrations;
 pub mod pgbench;
 pub mod shards;

@@ -19,7 +19,6 @@ use coordinator::failpoint::HANDOVER_DECIDED;
 use integration::pgbench::init_tpcb;
 use integration::shards::owners;
 use remus_test_support::cluster::TestCluster;
-use remus_test_support::wait_for;
 
 /// SQLSTATEs a writer may get while the source has lost the migration's state: the Tm is in
 /// doubt past `remus.in_doubt_wait_timeout` (55006), the shard moved away (40001).
@@ -151,22 +150,7 @@ fn writer(
 
 /// Waits until migration `id` has ended; its status and error.
 fn ended(c: &TestCluster, id: i64) -> (String, Option<String>) {
-    let mut db = c.connect("n2").unwrap();
-    wait_for(
-        Duration::from_secs(180),
-        Duration::from_millis(50),
-        || {
-            let row = db
-                .query_one(
-                    "SELECT status, error FROM remus_migrations WHERE migration_id = $1",
-                    &[&id],
-                )
-                .ok()?;
-            let status: String = row.get(0);
-            (status != "running").then(|| (status, row.get(1)))
-        },
-        || format!("migration {id} did not end\n{}", c.daemon_logs(40)),
-    )
+    integration::migrations::wait_ended(c, "n2", id, Duration::from_secs(180))
 }
 
 /// Moves `shard` to n2 and kills the coordinator right after the Tm decision (the record is in

@@ -1,10 +1,13 @@
 //! `remus.handover_state()`: what this node's shared memory holds for migrations (registered
 //! shards and migrations, marked victims, the gate, prepared shadows, open sync-barrier marks),
-//! one row per entry in use. Read-only; for tests and operators checking that a migration that
+//! one row per entry in use, and the durable copy of each migration's state that a restart
+//! restores (`migration::durable`, kind `durable`; a migration put back from it at this start
+//! says `restored true`). Read-only; for tests and operators checking that a migration that
 //! ended (succeeded or rolled back, also across crashes) left nothing behind on the node.
 
 use pgrx::prelude::*;
 
+use crate::migration::durable;
 use crate::migration::state::{require_superuser, STATE};
 
 /// One entry in use: (kind, migration id, what else the entry holds).
@@ -25,13 +28,14 @@ fn entries() -> Vec<Entry> {
             "migration".into(),
             m.migration_id,
             format!(
-                "fenced {} capture {} sync {} aborts {} endpoint '{}' drain_source {:?}",
+                "fenced {} capture {} sync {} aborts {} endpoint '{}' drain_source {:?} restored {}",
                 m.fenced,
                 m.capture,
                 m.sync,
                 m.aborts,
                 m.endpoint(),
-                m.drain_source()
+                m.drain_source(),
+                m.restored
             ),
         ));
     }
@@ -52,6 +56,22 @@ fn entries() -> Vec<Entry> {
             format!("xid {}", p.xid),
         ));
     }
+    drop(s);
+    for saved in durable::saved() {
+        out.push(match saved {
+            Ok(d) => (
+                "durable".into(),
+                d.migration_id,
+                format!(
+                    "shards {:?} fenced {} capture {} sync {} endpoint '{}' drain_source {:?}",
+                    d.shards, d.fenced, d.capture, d.sync, d.endpoint, d.drain_source
+                ),
+            ),
+            // Shown, not hidden: a file a restart cannot use is something to look at.
+            Err((file, why)) => ("durable".into(), 0, format!("{file}: {why}")),
+        });
+    }
+    let s = STATE.share();
     for (procno, mark) in s.async_commit.iter().enumerate().filter(|(_, m)| **m != 0) {
         // A mark belongs to a backend, not a migration: 0 in the id column.
         out.push((

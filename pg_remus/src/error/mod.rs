@@ -33,6 +33,8 @@ mod pg_code {
     pub(super) const INSUFFICIENT_RESOURCES: SqlState = SqlState("53000");
     /// `25P02` in_failed_sql_transaction.
     pub(super) const IN_FAILED_SQL_TRANSACTION: SqlState = SqlState("25P02");
+    /// `58030` io_error.
+    pub(super) const IO_ERROR: SqlState = SqlState("58030");
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -278,6 +280,14 @@ pub enum RemusError {
     TransactionDoomed,
     #[error("catalog access failed: {0}")]
     Spi(#[from] pgrx::spi::Error),
+    /// The durable copy of a migration's state on this node could not be written or removed
+    /// (`migration::durable`; issue 15 requirement 3).
+    #[error("could not keep the state of shard migration {migration_id} on disk ({path}): {message}")]
+    DurableState {
+        migration_id: i64,
+        path: String,
+        message: String,
+    },
 }
 
 impl RemusError {
@@ -362,6 +372,7 @@ impl RemusError {
                 SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code()
             }
             Self::Spi(_) => SqlState::INTERNAL_ERROR.code(),
+            Self::DurableState { .. } => pg_code::IO_ERROR.code(),
             Self::NoHashFunction { .. } => pg_code::UNDEFINED_FUNCTION.code(),
             Self::UnknownNode { .. } => SqlState::UNDEFINED_OBJECT.code(),
             Self::Connection { .. }
@@ -529,6 +540,7 @@ mod tests {
             (pg_code::UNDEFINED_FUNCTION, ERRCODE_UNDEFINED_FUNCTION),
             (pg_code::CONFIG_FILE_ERROR, ERRCODE_CONFIG_FILE_ERROR),
             (pg_code::NOT_NULL_VIOLATION, ERRCODE_NOT_NULL_VIOLATION),
+            (pg_code::IO_ERROR, ERRCODE_IO_ERROR),
             (
                 pg_code::IN_FAILED_SQL_TRANSACTION,
                 ERRCODE_IN_FAILED_SQL_TRANSACTION,

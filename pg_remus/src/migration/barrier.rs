@@ -144,6 +144,7 @@ mod remus {
                 .map(|(i, &v)| (i, v))
                 .collect()
         };
+        crate::migration::durable::sync(migration_id);
         // TS_unsync: each marked backend clears (or renews) its mark when its commit is over.
         let mut waiting = marked;
         while !waiting.is_empty() {

@@ -287,5 +287,6 @@ mod remus {
                 RemusError::MigrationNotRegistered { migration_id }.raise()
             }
         }
+        crate::migration::durable::sync_after(s, migration_id);
     }
 }

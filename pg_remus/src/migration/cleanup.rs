@@ -65,6 +65,7 @@ mod remus {
             s.gate = Gate::default();
         }
         recount(&s);
+        crate::migration::durable::sync_after(s, migration_id);
         aborts
     }
 }

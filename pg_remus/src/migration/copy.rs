@@ -121,5 +121,6 @@ mod remus {
             };
         }
         recount(&s);
+        crate::migration::durable::sync_after(s, migration_id);
     }
 }

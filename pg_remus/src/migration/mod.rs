@@ -31,12 +31,14 @@ pub(crate) mod catchup;
 pub(crate) mod cleanup;
 pub(crate) mod copy;
 pub(crate) mod dual;
+pub(crate) mod durable;
 pub(crate) mod handover;
 pub(crate) mod state;
 
 /// Reserves the shared memory; must run while the library is preloaded.
 pub(crate) fn init_shmem() {
     state::init_shmem();
+    durable::init_shmem();
     handover::restart::init_shmem();
 }
 

@@ -44,6 +44,10 @@ pub(crate) struct MigrationEntry {
     /// Remus mode, from Tm until the migration ends: the node the shards left (NUL-padded).
     /// A write routed to them elsewhere first waits there for the row's older writers.
     pub(crate) drain_source: [u8; NODE_NAME_BYTES],
+    /// Put back from its durable copy when this shared memory was created (`super::durable`):
+    /// the node restarted during the migration, so its stream and read-through are gone and
+    /// `handover::restart` still guards the shards it may be moving away.
+    pub(crate) restored: bool,
 }
 
 /// Longest node name kept in shared memory.
@@ -74,6 +78,7 @@ impl Default for MigrationEntry {
             sync: false,
             endpoint: [0; ENDPOINT_BYTES],
             drain_source: [0; NODE_NAME_BYTES],
+            restored: false,
         }
     }
 }
@@ -151,9 +156,12 @@ pub(crate) static STATE: PgLwLock<HandoverState> =
 // SAFETY: as STATE: set up by `init_shmem` before any backend reads it.
 static ACTIVE: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_handover_active") };
 
+/// Created in the postmaster (at start and at every crash-restart's re-initialisation) with
+/// the migrations whose durable state survives (`super::durable`), before any backend runs.
 pub(crate) fn init_shmem() {
-    pg_shmem_init!(STATE);
-    pg_shmem_init!(ACTIVE);
+    pg_shmem_init!(STATE = super::durable::restored());
+    // After STATE (its hook runs first): the restored migrations make it non-zero.
+    pg_shmem_init!(ACTIVE = AtomicU32::new(super::durable::restored_count()));
 }
 
 /// Recomputes the "anything registered?" word after a change of `s`.

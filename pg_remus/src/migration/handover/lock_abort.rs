@@ -167,6 +167,7 @@ mod remus {
                 RemusError::MigrationNotRegistered { migration_id }.raise()
             }
         }
+        crate::migration::durable::sync_after(s, migration_id);
     }
 
     /// lock_abort: cancels every other backend holding a write lock (RowExclusiveLock or

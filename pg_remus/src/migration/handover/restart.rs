@@ -2,14 +2,17 @@
 //! (review finding F4; design note `docs/design/notes/0001-migration-state-across-node-restarts.md`).
 //!
 //! A crash-restart (a backend's segfault or OOM kill is enough) or a stop and start clears
-//! everything in [`super::super::state`]: the registration, capture, sync mode, the drain
-//! source and read-through. What survives is durable: the shard map, the prepared Tm holding
+//! everything in [`super::super::state`]. The registration, capture, sync mode, the fence and
+//! the drain source come back from their durable copy before any backend runs
+//! ([`crate::migration::durable`]), marked restored; read-through, the gate and the stream do
+//! not. What else survives is durable: the shard map, the prepared Tm holding
 //! the map rows of the moving shards (`remus_tm:<m>:<node>`), and the old owner's copy of the
 //! shard. From those alone the node derives the one rule that keeps committed writes safe:
 //!
 //! - a write that reaches a local shard table whose map row is held by a prepared Tm, or whose
 //!   latest committed owner is another node, while no migration registered in this node's
-//!   shared memory covers that shard, is not let through: it waits (bounded by
+//!   shared memory since its start covers that shard (a restored one does not), is not let
+//!   through: it waits (bounded by
 //!   `remus.in_doubt_wait_timeout`) for the Tm to be decided here, then fails with 40001 if the
 //!   shard moved (the retry runs on the new owner) or goes ahead if the Tm rolled back. Without
 //!   shared memory such a write would commit unvalidated on a copy the migration later drops;
@@ -41,16 +44,27 @@ pub(crate) fn init_shmem() {
     pg_shmem_init!(SETTLED);
 }
 
-/// The shards of `shard_ids` that no migration registered on this node covers.
+/// The shards of `shard_ids` that no migration registered on this node covers. A migration
+/// restored from its durable copy at this start (`migration::durable`) does not cover them
+/// here: it got back its registration, capture, sync mode, fence and drain source, but not
+/// its stream, its read-through or the Tm session, so the rule above still holds for its
+/// shards until the coordinator ends it.
 fn unregistered(shard_ids: &[i64]) -> Vec<i64> {
     if !active() {
         return shard_ids.to_vec();
     }
     let s = STATE.share();
+    let covered = |id: i64| {
+        migration_of(&s, id).is_some_and(|m| {
+            s.migrations
+                .iter()
+                .any(|e| e.migration_id == m && !e.restored)
+        })
+    };
     shard_ids
         .iter()
         .copied()
-        .filter(|id| migration_of(&s, *id).is_none())
+        .filter(|id| !covered(*id))
         .collect()
 }
 

@@ -1,0 +1,348 @@
+//! The durable copy of what this node enforces for each running migration (issue 15
+//! requirement 3; design note `docs/design/notes/0001-migration-state-across-node-restarts.md`).
+//!
+//! Every node-side function the coordinator calls to change a migration's enforcement state
+//! (`remus.migration_begin`, `migration_capture`, `sync_barrier`, `migration_fence`,
+//! `migration_drain_source`, `migration_end`) ends with [`sync_after`] / [`sync`]: the
+//! migration's entry in shared memory (its shards, capture and the validating replay worker,
+//! sync mode, the write fence, the drain source) is written to one file per migration under
+//! `$PGDATA/pg_remus/migrations/`, or the file is removed once the entry is gone.
+//!
+//! Why files and not a catalog table: the shared memory the file mirrors is not transactional
+//! (a change holds from the call on, whatever the caller's transaction does next), and neither
+//! is the file; a table row would be, and `migration_drain_source` runs inside the transaction
+//! the coordinator PREPAREs as Tm, so the row would stay invisible (and locked) while Tm is in
+//! doubt, exactly when a restart needs it. A file can also be read where no transaction exists:
+//! in the postmaster, while it creates shared memory.
+//!
+//! Restore: [`restored`] is the value shared memory is created with (`pg_shmem_init!` in
+//! `state::init_shmem`), so it runs in the postmaster on every start and on every
+//! crash-restart's re-initialisation, before the startup process and before any backend
+//! exists: no client statement can ever see the node without its migrations. The entries come
+//! back marked `restored`, so `handover::restart` still treats their shards as having lost
+//! their stream and read-through (its F4 rule stays in force for them).
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use pgrx::lwlock::PgLwLockExclusiveGuard;
+use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, PgLwLock};
+
+use crate::error::RemusError;
+use crate::migration::state::{
+    HandoverState, MigrationEntry, ShardEntry, ENDPOINT_BYTES, MAX_MIGRATING_SHARDS,
+    MAX_MIGRATIONS, NODE_NAME_BYTES, STATE,
+};
+
+/// Relative to the data directory, the working directory of the postmaster and its children.
+const DIR: &str = "pg_remus/migrations";
+/// First line of a state file; a file without it is ignored (and logged).
+const HEADER: &str = "pg_remus migration state v1";
+
+/// Serialises the writers of the files (lock order: this one, then `STATE`), so the last file
+/// written for a migration reflects its latest entry. Its value is unused.
+// SAFETY: set up by `init_shmem` (pg_shmem_init!) while the library is preloaded, before any
+// backend takes the lock.
+static FILE_LOCK: PgLwLock<u64> = unsafe { PgLwLock::new(c"remus_durable_state_files") };
+
+pub(crate) fn init_shmem() {
+    pg_shmem_init!(FILE_LOCK);
+}
+
+/// One migration's durable state.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct Saved {
+    pub(crate) migration_id: i64,
+    pub(crate) shards: Vec<i64>,
+    pub(crate) capture: bool,
+    pub(crate) sync: bool,
+    pub(crate) fenced: bool,
+    pub(crate) endpoint: String,
+    pub(crate) drain_source: Option<String>,
+}
+
+impl Saved {
+    fn of(s: &HandoverState, migration_id: i64) -> Option<Saved> {
+        let m = s
+            .migrations
+            .iter()
+            .find(|m| m.migration_id == migration_id)?;
+        Some(Saved {
+            migration_id,
+            shards: s
+                .shards
+                .iter()
+                .filter(|e| e.migration_id == migration_id)
+                .map(|e| e.shard_id)
+                .collect(),
+            capture: m.capture,
+            sync: m.sync,
+            fenced: m.fenced,
+            endpoint: m.endpoint(),
+            drain_source: m.drain_source(),
+        })
+    }
+
+    fn render(&self) -> String {
+        let shards: Vec<String> = self.shards.iter().map(|s| s.to_string()).collect();
+        format!(
+            "{HEADER}\nmigration {}\nshards {}\ncapture {}\nsync {}\nfenced {}\nendpoint {}\ndrain_source {}\n",
+            self.migration_id,
+            shards.join(" "),
+            self.capture,
+            self.sync,
+            self.fenced,
+            self.endpoint,
+            self.drain_source.as_deref().unwrap_or("")
+        )
+    }
+
+    fn parse(text: &str) -> Result<Saved, String> {
+        let mut lines = text.lines();
+        if lines.next() != Some(HEADER) {
+            return Err("unknown format".into());
+        }
+        let mut saved = Saved::default();
+        let flag = |v: &str| -> Result<bool, String> {
+            v.parse::<bool>().map_err(|_| format!("bad flag {v:?}"))
+        };
+        for line in lines {
+            let (key, value) = line.split_once(' ').unwrap_or((line, ""));
+            match key {
+                "migration" => {
+                    saved.migration_id = value
+                        .parse()
+                        .map_err(|_| format!("bad migration id {value:?}"))?
+                }
+                "shards" => {
+                    saved.shards = value
+                        .split_whitespace()
+                        .map(|s| s.parse().map_err(|_| format!("bad shard id {s:?}")))
+                        .collect::<Result<_, _>>()?
+                }
+                "capture" => saved.capture = flag(value)?,
+                "sync" => saved.sync = flag(value)?,
+                "fenced" => saved.fenced = flag(value)?,
+                "endpoint" if value.len() < ENDPOINT_BYTES => saved.endpoint = value.to_string(),
+                "drain_source" if value.len() < NODE_NAME_BYTES => {
+                    saved.drain_source = Some(value.to_string()).filter(|v| !v.is_empty())
+                }
+                _ => return Err(format!("unexpected line {line:?}")),
+            }
+        }
+        if saved.migration_id <= 0 {
+            return Err("no migration id".into());
+        }
+        Ok(saved)
+    }
+
+    /// The shared-memory entry this state restores.
+    fn entry(&self) -> MigrationEntry {
+        let mut m = MigrationEntry {
+            migration_id: self.migration_id,
+            fenced: self.fenced,
+            capture: self.capture,
+            sync: self.sync,
+            restored: true,
+            ..MigrationEntry::default()
+        };
+        m.endpoint[..self.endpoint.len()].copy_from_slice(self.endpoint.as_bytes());
+        if let Some(d) = &self.drain_source {
+            m.drain_source[..d.len()].copy_from_slice(d.as_bytes());
+        }
+        m
+    }
+}
+
+fn file_of(migration_id: i64) -> PathBuf {
+    Path::new(DIR).join(migration_id.to_string())
+}
+
+/// fsyncs a directory, so a file created, renamed or removed in it survives a crash.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}
+
+/// Writes `saved` as its migration's file: a temporary file, fsynced, renamed over the old one.
+fn write(saved: &Saved) -> std::io::Result<()> {
+    let dir = Path::new(DIR);
+    if !dir.is_dir() {
+        fs::create_dir_all(dir)?;
+        sync_dir(Path::new("pg_remus"))?;
+        sync_dir(Path::new("."))?;
+    }
+    let path = file_of(saved.migration_id);
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(saved.render().as_bytes())?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, &path)?;
+    sync_dir(dir)
+}
+
+fn remove(migration_id: i64) -> std::io::Result<()> {
+    match fs::remove_file(file_of(migration_id)) {
+        Ok(()) => sync_dir(Path::new(DIR)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// After a change of migration `migration_id`'s entry in shared memory (by the calling SQL
+/// function, its lock released): writes the entry to its file, or removes the file when the
+/// entry is gone. A file that cannot be written fails the call (58030), so the coordinator
+/// never goes on with state that would not survive a restart.
+pub(crate) fn sync(migration_id: i64) {
+    let result = {
+        let _files = FILE_LOCK.exclusive();
+        let saved = Saved::of(&STATE.share(), migration_id);
+        match saved {
+            Some(saved) => write(&saved),
+            None => remove(migration_id),
+        }
+    };
+    if let Err(e) = result {
+        RemusError::DurableState {
+            migration_id,
+            path: format!("{DIR}/{migration_id}"),
+            message: e.to_string(),
+        }
+        .raise();
+    }
+}
+
+/// [`sync`] for a caller still holding the state lock: releases it first (a writer takes the
+/// file lock before the state lock).
+pub(crate) fn sync_after(guard: PgLwLockExclusiveGuard<'_, HandoverState>, migration_id: i64) {
+    drop(guard);
+    sync(migration_id);
+}
+
+/// The state files found now (for `remus.handover_state()`).
+pub(crate) fn saved() -> Vec<Result<Saved, (String, String)>> {
+    let Ok(dir) = fs::read_dir(DIR) else {
+        return Vec::new();
+    };
+    let mut out: Vec<_> = dir
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_none())
+        .map(|p| {
+            let name = p.display().to_string();
+            fs::read_to_string(&p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| Saved::parse(&t))
+                .map_err(|why| (name, why))
+        })
+        .collect();
+    out.sort_by_key(|r| r.as_ref().map(|s| s.migration_id).unwrap_or(0));
+    out
+}
+
+/// Entries (migrations and victims and the gate) restored by [`restored`] in this process, for
+/// the "anything registered?" word created right after it.
+static RESTORED: AtomicU32 = AtomicU32::new(0);
+
+/// How many migrations [`restored`] put back (the initial value of `state`'s active word).
+pub(crate) fn restored_count() -> u32 {
+    RESTORED.load(Ordering::Relaxed)
+}
+
+/// The shared-memory state a (re)start begins with: every migration whose file survives,
+/// marked restored. Runs in the postmaster: never raises (a file it cannot use is logged and
+/// left for `remus.handover_state()` to show, or removed if it is a torn temporary one).
+pub(crate) fn restored() -> HandoverState {
+    let mut s = HandoverState::default();
+    let mut n = 0u32;
+    if let Ok(dir) = fs::read_dir(DIR) {
+        for p in dir.filter_map(|e| e.ok()).map(|e| e.path()) {
+            if p.extension().is_some_and(|e| e == "tmp") {
+                // A write that a crash interrupted before its rename: the old file (if any)
+                // still holds the state as it was.
+                let _ = fs::remove_file(&p);
+                continue;
+            }
+            let parsed = fs::read_to_string(&p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| Saved::parse(&t));
+            let saved = match parsed {
+                Ok(saved) => saved,
+                Err(why) => {
+                    pgrx::warning!(
+                        "pg_remus: migration state file {} not restored: {why}",
+                        p.display()
+                    );
+                    continue;
+                }
+            };
+            let Some(slot) = s.migrations.iter_mut().find(|m| m.migration_id == 0) else {
+                pgrx::warning!(
+                    "pg_remus: more than {MAX_MIGRATIONS} migration state files; {} not restored",
+                    p.display()
+                );
+                continue;
+            };
+            *slot = saved.entry();
+            n += 1;
+            for &shard_id in &saved.shards {
+                match s.shards.iter_mut().find(|e| e.migration_id == 0) {
+                    Some(e) => {
+                        *e = ShardEntry {
+                            migration_id: saved.migration_id,
+                            shard_id,
+                        }
+                    }
+                    None => pgrx::warning!(
+                        "pg_remus: more than {MAX_MIGRATING_SHARDS} migrating shards; shard {shard_id} of migration {} not restored",
+                        saved.migration_id
+                    ),
+                }
+            }
+            pgrx::log!(
+                "pg_remus: restored migration {}'s state on this node: shards {:?} capture {} sync {} fenced {} drain_source {:?}",
+                saved.migration_id,
+                saved.shards,
+                saved.capture,
+                saved.sync,
+                saved.fenced,
+                saved.drain_source
+            );
+        }
+    }
+    RESTORED.store(n, Ordering::Relaxed);
+    s
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    use super::Saved;
+
+    #[pg_test]
+    fn a_state_file_reads_back_as_written() {
+        let s = Saved {
+            migration_id: 42,
+            shards: vec![7, 9],
+            capture: true,
+            sync: true,
+            fenced: false,
+            endpoint: "http://127.0.0.1:16104".into(),
+            drain_source: Some("n1".into()),
+        };
+        assert_eq!(Saved::parse(&s.render()), Ok(s.clone()));
+        let bare = Saved {
+            migration_id: 3,
+            ..Saved::default()
+        };
+        assert_eq!(Saved::parse(&bare.render()), Ok(bare));
+        assert!(Saved::parse("something else\nmigration 3\n").is_err());
+        assert!(Saved::parse(&s.render().replace("sync true", "sync maybe")).is_err());
+    }
+}
