@@ -345,4 +345,55 @@ mod tests {
         assert!(Saved::parse("something else\nmigration 3\n").is_err());
         assert!(Saved::parse(&s.render().replace("sync true", "sync maybe")).is_err());
     }
+
+    fn saved_of(migration_id: i64) -> Option<Saved> {
+        super::saved()
+            .into_iter()
+            .filter_map(Result::ok)
+            .find(|s| s.migration_id == migration_id)
+    }
+
+    /// Each call the coordinator makes leaves the migration's whole entry on disk, what a start
+    /// would restore is that entry (marked restored), and the end removes the file.
+    #[pg_test]
+    fn the_calls_keep_the_file_a_start_restores_it_and_the_end_removes_it() {
+        Spi::run("SELECT remus.migration_begin(9301, ARRAY[930101, 930102])").unwrap();
+        assert_eq!(
+            saved_of(9301).map(|s| (s.shards, s.capture)),
+            Some((vec![930101, 930102], false))
+        );
+        Spi::run("SELECT remus.migration_capture(9301, 'http://127.0.0.1:1')").unwrap();
+        Spi::run("SELECT remus.sync_barrier(9301)").unwrap();
+        Spi::run("SELECT remus.migration_fence(9301)").unwrap();
+        Spi::run("SELECT remus.migration_drain_source(9301, 'n1')").unwrap();
+        let expected = Saved {
+            migration_id: 9301,
+            shards: vec![930101, 930102],
+            capture: true,
+            sync: true,
+            fenced: true,
+            endpoint: "http://127.0.0.1:1".into(),
+            drain_source: Some("n1".into()),
+        };
+        assert_eq!(saved_of(9301), Some(expected.clone()));
+        let fresh = super::restored();
+        let m = fresh
+            .migrations
+            .iter()
+            .find(|m| m.migration_id == 9301)
+            .expect("restored");
+        assert!(m.restored && m.capture && m.sync && m.fenced);
+        assert_eq!(m.endpoint(), expected.endpoint);
+        assert_eq!(m.drain_source(), expected.drain_source);
+        let mut shards: Vec<i64> = fresh
+            .shards
+            .iter()
+            .filter(|e| e.migration_id == 9301)
+            .map(|e| e.shard_id)
+            .collect();
+        shards.sort_unstable();
+        assert_eq!(shards, expected.shards);
+        Spi::run("SELECT remus.migration_end(9301)").unwrap();
+        assert_eq!(saved_of(9301), None);
+    }
 }
