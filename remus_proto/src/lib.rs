@@ -13,6 +13,9 @@ pub mod sqlstate;
 
 pub use sqlstate::SqlState;
 
+/// The messages' encoding (`encoded_len`), for callers that size what they send.
+pub use prost::Message;
+
 pub mod v1 {
     tonic::include_proto!("remus.v1");
 }

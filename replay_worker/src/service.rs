@@ -37,14 +37,16 @@ use remus_proto::v1::{
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::StreamExt;
 use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::apply::{format_lsn, ApplyConfig, ApplyError, ShadowApplier};
-use crate::validate::{ValidateError, Validator, ValidatorRegistry, Verdict, STREAM_WAIT};
+use crate::validate::{Chunks, ValidateError, Validator, ValidatorRegistry, Verdict, STREAM_WAIT};
 
-/// Largest request accepted: one source transaction is one message, and bulk transactions are
-/// big (tonic's default limit is 4 MiB). Matches what the coordinator's client sends.
+/// Largest request accepted: one source transaction is one `Apply` message, and bulk
+/// transactions are big (tonic's default limit is 4 MiB). Matches what the coordinator's client
+/// sends. (A `Validate` write set has no such limit: it comes in chunks, review F10.)
 pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
 /// Default minimum spacing of progress messages.
@@ -89,6 +91,7 @@ fn validate_status(e: &ValidateError) -> Status {
         ValidateError::Malformed(_) | ValidateError::BadGid { .. } => Code::InvalidArgument,
         ValidateError::Session { .. } => Code::Unavailable,
         ValidateError::Destination(_) => Code::Internal,
+        ValidateError::RequestStream(_) => Code::Cancelled,
     };
     Status::new(code, e.to_string())
 }
@@ -157,6 +160,28 @@ impl ReplayWorkerService {
     }
 }
 
+/// The changes of the `Validate` messages after the first. A later message may repeat the
+/// header, but not name another write set.
+fn later_chunks(
+    inbound: Streaming<ValidateRequest>,
+    migration_id: u64,
+    gid: String,
+) -> Chunks<'static> {
+    Box::pin(inbound.map(move |m| match m {
+        Ok(m)
+            if (m.migration_id == 0 || m.migration_id == migration_id)
+                && (m.gid.is_empty() || m.gid == gid) =>
+        {
+            Ok(m.changes)
+        }
+        Ok(m) => Err(ValidateError::Malformed(format!(
+            "a later chunk names write set {}/{:?}, not {migration_id}/{gid:?}",
+            m.migration_id, m.gid
+        ))),
+        Err(status) => Err(ValidateError::RequestStream(status.message().to_string())),
+    }))
+}
+
 fn describe(msg: &apply_request::Msg) -> &'static str {
     match msg {
         apply_request::Msg::Start(_) => "start",
@@ -172,13 +197,24 @@ impl ReplayWorker for ReplayWorkerService {
 
     async fn validate(
         &self,
-        request: Request<ValidateRequest>,
+        request: Request<Streaming<ValidateRequest>>,
     ) -> Result<Response<ValidateReply>, Status> {
-        let req = request.into_inner();
+        let mut inbound = request.into_inner();
+        let req = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("the Validate request stream is empty"))?;
         let validator = self.validator(req.migration_id)?;
         let span = info_span!("validate", migration_id = req.migration_id, gid = %req.gid);
+        let rest = later_chunks(inbound, req.migration_id, req.gid.clone());
         let verdict = validator
-            .validate(&req.gid, req.wait_lsn, &req.changes, req.lock_timeout_ms)
+            .validate(
+                &req.gid,
+                req.wait_lsn,
+                &req.changes,
+                rest,
+                req.lock_timeout_ms,
+            )
             .instrument(span.clone())
             .await
             .map_err(|e| {

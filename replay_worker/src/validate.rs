@@ -14,8 +14,16 @@
 //! transaction after the ownership flip), or the row is missing; for an INSERT, the key exists;
 //! a lock wait past the timeout or a deadlock is a conflict too (the source must not wait on the
 //! destination forever).
+//!
+//! A write set arrives in chunks (the `Validate` call is client-streaming, review F10: a single
+//! message was capped at 256 MiB): the shadow transaction begins with the first chunk and each
+//! chunk runs as it arrives, so only one chunk is held here. The statements of a chunk are
+//! pipelined (all sent, then the answers read in order): a chunk costs about one round trip to
+//! the destination instead of two per row.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,6 +34,7 @@ use thiserror::Error;
 use tokio::sync::Semaphore;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+use tokio_stream::{Stream, StreamExt};
 use tracing::{debug, info, warn, Instrument};
 
 use crate::apply::{
@@ -82,6 +91,17 @@ pub enum ValidateError {
     Session { migration_id: u64, message: String },
     #[error("destination error: {0}")]
     Destination(String),
+    #[error("the write set's request stream broke: {0}")]
+    RequestStream(String),
+}
+
+/// The chunks of a write set after the first, as the `Validate` request stream delivers them.
+pub type Chunks<'a> =
+    Pin<Box<dyn Stream<Item = Result<Vec<RowChange>, ValidateError>> + Send + 'a>>;
+
+/// No further chunks (a write set sent in one piece).
+pub fn no_more_chunks<'a>() -> Chunks<'a> {
+    Box::pin(tokio_stream::empty())
 }
 
 /// The outcome of a validation that ran.
@@ -287,19 +307,18 @@ impl Validator {
     }
 
     /// Waits for the stream to pass `wait_lsn`, then runs the shadow with the conflict check
-    /// and prepares it as `gid`.
+    /// and prepares it as `gid`. The write set is `first` followed by every chunk of `rest`,
+    /// each run as it arrives.
     pub async fn validate(
         &self,
         gid: &str,
         wait_lsn: u64,
-        changes: &[RowChange],
+        first: &[RowChange],
+        rest: Chunks<'_>,
         lock_timeout_ms: u32,
     ) -> Result<Verdict, ValidateError> {
         check_gid(self.migration_id, gid)?;
-        let checks = changes
-            .iter()
-            .map(check_sql)
-            .collect::<Result<Vec<_>, _>>()?;
+        let checks = first.iter().map(check_sql).collect::<Result<Vec<_>, _>>()?;
         if !self.accepting.load(Ordering::Acquire) {
             return Err(ValidateError::StreamEnded(self.migration_id));
         }
@@ -330,7 +349,7 @@ impl Validator {
             self.give_back(session);
             return Ok(Verdict::Conflict(SOURCE_ROLLED_BACK.into()));
         }
-        let verdict = run_shadow(&session.client, gid, &checks, lock_timeout).await;
+        let verdict = run_shadow(&session.client, gid, checks, rest, lock_timeout).await;
         match verdict {
             // Checked after the PREPARE: a rollback recorded before it is seen here, and one
             // recorded after it finds the prepared shadow itself.
@@ -593,7 +612,8 @@ fn conflict_reason(e: &tokio_postgres::Error) -> Option<&'static str> {
 async fn run_shadow(
     client: &Client,
     gid: &str,
-    checks: &[Check],
+    first: Vec<Check>,
+    mut rest: Chunks<'_>,
     lock_timeout_ms: u32,
 ) -> Result<Verdict, ValidateError> {
     let dest = |e: tokio_postgres::Error| ValidateError::Destination(pg_message(&e));
@@ -603,22 +623,94 @@ async fn run_shadow(
         ))
         .await
         .map_err(dest)?;
+    let mut checks = first;
+    loop {
+        if let Some(refused) = run_chunk(client, &checks).await? {
+            return conflict(client, refused).await;
+        }
+        // The next chunk, if any (a broken request stream ends the validation: the caller
+        // rolls the shadow back).
+        match rest.next().await {
+            None => break,
+            Some(chunk) => {
+                checks = chunk?
+                    .iter()
+                    .map(check_sql)
+                    .collect::<Result<Vec<_>, _>>()?;
+            }
+        }
+    }
+    client
+        .batch_execute(&format!("PREPARE TRANSACTION {}", quote_literal(gid)))
+        .await
+        .map_err(dest)?;
+    Ok(Verdict::Prepared)
+}
+
+type QueryResult = Result<Vec<SimpleQueryMessage>, tokio_postgres::Error>;
+
+/// Runs `queries` on `client` pipelined and gives their results in order. tokio-postgres sends a
+/// query when its future is first polled: every future is polled once, in order, so all are sent
+/// before the first answer is awaited; the server runs them in that order. After a failed one
+/// the transaction is aborted and the later ones fail too, so callers read up to the first
+/// failure. The answers are awaited in order, which never stalls the connection: the server
+/// answers in that order too.
+async fn pipelined(client: &Client, queries: &[&str]) -> Vec<QueryResult> {
+    let mut pending: Vec<Pin<Box<dyn Future<Output = QueryResult> + Send + '_>>> = queries
+        .iter()
+        .map(|q| {
+            Box::pin(client.simple_query(q))
+                as Pin<Box<dyn Future<Output = QueryResult> + Send + '_>>
+        })
+        .collect();
+    let mut early: Vec<Option<QueryResult>> = Vec::with_capacity(pending.len());
+    std::future::poll_fn(|cx| {
+        for f in pending.iter_mut() {
+            early.push(match f.as_mut().poll(cx) {
+                std::task::Poll::Ready(r) => Some(r),
+                std::task::Poll::Pending => None,
+            });
+        }
+        std::task::Poll::Ready(())
+    })
+    .await;
+    let mut results = Vec::with_capacity(pending.len());
+    for (f, done) in pending.iter_mut().zip(early) {
+        results.push(match done {
+            Some(r) => r,
+            None => f.as_mut().await,
+        });
+    }
+    results
+}
+
+/// Runs one chunk of the shadow (per change: its lock-and-check query, then the change) and
+/// returns the write-write conflict it found, if any. Pipelined (see [`pipelined`]): a change
+/// may run after an earlier check found a conflict; the whole shadow is rolled back then
+/// anyway, and the statements still run in the write set's order, so every check sees exactly
+/// the earlier changes, as one statement after another would.
+async fn run_chunk(client: &Client, checks: &[Check]) -> Result<Option<String>, ValidateError> {
+    let dest = |e: tokio_postgres::Error| ValidateError::Destination(pg_message(&e));
+    let mut queries: Vec<&str> = Vec::with_capacity(2 * checks.len());
     for check in checks {
-        if let Some((lock, shown)) = &check.lock {
-            let rows = match client.simple_query(lock).await {
+        if let Some((lock, _)) = &check.lock {
+            queries.push(lock);
+        }
+        queries.push(&check.apply);
+    }
+    let mut results = pipelined(client, &queries).await.into_iter();
+    for check in checks {
+        if let Some((_, shown)) = &check.lock {
+            let rows = match results.next().expect("one result per query") {
                 Ok(r) => r,
                 Err(e) => match conflict_reason(&e) {
                     Some(why) => {
-                        return conflict(
-                            client,
-                            format!(
-                                "{} on {} ({shown}): {why}: {}",
-                                check.op,
-                                check.table,
-                                pg_message(&e)
-                            ),
-                        )
-                        .await
+                        return Ok(Some(format!(
+                            "{} on {} ({shown}): {why}: {}",
+                            check.op,
+                            check.table,
+                            pg_message(&e)
+                        )))
                     }
                     None => return Err(dest(e)),
                 },
@@ -631,14 +723,10 @@ async fn run_shadow(
             });
             match row {
                 None => {
-                    return conflict(
-                        client,
-                        format!(
-                            "{} on {}: row ({shown}) missing on the destination",
-                            check.op, check.table
-                        ),
-                    )
-                    .await
+                    return Ok(Some(format!(
+                        "{} on {}: row ({shown}) missing on the destination",
+                        check.op, check.table
+                    )))
                 }
                 // No commit timestamp data: a frozen or pre-`track_commit_timestamp` version
                 // (older than the migration), or this shadow's own earlier change.
@@ -646,44 +734,30 @@ async fn run_shadow(
                 Some((Some(roident), name)) => {
                     let remus = roident != "0" && name.as_deref().is_some_and(is_migration_object);
                     if !remus {
-                        return conflict(
-                            client,
-                            format!(
-                                "{} on {}: row ({shown}) was changed by a transaction on the destination (origin {})",
-                                check.op,
-                                check.table,
-                                name.as_deref().unwrap_or(&roident)
-                            ),
-                        )
-                        .await;
+                        return Ok(Some(format!(
+                            "{} on {}: row ({shown}) was changed by a transaction on the destination (origin {})",
+                            check.op,
+                            check.table,
+                            name.as_deref().unwrap_or(&roident)
+                        )));
                     }
                 }
             }
         }
-        if let Err(e) = client.simple_query(&check.apply).await {
+        if let Err(e) = results.next().expect("one result per query") {
             return match conflict_reason(&e) {
-                Some(why) => {
-                    conflict(
-                        client,
-                        format!(
-                            "{} on {} ({}): {why}: {}",
-                            check.op,
-                            check.table,
-                            check.key,
-                            pg_message(&e)
-                        ),
-                    )
-                    .await
-                }
+                Some(why) => Ok(Some(format!(
+                    "{} on {} ({}): {why}: {}",
+                    check.op,
+                    check.table,
+                    check.key,
+                    pg_message(&e)
+                ))),
                 None => Err(dest(e)),
             };
         }
     }
-    client
-        .batch_execute(&format!("PREPARE TRANSACTION {}", quote_literal(gid)))
-        .await
-        .map_err(dest)?;
-    Ok(Verdict::Prepared)
+    Ok(None)
 }
 
 async fn conflict(client: &Client, why: String) -> Result<Verdict, ValidateError> {

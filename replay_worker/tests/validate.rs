@@ -260,13 +260,13 @@ async fn validate(
 ) -> Result<ValidateReply, tonic::Status> {
     client
         .clone()
-        .validate(ValidateRequest {
+        .validate(tokio_stream::iter([ValidateRequest {
             migration_id,
             gid: gid.into(),
             wait_lsn,
             changes,
             lock_timeout_ms,
-        })
+        }]))
         .await
         .map(|r| r.into_inner())
 }

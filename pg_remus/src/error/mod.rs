@@ -33,6 +33,8 @@ mod pg_code {
     pub(super) const INSUFFICIENT_RESOURCES: SqlState = SqlState("53000");
     /// `25P02` in_failed_sql_transaction.
     pub(super) const IN_FAILED_SQL_TRANSACTION: SqlState = SqlState("25P02");
+    /// `54000` program_limit_exceeded.
+    pub(super) const PROGRAM_LIMIT_EXCEEDED: SqlState = SqlState("54000");
     /// `58030` io_error.
     pub(super) const IO_ERROR: SqlState = SqlState("58030");
 }
@@ -254,6 +256,9 @@ pub enum RemusError {
         endpoint: String,
         message: String,
     },
+    /// A transaction's captured write set outgrew its setting (review F10).
+    #[error("the write set of this transaction on shard migration {migration_id} is larger than remus.max_write_set_bytes ({limit_kb} kB); write less per transaction on a migrating shard, or raise the setting")]
+    WriteSetTooLarge { migration_id: i64, limit_kb: i64 },
     #[error("shard migration {migration_id} {status}: {error}")]
     MigrationFailed {
         migration_id: i64,
@@ -368,6 +373,7 @@ impl RemusError {
             | Self::MigrationConflict { .. } => SqlState::SERIALIZATION_FAILURE.code(),
             // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.
             Self::SyncValidation { .. } => SqlState::SERIALIZATION_FAILURE.code(),
+            Self::WriteSetTooLarge { .. } => pg_code::PROGRAM_LIMIT_EXCEEDED.code(),
             Self::CoordinatorUnset | Self::MigrationFailed { .. } => {
                 SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code()
             }
@@ -540,6 +546,10 @@ mod tests {
             (pg_code::UNDEFINED_FUNCTION, ERRCODE_UNDEFINED_FUNCTION),
             (pg_code::CONFIG_FILE_ERROR, ERRCODE_CONFIG_FILE_ERROR),
             (pg_code::NOT_NULL_VIOLATION, ERRCODE_NOT_NULL_VIOLATION),
+            (
+                pg_code::PROGRAM_LIMIT_EXCEEDED,
+                ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            ),
             (pg_code::IO_ERROR, ERRCODE_IO_ERROR),
             (
                 pg_code::IN_FAILED_SQL_TRANSACTION,

@@ -7,6 +7,17 @@
 //! captures writes (`remus.migration_capture`); then it records the row change, in the replay
 //! worker's wire format, in this backend's write set. A rolled-back subtransaction drops its
 //! changes. The write set is validated at commit by dual execution (`migration::dual`).
+//!
+//! Capture starts with the copy although only a commit in sync mode (dual execution) uses the
+//! write set: a transaction that writes before the sync barrier and commits after it is
+//! validated with everything it wrote, and the barrier waits only for the transactions that
+//! were writing before capture started (the coordinator's "pre-capture writers"). Its memory is
+//! bounded by `remus.max_write_set_bytes` (review F10): past it, a transaction in dual execution
+//! fails the statement with 54000; one whose migration is still before the barrier stops
+//! capturing for that migration and drops what it captured (it will most likely commit before
+//! the barrier, unvalidated, as usual; if it commits after, its COMMIT fails with 54000 because
+//! its write set is incomplete). Nothing is spilled to disk: a write set that large would also
+//! hold its rows locked on the destination for as long as it takes to validate.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -18,7 +29,9 @@ use pgrx::prelude::*;
 use remus_proto::v1::{column_value, row_change, ColumnValue, RowChange};
 
 use crate::error::RemusError;
-use crate::migration::state::{active, migration_of, require_superuser, ENDPOINT_BYTES, STATE};
+use crate::migration::state::{
+    active, count_migration_abort, migration_of, require_superuser, ENDPOINT_BYTES, STATE,
+};
 
 /// Columns of a shard table as the write set ships them.
 struct RelMeta {
@@ -33,12 +46,84 @@ struct RelMeta {
 struct Captured {
     migration_id: i64,
     subxact: pg_sys::SubTransactionId,
+    /// What `change` takes in this backend's heap (see [`heap_bytes`]).
+    bytes: usize,
     change: RowChange,
+}
+
+/// This transaction's write sets.
+#[derive(Default)]
+struct WriteSet {
+    changes: Vec<Captured>,
+    /// Per migration: heap bytes of its captured changes.
+    bytes: Vec<(i64, usize)>,
+    /// Migrations whose write set outgrew `remus.max_write_set_bytes` before dual execution:
+    /// dropped and no longer captured in this transaction (incomplete; unusable in sync mode).
+    overflowed: Vec<i64>,
+}
+
+impl WriteSet {
+    fn bytes_of(&mut self, migration_id: i64) -> &mut usize {
+        let i = match self.bytes.iter().position(|(m, _)| *m == migration_id) {
+            Some(i) => i,
+            None => {
+                self.bytes.push((migration_id, 0));
+                self.bytes.len() - 1
+            }
+        };
+        &mut self.bytes[i].1
+    }
+
+    fn recount(&mut self) {
+        self.bytes.clear();
+        for i in 0..self.changes.len() {
+            let (m, b) = (self.changes[i].migration_id, self.changes[i].bytes);
+            *self.bytes_of(m) += b;
+        }
+    }
 }
 
 thread_local! {
     static REL_META: RefCell<HashMap<pg_sys::Oid, Rc<RelMeta>>> = RefCell::new(HashMap::new());
-    static WRITE_SET: RefCell<Vec<Captured>> = const { RefCell::new(Vec::new()) };
+    static WRITE_SET: RefCell<WriteSet> = RefCell::new(WriteSet::default());
+}
+
+/// What a captured change takes in the heap: its strings and vectors as allocated, plus the
+/// entry itself. (Counted rather than the encoded size: the column names are repeated per row
+/// and every value is its own allocation, so the heap is several times the wire size.)
+fn heap_bytes(c: &RowChange) -> usize {
+    use std::mem::size_of;
+    let values = |v: &Vec<ColumnValue>| {
+        v.capacity() * size_of::<ColumnValue>()
+            + v.iter()
+                .map(|x| match &x.value {
+                    Some(column_value::Value::Text(t)) => t.capacity(),
+                    _ => 0,
+                })
+                .sum::<usize>()
+    };
+    size_of::<Captured>()
+        + c.schema.capacity()
+        + c.table.capacity()
+        + c.columns.capacity() * size_of::<String>()
+        + c.columns.iter().map(String::capacity).sum::<usize>()
+        + c.key.capacity()
+        + values(&c.old_values)
+        + values(&c.new_values)
+}
+
+/// `remus.max_write_set_bytes` in bytes.
+fn max_write_set_bytes() -> usize {
+    (crate::guc::MAX_WRITE_SET_KB.get().max(1) as usize).saturating_mul(1024)
+}
+
+/// Is `migration_id` in sync mode (dual execution) on this node?
+fn in_sync_mode(migration_id: i64) -> bool {
+    STATE
+        .share()
+        .migrations
+        .iter()
+        .any(|m| m.migration_id == migration_id && m.capture && m.sync)
 }
 
 fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
@@ -140,6 +225,15 @@ fn shard_of(trigger: &PgTrigger<'_>) -> Option<i64> {
 }
 
 fn capture(trigger: &PgTrigger<'_>, migration_id: i64) -> Result<(), RemusError> {
+    if WRITE_SET.with(|w| w.borrow().overflowed.contains(&migration_id)) {
+        // Incomplete already: the COMMIT fails if it comes in sync mode (see the module).
+        return if in_sync_mode(migration_id) {
+            count_migration_abort(migration_id);
+            Err(write_set_too_large(migration_id))
+        } else {
+            Ok(())
+        };
+    }
     let data = trigger.trigger_data();
     let rel = data.tg_relation;
     let meta = rel_meta(rel)?;
@@ -181,14 +275,43 @@ fn capture(trigger: &PgTrigger<'_>, migration_id: i64) -> Result<(), RemusError>
     };
     // SAFETY: plain read of the current subtransaction id.
     let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    let bytes = heap_bytes(&change);
+    let limit = max_write_set_bytes();
     WRITE_SET.with(|w| {
-        w.borrow_mut().push(Captured {
+        let mut w = w.borrow_mut();
+        let total = *w.bytes_of(migration_id) + bytes;
+        if total > limit {
+            if in_sync_mode(migration_id) {
+                count_migration_abort(migration_id);
+                return Err(write_set_too_large(migration_id));
+            }
+            // Before the barrier: the write set is most likely never used; free it rather
+            // than fail a transaction that commits in async mode.
+            w.changes.retain(|c| c.migration_id != migration_id);
+            w.overflowed.push(migration_id);
+            w.recount();
+            pgrx::debug1!(
+                "pg_remus: write set of shard migration {migration_id} passed remus.max_write_set_bytes before dual execution; no longer captured in this transaction"
+            );
+            return Ok(());
+        }
+        *w.bytes_of(migration_id) = total;
+        w.changes.push(Captured {
             migration_id,
             subxact,
+            bytes,
             change,
-        })
-    });
-    Ok(())
+        });
+        Ok(())
+    })
+}
+
+/// The error of a write set past `remus.max_write_set_bytes` in sync mode.
+pub(crate) fn write_set_too_large(migration_id: i64) -> RemusError {
+    RemusError::WriteSetTooLarge {
+        migration_id,
+        limit_kb: crate::guc::MAX_WRITE_SET_KB.get().max(1) as i64,
+    }
 }
 
 /// The migration capturing writes on `shard_id`, if any (the write-set trigger's question).
@@ -207,27 +330,36 @@ pub(crate) fn capturing_migration(shard_id: i64) -> Option<i64> {
 /// Row changes captured so far in this transaction (for the tests).
 #[cfg(any(test, feature = "pg_test"))]
 pub(crate) fn captured_changes() -> usize {
-    WRITE_SET.with(|w| w.borrow().len())
+    WRITE_SET.with(|w| w.borrow().changes.len())
 }
 
 /// A subtransaction rolled back: its changes (and its children's) leave the write set.
 pub(crate) fn subxact_aborted(subxact: pg_sys::SubTransactionId) {
-    WRITE_SET.with(|w| w.borrow_mut().retain(|c| c.subxact < subxact));
+    WRITE_SET.with(|w| {
+        let mut w = w.borrow_mut();
+        w.changes.retain(|c| c.subxact < subxact);
+        w.recount();
+    });
 }
 
-/// Takes this transaction's write set: (migration, row change), in capture order.
-pub(crate) fn take_write_set() -> Vec<(i64, RowChange)> {
+/// Takes this transaction's write set: (migration, row change), in capture order, and the
+/// migrations whose write set overflowed before dual execution (incomplete, not in the list).
+pub(crate) fn take_write_set() -> (Vec<(i64, RowChange)>, Vec<i64>) {
     WRITE_SET.with(|w| {
-        w.borrow_mut()
-            .drain(..)
-            .map(|c| (c.migration_id, c.change))
-            .collect()
+        let w = std::mem::take(&mut *w.borrow_mut());
+        (
+            w.changes
+                .into_iter()
+                .map(|c| (c.migration_id, c.change))
+                .collect(),
+            w.overflowed,
+        )
     })
 }
 
 /// The transaction ended: its write set goes.
 pub(crate) fn clear_write_set() {
-    WRITE_SET.with(|w| w.borrow_mut().clear());
+    WRITE_SET.with(|w| *w.borrow_mut() = WriteSet::default());
 }
 
 #[pg_schema]
