@@ -70,7 +70,11 @@ impl Params {
         }
     }
 
-    unsafe fn as_text(&self) -> (Vec<Option<String>>, Vec<u32>) {
+    /// The values as text and their type OIDs, as a remote node takes them.
+    ///
+    /// # Safety
+    /// The datums must be valid values of their types.
+    pub(crate) unsafe fn as_text(&self) -> (Vec<Option<String>>, Vec<u32>) {
         // SAFETY: the pointers this private function takes come from its callers in this module,
         // which pass what PostgreSQL handed them for the current call; they are live throughout.
         unsafe {

@@ -18,6 +18,8 @@ use crate::pg::custom_scan;
 use crate::pg::list::{is_tag, list_ptrs};
 use crate::router::execute::Params;
 
+mod fence;
+
 // SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
 // at preload, before PostgreSQL can see it.
 static mut SCAN_METHODS: pg_sys::CustomScanMethods = unsafe { std::mem::zeroed() };
@@ -329,8 +331,9 @@ unsafe extern "C-unwind" fn exec(
 struct ShardWork {
     placement: ShardPlacement,
     query: *mut pg_sys::Query,
-    /// UPDATE/DELETE by shard key: the key (text), for the wait on a draining shard's source.
-    key: Option<String>,
+    /// The drain fence's lock query for the rows this statement writes ([`fence`]), for the
+    /// wait on a draining shard's source; None: no wait.
+    fence: Option<String>,
 }
 
 unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
@@ -361,7 +364,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 .map(|p| ShardWork {
                     placement: p.clone(),
                     query,
-                    key: None,
+                    fence: None,
                 })
                 .collect()
         } else {
@@ -386,12 +389,16 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
             pg_sys::MemoryContextSwitchTo(old);
         }
         let mut affected = 0u64;
+        let mut text_params = None;
         for w in work {
-            if let Some(key) = &w.key {
+            if let Some(lock_rows) = &w.fence {
+                let (values, types) = text_params.get_or_insert_with(|| params.as_text());
                 crate::migration::handover::remus::wait_for_older_writers(
                     &table,
                     &w.placement,
-                    key,
+                    lock_rows,
+                    values,
+                    types,
                 )?;
             }
             let sql = super::deparse::deparse(w.query);
@@ -542,6 +549,9 @@ unsafe fn targets(
             {
                 conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
             }
+            // The whole WHERE, not only its key conjunct: the fence waits for the holders of
+            // the rows the statement writes, on every moving shard it touches.
+            let lock_rows = fence::rows_written_by(query);
             for c in conjuncts {
                 if let Some(v) = super::key::key_equality_value(c, rt, key_attno) {
                     let (value, isnull, ty) = super::execute::eval_expr(v, ps);
@@ -549,11 +559,10 @@ unsafe fn targets(
                         return Ok(vec![]);
                     }
                     let p = super::key::placement_for(table, all, value, ty)?;
-                    let key = Some(crate::pg::datum::datum_to_text(value, ty));
                     return Ok(vec![ShardWork {
                         placement: p,
                         query,
-                        key,
+                        fence: Some(lock_rows),
                     }]);
                 }
             }
@@ -563,7 +572,7 @@ unsafe fn targets(
                 .map(|p| ShardWork {
                     placement: p.clone(),
                     query,
-                    key: None,
+                    fence: Some(lock_rows.clone()),
                 })
                 .collect());
         }
@@ -579,13 +588,7 @@ unsafe fn targets(
             .into_iter()
             .enumerate()
             .find(|(_, r)| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES);
-        let stripped = {
-            let mut n = expr;
-            while is_tag(n, pg_sys::NodeTag::T_RelabelType) {
-                n = (*(n as *mut pg_sys::RelabelType)).arg as *mut _;
-            }
-            n
-        };
+        let stripped = fence::strip(expr);
         match values_rte {
             None => {
                 if !super::key::is_routable_value(expr) {
@@ -601,7 +604,7 @@ unsafe fn targets(
                 Ok(vec![ShardWork {
                     placement: p,
                     query,
-                    key: None,
+                    fence: fence::rows_upserted(query, table, 0, &[], ps),
                 }])
             }
             Some((vidx, vrte)) => {
@@ -613,8 +616,10 @@ unsafe fn targets(
                 ));
                 }
                 let col = (*(stripped as *mut pg_sys::Var)).varattno as usize - 1;
-                let mut groups: BTreeMap<i64, (ShardPlacement, *mut pg_sys::List)> =
-                    BTreeMap::new();
+                let mut groups: BTreeMap<
+                    i64,
+                    (ShardPlacement, *mut pg_sys::List, Vec<*mut pg_sys::List>),
+                > = BTreeMap::new();
                 for row in list_ptrs::<pg_sys::List>((*vrte).values_lists) {
                     let cell = list_ptrs::<pg_sys::Node>(row)[col];
                     if !super::key::is_routable_value(cell) {
@@ -628,13 +633,17 @@ unsafe fn targets(
                         return Err(null_key(table));
                     }
                     let p = super::key::placement_for(table, all, value, ty)?;
-                    let entry = groups
-                        .entry(p.shard_id)
-                        .or_insert((p, std::ptr::null_mut()));
+                    let entry =
+                        groups
+                            .entry(p.shard_id)
+                            .or_insert((p, std::ptr::null_mut(), Vec::new()));
                     entry.1 = pg_sys::lappend(entry.1, row as *mut std::ffi::c_void);
+                    entry.2.push(row);
                 }
                 let mut out = Vec::new();
-                for (_, (placement, rows)) in groups {
+                for (_, (placement, rows, row_list)) in groups {
+                    // From the original statement, whose target list still names every column.
+                    let lock_rows = fence::rows_upserted(query, table, vidx + 1, &row_list, ps);
                     let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void)
                         as *mut pg_sys::Query;
                     let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
@@ -657,7 +666,7 @@ unsafe fn targets(
                     out.push(ShardWork {
                         placement,
                         query: q,
-                        key: None,
+                        fence: lock_rows,
                     });
                 }
                 Ok(out)

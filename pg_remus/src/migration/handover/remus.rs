@@ -10,14 +10,17 @@
 //! writers on the row lock and re-evaluating the second one (EvalPlanQual). Two waits put that
 //! order back, both only while a migration is at its handover or drain:
 //!
-//! - [`wait_for_older_writers`]: before a key-equality UPDATE or DELETE is sent to a draining
-//!   shard's new owner, the coordinating backend takes a share lock on the row on the source,
-//!   in a session of its own, and lets go of it once no other source session is at work
-//!   writing the shard (see [`wait_until_row_queue_is_empty`]). That waits for every source
-//!   transaction that holds or is queued for the row, and each of them validates before it
-//!   commits and commits its shadow before it lets go of its locks; so the row the destination
-//!   then locks already carries their writes, and the newer writer re-evaluates on top of
-//!   them, as on a single node.
+//! - [`wait_for_older_writers`]: before an UPDATE, DELETE or INSERT … ON CONFLICT is sent to a
+//!   draining shard's new owner, the coordinating backend takes a share lock on the source's
+//!   old copy of the rows the statement writes (its own WHERE, or its conflict values: the
+//!   router builds that query, `router::modify::fence`), in a session of its own, and lets go
+//!   of it once no other source session is queued for those rows (see
+//!   [`wait_until_row_queue_is_empty`]). That waits for every source transaction that holds or
+//!   is queued for the rows, and each of them validates before it commits and commits its
+//!   shadow before it lets go of its locks; so the rows the destination then locks already
+//!   carry their writes, and the newer writer re-evaluates on top of them, as on a single
+//!   node. Writers of other rows of the shard (even with the same shard key) are not waited
+//!   for (review F7).
 //! - [`super::wait_decided`]: a READ COMMITTED transaction that routes a shard for the first
 //!   time while this node's Tm is prepared (decided elsewhere, perhaps already committed on the
 //!   destination) waits for that outcome and reads the map again, rather than start a new
@@ -37,7 +40,7 @@ use crate::cluster::remote::{self, NodeAddr};
 use crate::cluster::shard_marker;
 use crate::error::RemusError;
 use crate::migration::state::{active, migration_of, require_superuser, NODE_NAME_BYTES, STATE};
-use crate::pg::sql::{quote_ident, quote_literal};
+use crate::pg::sql::quote_literal;
 use remus_proto::sqlstate::SqlState;
 
 /// The node `shard_id` is leaving, while its migration (Remus mode) is between Tm and its end:
@@ -55,12 +58,16 @@ pub(crate) fn drain_source_of(shard_id: i64) -> Option<String> {
         .drain_source()
 }
 
-/// Before a write of the row(s) with shard key `key` (text) of `table` in `placement`: if the
-/// shard is draining from another node, waits there for the row's older writers (holding or queued).
+/// Before a write of `table` in `placement`: if the shard is draining from another node, waits
+/// there for the older writers (holding or queued) of the rows `lock_rows` selects. `lock_rows`
+/// is `SELECT … FROM <table> WHERE … FOR SHARE` over the distributed table's name, with `$n`
+/// parameters `params` of type OIDs `types` (0: inferred).
 pub(crate) fn wait_for_older_writers(
     table: &DistTable,
     placement: &ShardPlacement,
-    key: &str,
+    lock_rows: &str,
+    params: &[Option<String>],
+    types: &[u32],
 ) -> Result<(), RemusError> {
     let Some(source) = drain_source_of(placement.shard_id) else {
         return Ok(());
@@ -69,9 +76,6 @@ pub(crate) fn wait_for_older_writers(
     if source == placement.node_name {
         return Ok(());
     }
-    let Some(column) = table.shard_key.as_deref() else {
-        return Ok(());
-    };
     let timeout_ms = crate::guc::DRAIN_WAIT_TIMEOUT_MS.get();
     if timeout_ms <= 0 {
         return Ok(());
@@ -83,22 +87,14 @@ pub(crate) fn wait_for_older_writers(
         name: format!("{}#drain", addr.name),
         ..addr
     };
-    let lock_row = shard_marker::marked(
-        placement.shard_id,
-        &format!(
-            "SELECT 1 FROM {} WHERE {} = {} FOR SHARE",
-            table.qualified_name,
-            quote_ident(column),
-            quote_literal(key)
-        ),
-    );
+    let lock_row = shard_marker::marked(placement.shard_id, lock_rows);
     let shard_table = crate::catalog::shard_table_name(&table.rel_name, placement.shard_id);
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
     let waited = remote::with_connection(&fence, |c| {
         // Registered as in a transaction while it waits, so an ERROR here (a cancel, a
         // statement timeout) makes the abort callback cancel the remote wait and roll it back.
         c.in_transaction = true;
-        let r = wait_until_row_queue_is_empty(c, &lock_row, &shard_table, deadline);
+        let r = wait_until_row_queue_is_empty(c, &lock_row, params, types, &shard_table, deadline);
         if r.is_err() {
             let _ = c.exec("ROLLBACK");
         }
@@ -126,20 +122,30 @@ pub(crate) fn wait_for_older_writers(
     Ok(())
 }
 
-/// Why one share lock is not enough: the row's older writers queue for it, and between two of
-/// them the row can be free for an instant (the next one is woken but not yet running, or is
+/// Why one share lock is not enough: the rows' older writers queue for them, and between two
+/// of them a row can be free for an instant (the next one is woken but not yet running, or is
 /// following the update chain to the new version), long enough for a share lock to be granted
-/// ahead of the rest. So, holding the share lock, the fence also asks whether any other
-/// session is running a statement while it holds the source shard table's write lock (every
-/// writer takes it before it looks for its row, and keeps it until it ends): a writer queued,
-/// woken or in flight inside the source. If so it lets go, pauses, and tries again, until the
-/// row is free with no writer at work. Only source transactions whose view predates Tm write
-/// the source copy, so they drain and do not come back; one that is idle between statements
-/// and does not hold this row is not waited for.
-/// Returns false when writers were still at work at `deadline`.
+/// ahead of the rest. So, holding the share locks, the fence also asks whether another session
+/// that holds the source shard table's write lock (every writer takes it before it looks for
+/// its row, and keeps it until it ends) is running a statement and either waits for a lock
+/// this fence holds (queued for one of its rows) or waits for no lock at all (woken, or in
+/// flight). If so it lets go, pauses, and tries again, until the rows are free with no such
+/// writer. Only source transactions whose view predates Tm write the source copy, so they
+/// drain and do not come back.
+///
+/// Not waited for (review F7): a writer idle between statements that does not hold these rows,
+/// and a writer blocked on a lock this fence does not hold, that is on another row or object.
+/// The latter matters for deadlocks: this loop runs outside the lock manager, so a cycle
+/// through it (the newer transaction holds row x elsewhere on the source, an older writer
+/// waits for x) would be invisible to PostgreSQL's deadlock detector and last until
+/// `deadline`. A writer in flight on other rows is still waited for, but only while it runs
+/// a statement without waiting for a lock; the whole wait is bounded by `deadline`
+/// (`remus.drain_wait_timeout`). Returns false when writers were still at work at `deadline`.
 fn wait_until_row_queue_is_empty(
     c: &mut remote::RemoteConnection,
     lock_row: &str,
+    params: &[Option<String>],
+    types: &[u32],
     shard_table: &str,
     deadline: Instant,
 ) -> Result<bool, RemusError> {
@@ -147,7 +153,9 @@ fn wait_until_row_queue_is_empty(
         "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
                          WHERE l.locktype = 'relation' AND l.relation = {}::regclass
                            AND l.mode = 'RowExclusiveLock' AND l.granted
-                           AND a.state = 'active' AND l.pid <> pg_catalog.pg_backend_pid())",
+                           AND a.state = 'active' AND l.pid <> pg_catalog.pg_backend_pid()
+                           AND (a.wait_event_type IS DISTINCT FROM 'Lock'
+                                OR pg_catalog.pg_backend_pid() = ANY (pg_catalog.pg_blocking_pids(l.pid))))",
         quote_literal(shard_table)
     );
     let mut pause = false;
@@ -162,7 +170,7 @@ fn wait_until_row_queue_is_empty(
             c.exec("SELECT pg_catalog.pg_sleep(0.002)")?;
         }
         c.exec(&format!("BEGIN; SET LOCAL lock_timeout = {left}"))?;
-        c.exec(lock_row)?;
+        c.exec_params(lock_row, params, types)?;
         let busy = c.exec(&writers_at_work)?;
         c.exec("COMMIT")?;
         if busy

@@ -1,0 +1,248 @@
+//! The Remus drain fence (review F7): between Tm and the end of a migration, a write routed to a
+//! moved shard's new owner first waits on the source only for the source transactions older
+//! than Tm that hold the rows the statement itself writes.
+//!
+//! Scene (TPC-C's stock, distributed by warehouse): `stock(w, i, q)` keyed by `(w, i)` and
+//! sharded by `w`. The migration of w = 1's shard is held at its sync barrier while a source
+//! transaction updates the row (1, 1) and stays open; then the migration passes Tm and sits in
+//! its cleanup drain (waiting for that transaction). With `remus.drain_wait_timeout` at 10 min:
+//! - an UPDATE of another row of the same warehouse, (1, 2), through a third node completes
+//!   while the older transaction is still open (the fence locked every row of w = 1 before);
+//! - an upsert of (1, 1), and an UPDATE without shard key (sent to every shard), through a
+//!   third node wait for the older transaction, which then commits (no 40001), and the newer
+//!   write applies on top of it (neither was fenced before).
+
+use std::thread;
+use std::time::Duration;
+
+use integration::shards::{owners, owners_everywhere};
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::wait_until;
+
+/// The cluster, mid-cleanup of the migration of w = 1's shard, and what the tests need of it.
+struct Drain {
+    c: TestCluster,
+    /// The node w = 1 leaves (where the older transaction runs).
+    source: String,
+    /// A node that is neither source nor target: the newer writers enter through it.
+    third: String,
+    /// The node w = 1 moves to.
+    target: String,
+    shard: i64,
+    /// On the source: open, it has updated (1, 1) before Tm (q 1 -> 11).
+    older: postgres::Client,
+    mover: thread::JoinHandle<Result<(String, i64), postgres::Error>>,
+}
+
+fn drain_with_an_older_writer_of_1_1() -> Drain {
+    let c = TestCluster::start(3).expect("cluster up");
+    c.connect("n1")
+        .unwrap()
+        .batch_execute(
+            "CREATE TABLE stock (w int, i int, q int, PRIMARY KEY (w, i));
+             INSERT INTO stock SELECT w, i, 1 FROM generate_series(1, 8) w, generate_series(1, 50) i;
+             SELECT remus_create_distributed_table('stock', 'w', 4);",
+        )
+        .unwrap();
+    let (shard, source) = owners(&c, "stock")
+        .into_iter()
+        .find(|(s, o)| {
+            let n: i64 = c
+                .connect(o)
+                .unwrap()
+                .query_one(
+                    &format!("SELECT count(*) FROM remus_shards.stock_{s} WHERE w = 1"),
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            n > 0
+        })
+        .expect("a shard holds w = 1");
+    let others: Vec<String> = c
+        .node_names()
+        .into_iter()
+        .filter(|n| *n != source)
+        .collect();
+    let (target, third) = (others[0].clone(), others[1].clone());
+
+    // Holds the migration at its sync barrier (a write lock without an xid, see migration_remus).
+    let mut barrier = c.connect(&source).unwrap();
+    barrier
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE remus_shards.stock_{shard} IN ROW EXCLUSIVE MODE"
+        ))
+        .unwrap();
+    let mut db = c.connect(&source).unwrap();
+    let to = target.clone();
+    let mover = thread::spawn(move || {
+        db.query_one(
+            "SELECT status, aborted_by_migration FROM remus_migrate_shard($1, $2)",
+            &[&shard, &to],
+        )
+        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+    });
+    wait_phase(&c, "barrier");
+
+    let mut older = c.connect(&source).unwrap();
+    older
+        .batch_execute("BEGIN; UPDATE stock SET q = q + 10 WHERE w = 1 AND i = 1")
+        .unwrap();
+    barrier.batch_execute("COMMIT").unwrap();
+    // Tm passes; the cleanup drain then waits for `older`.
+    wait_phase(&c, "cleanup");
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(10),
+        || owners_everywhere(&c, shard).iter().all(|o| *o == target),
+        || format!("Tm never committed on every node for shard {shard}"),
+    );
+    Drain {
+        c,
+        source,
+        third,
+        target,
+        shard,
+        older,
+        mover,
+    }
+}
+
+fn wait_phase(c: &TestCluster, phase: &str) {
+    let mut db = c.connect("n1").unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            db.query(
+                "SELECT 1 FROM remus_migrations WHERE status = 'running' AND phase = $1",
+                &[&phase],
+            )
+            .unwrap()
+            .len()
+                == 1
+        },
+        || format!("the migration never reached {phase}\n{}", c.daemon_logs(40)),
+    );
+}
+
+/// A session through `node` whose drain fence waits as long as the test runs.
+fn patient(c: &TestCluster, node: &str) -> postgres::Client {
+    let mut db = c.connect(node).unwrap();
+    db.batch_execute("SET remus.drain_wait_timeout = '10min'")
+        .unwrap();
+    db
+}
+
+fn q_on(c: &TestCluster, node: &str, shard: i64, i: i32) -> i32 {
+    c.connect(node)
+        .unwrap()
+        .query_one(
+            &format!("SELECT q FROM remus_shards.stock_{shard} WHERE w = 1 AND i = $1"),
+            &[&i],
+        )
+        .unwrap()
+        .get(0)
+}
+
+fn finish(d: Drain) -> (TestCluster, String, i64) {
+    let (status, aborted) = d.mover.join().unwrap().expect("migration call");
+    assert_eq!((status.as_str(), aborted), ("succeeded", 0));
+    assert!(
+        d.c.migration_artifacts().is_empty(),
+        "{:?}",
+        d.c.migration_artifacts()
+    );
+    (d.c, d.target, d.shard)
+}
+
+#[test]
+fn a_newer_write_of_another_row_of_the_shard_key_does_not_wait_for_an_older_writer() {
+    let mut d = drain_with_an_older_writer_of_1_1();
+    let mut newer = patient(&d.c, &d.third);
+    let update = thread::spawn(move || {
+        newer.execute("UPDATE stock SET q = q + 1 WHERE w = 1 AND i = 2", &[])
+    });
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || update.is_finished(),
+        || {
+            format!(
+                "the UPDATE of (1, 2) through {} still waits on {} for the older writer of (1, 1)",
+                d.third, d.source
+            )
+        },
+    );
+    assert_eq!(update.join().unwrap().expect("the newer UPDATE"), 1);
+    d.older
+        .batch_execute("COMMIT")
+        .expect("the older writer commits");
+    let (c, target, shard) = finish(d);
+    assert_eq!(q_on(&c, &target, shard, 1), 11);
+    assert_eq!(q_on(&c, &target, shard, 2), 2);
+}
+
+/// Runs `sql` (which doubles q of (1, 1) and changes `rows` rows) through the third node: its
+/// fence must wait on the source for the older writer of (1, 1); that one then commits (no
+/// 40001), and `sql` applies on top of it.
+fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
+    let mut newer = patient(&d.c, &d.third);
+    let write = thread::spawn(move || newer.execute(sql, &[]));
+    let mut on_source = d.c.connect(&d.source).unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            let n: i64 = on_source
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE wait_event_type = 'Lock' AND strpos(query, 'FOR SHARE') > 0",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            n > 0
+        },
+        || {
+            format!(
+                "{sql:?} did not wait on {} for the older writer (finished: {})",
+                d.source,
+                write.is_finished()
+            )
+        },
+    );
+    assert!(
+        !write.is_finished(),
+        "{sql:?} went ahead of the older writer"
+    );
+    d.older
+        .batch_execute("COMMIT")
+        .expect("the older writer commits (no 40001)");
+    assert_eq!(write.join().unwrap().expect(sql), rows);
+    let (c, target, shard) = finish(d);
+    assert_eq!(
+        q_on(&c, &target, shard, 1),
+        22,
+        "the older write (1 + 10), then {sql:?} on top of it (* 2)"
+    );
+}
+
+#[test]
+fn an_upsert_of_a_row_an_older_writer_holds_waits_for_it() {
+    waits_for_the_older_writer(
+        drain_with_an_older_writer_of_1_1(),
+        "INSERT INTO stock VALUES (1, 1, 100) ON CONFLICT (w, i) DO UPDATE SET q = stock.q * 2",
+        1,
+    );
+}
+
+#[test]
+fn an_update_of_every_shard_waits_for_an_older_writer_of_a_moving_one() {
+    // No shard key: sent to every shard (8 warehouses), the moved one included.
+    waits_for_the_older_writer(
+        drain_with_an_older_writer_of_1_1(),
+        "UPDATE stock SET q = q * 2 WHERE i = 1",
+        8,
+    );
+}
