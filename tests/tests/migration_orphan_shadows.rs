@@ -146,25 +146,11 @@ fn orphan_shadows_follow_their_source_fate_during_dual_execution() {
     ] {
         n1.batch_execute(sql).unwrap();
     }
-    let mut n2 = c.connect("n2").unwrap();
     wait_until(
         Duration::from_secs(60),
         Duration::from_millis(100),
-        || {
-            n2.query_one(
-                "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'remus:%'",
-                &[],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-                == 0
-        },
-        || {
-            format!(
-                "orphan shadows stay prepared on n2 during dual execution\n{}",
-                c.daemon_logs(40)
-            )
-        },
+        || shadows(&c, "n2") == 0,
+        || format!("orphan shadows stay prepared on n2\n{}", c.daemon_logs(40)),
     );
     assert_eq!(phase(&c, id), "dual", "still held in dual execution");
     assert_eq!(
