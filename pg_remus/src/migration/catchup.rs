@@ -88,26 +88,34 @@ thread_local! {
     static WRITE_SET: RefCell<WriteSet> = RefCell::new(WriteSet::default());
 }
 
-/// What a captured change takes in the heap: its strings and vectors as allocated, plus the
-/// entry itself. (Counted rather than the encoded size: the column names are repeated per row
-/// and every value is its own allocation, so the heap is several times the wire size.)
+/// What a captured change takes in the heap: its strings and vectors as allocated, each with
+/// the allocator's overhead, plus the entry itself. (Counted rather than the encoded size: the
+/// column names are repeated per row and every value is its own allocation, so the heap is
+/// several times the wire size. Measured: 1.5M changes of a 3-column, ~100-byte row took
+/// 1.5 GB of backend RSS, about what this counts.)
 fn heap_bytes(c: &RowChange) -> usize {
     use std::mem::size_of;
+    // malloc's per-allocation header and rounding, roughly.
+    const ALLOCATION: usize = 16;
+    let string = |s: &String| s.capacity() + ALLOCATION;
     let values = |v: &Vec<ColumnValue>| {
         v.capacity() * size_of::<ColumnValue>()
+            + ALLOCATION
             + v.iter()
                 .map(|x| match &x.value {
-                    Some(column_value::Value::Text(t)) => t.capacity(),
+                    Some(column_value::Value::Text(t)) => string(t),
                     _ => 0,
                 })
                 .sum::<usize>()
     };
     size_of::<Captured>()
-        + c.schema.capacity()
-        + c.table.capacity()
+        + string(&c.schema)
+        + string(&c.table)
         + c.columns.capacity() * size_of::<String>()
-        + c.columns.iter().map(String::capacity).sum::<usize>()
+        + ALLOCATION
+        + c.columns.iter().map(string).sum::<usize>()
         + c.key.capacity()
+        + ALLOCATION
         + values(&c.old_values)
         + values(&c.new_values)
 }
