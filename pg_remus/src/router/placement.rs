@@ -27,10 +27,29 @@ thread_local! {
 
 /// Runs `f`, a catalog query of the router, with the lookups of the queries it plans turned off.
 pub(crate) fn looking_up<R>(f: impl FnOnce() -> R) -> R {
-    IN_LOOKUP.with(|l| l.set(true));
-    let r = f();
-    IN_LOOKUP.with(|l| l.set(false));
-    r
+    let _lookup = Lookup::enter();
+    f()
+}
+
+/// While alive, the router's own catalog queries are running: the queries they plan are not
+/// routed. Dropping it restores the previous state, also when an ERROR raised in the lookup
+/// (a serialization failure under SERIALIZABLE, a lock or statement timeout, a cancel) unwinds
+/// through it. Set and cleared by hand, such an ERROR left the flag on for the rest of the
+/// session: no shell was recognised any more, so a forwarded session refused every marked
+/// statement with `MarkerWithoutTable` and a client session ran its statements on the empty
+/// local shells.
+struct Lookup(bool);
+
+impl Lookup {
+    fn enter() -> Self {
+        Lookup(IN_LOOKUP.with(|l| l.replace(true)))
+    }
+}
+
+impl Drop for Lookup {
+    fn drop(&mut self) {
+        IN_LOOKUP.with(|l| l.set(self.0));
+    }
 }
 
 /// A relcache invalidation of `relid` (`InvalidOid`: of everything): its cached distribution and
@@ -59,10 +78,7 @@ pub(crate) fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusE
     if let Some(hit) = DIST_CACHE.with(|c| c.borrow().get(&relid.to_u32()).cloned()) {
         return Ok(hit);
     }
-    IN_LOOKUP.with(|f| f.set(true));
-    let found = catalog::dist_table(relid);
-    IN_LOOKUP.with(|f| f.set(false));
-    let found = found?;
+    let found = looking_up(|| catalog::dist_table(relid))?;
     DIST_CACHE.with(|c| c.borrow_mut().insert(relid.to_u32(), found.clone()));
     Ok(found)
 }
@@ -224,6 +240,8 @@ pub(crate) fn is_pinned(shard_id: i64) -> bool {
 
 /// The transaction ended: its pins go.
 pub(crate) fn end_of_transaction() {
+    // No lookup spans a transaction's end: whatever ended it, none is running any more.
+    IN_LOOKUP.with(|l| l.set(false));
     PINS.with(|p| p.borrow_mut().clear());
     DEFERRED.with(|d| d.borrow_mut().clear());
 }
