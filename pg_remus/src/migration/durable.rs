@@ -244,7 +244,12 @@ pub(crate) fn saved() -> Vec<Result<Saved, (String, String)>> {
     out
 }
 
-/// Entries (migrations and victims and the gate) restored by [`restored`] in this process, for
+/// One line on stderr; a closed stderr is not an error worth dying for in the postmaster.
+fn report(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Migrations restored by [`restored`] in this process, for
 /// the "anything registered?" word created right after it.
 static RESTORED: AtomicU32 = AtomicU32::new(0);
 
@@ -254,8 +259,13 @@ pub(crate) fn restored_count() -> u32 {
 }
 
 /// The shared-memory state a (re)start begins with: every migration whose file survives,
-/// marked restored. Runs in the postmaster: never raises (a file it cannot use is logged and
+/// marked restored. Runs in the postmaster: never raises (a file it cannot use is reported and
 /// left for `remus.handover_state()` to show, or removed if it is a torn temporary one).
+///
+/// It reports on stderr (the server log: `pg_ctl -l`'s file, or the logging collector after a
+/// crash-restart), not through `ereport`: this runs while the handover state is being created,
+/// and the extension's `emit_log_hook` reads that state, so an `ereport` from here would
+/// re-enter it before it exists.
 pub(crate) fn restored() -> HandoverState {
     let mut s = HandoverState::default();
     let mut n = 0u32;
@@ -273,18 +283,18 @@ pub(crate) fn restored() -> HandoverState {
             let saved = match parsed {
                 Ok(saved) => saved,
                 Err(why) => {
-                    pgrx::warning!(
-                        "pg_remus: migration state file {} not restored: {why}",
+                    report(&format!(
+                        "WARNING:  pg_remus: migration state file {} not restored: {why}",
                         p.display()
-                    );
+                    ));
                     continue;
                 }
             };
             let Some(slot) = s.migrations.iter_mut().find(|m| m.migration_id == 0) else {
-                pgrx::warning!(
-                    "pg_remus: more than {MAX_MIGRATIONS} migration state files; {} not restored",
+                report(&format!(
+                    "WARNING:  pg_remus: more than {MAX_MIGRATIONS} migration state files; {} not restored",
                     p.display()
-                );
+                ));
                 continue;
             };
             *slot = saved.entry();
@@ -297,21 +307,21 @@ pub(crate) fn restored() -> HandoverState {
                             shard_id,
                         }
                     }
-                    None => pgrx::warning!(
-                        "pg_remus: more than {MAX_MIGRATING_SHARDS} migrating shards; shard {shard_id} of migration {} not restored",
+                    None => report(&format!(
+                        "WARNING:  pg_remus: more than {MAX_MIGRATING_SHARDS} migrating shards; shard {shard_id} of migration {} not restored",
                         saved.migration_id
-                    ),
+                    )),
                 }
             }
-            pgrx::log!(
-                "pg_remus: restored migration {}'s state on this node: shards {:?} capture {} sync {} fenced {} drain_source {:?}",
+            report(&format!(
+                "LOG:  pg_remus: restored migration {}'s state on this node: shards {:?} capture {} sync {} fenced {} drain_source {:?}",
                 saved.migration_id,
                 saved.shards,
                 saved.capture,
                 saved.sync,
                 saved.fenced,
                 saved.drain_source
-            );
+            ));
         }
     }
     RESTORED.store(n, Ordering::Relaxed);
