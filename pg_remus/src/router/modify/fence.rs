@@ -57,7 +57,10 @@ pub(crate) unsafe fn rows_written_by(query: *mut pg_sys::Query) -> String {
             pg_sys::makeTargetEntry(one as *mut pg_sys::Expr, 1, std::ptr::null_mut(), false)
                 as *mut std::ffi::c_void,
         );
-        // The target of an UPDATE/DELETE is not in its FROM list; a SELECT's must be.
+        // The target of an UPDATE/DELETE is not in its FROM list; a SELECT's must be (and
+        // ruleutils prints only entries marked as written in FROM).
+        let target = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[rt as usize - 1];
+        (*target).inFromCl = true;
         let from =
             pg_sys::palloc0(std::mem::size_of::<pg_sys::RangeTblRef>()) as *mut pg_sys::RangeTblRef;
         (*from).type_ = pg_sys::NodeTag::T_RangeTblRef;
