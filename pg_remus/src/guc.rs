@@ -58,6 +58,11 @@ pub static MAX_WRITE_SET_KB: GucSetting<i32> = GucSetting::<i32>::new(1024 * 102
 /// (`migration::dual`).
 pub static WRITE_SET_CHUNK_KB: GucSetting<i32> = GucSetting::<i32>::new(1024);
 
+/// wait_remaster: longest wait of a handover, once its admission gate closed, for the
+/// transactions admitted before (past it the handover rolls back). Read by the coordinator
+/// from each node (`coordinator/src/driver/handover/wait_remaster.rs`), not used in the backend.
+pub static GATE_DRAIN_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+
 /// The database the background workers connect to (where pg_remus is created).
 pub static DATABASE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"postgres"));
@@ -168,6 +173,16 @@ pub fn register() {
         1,
         3_600_000,
         GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"remus.gate_drain_timeout",
+        c"Longest wait of a wait_remaster handover for the transactions admitted before its admission gate closed.",
+        c"While the gate is closed, new transactions wait at it and the handover waits for the ones already running (named in remus_migrations.waiting_on); past this (and at most the gate's own timeout) the handover is rolled back and the gate reopens.",
+        &GATE_DRAIN_TIMEOUT_MS,
+        100,
+        i32::MAX,
+        GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_int_guc(

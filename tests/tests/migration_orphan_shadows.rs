@@ -20,6 +20,25 @@ use integration::shards::owners;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::wait_until;
 
+/// A two-node cluster with table `name(id, a)` distributed over 4 shards (rows 1..=100,
+/// a = 0): the cluster and a shard of it that n1 owns.
+fn two_nodes_with_table(name: &str) -> (TestCluster, i64) {
+    let c = TestCluster::start(2).expect("cluster up");
+    c.connect("n1")
+        .unwrap()
+        .batch_execute(&format!(
+            "CREATE TABLE {name} (id int PRIMARY KEY, a int NOT NULL);
+             INSERT INTO {name} SELECT g, 0 FROM generate_series(1, 100) g;
+             SELECT remus_create_distributed_table('{name}', 'id', 4);"
+        ))
+        .unwrap();
+    let shard = owners(&c, name)
+        .into_iter()
+        .find_map(|(s, o)| (o == "n1").then_some(s))
+        .expect("n1 owns a shard");
+    (c, shard)
+}
+
 /// A two-node cluster with `t(id, a)` over 4 shards (rows 1..=100, a = 0) and a remus
 /// migration of one of n1's shards to n2 held in dual execution: the cluster, the shard, the
 /// migration id and the `remus_migrate_shard` call.
@@ -29,15 +48,7 @@ fn held_in_dual_execution() -> (
     i64,
     std::thread::JoinHandle<Result<String, postgres::Error>>,
 ) {
-    let c = TestCluster::start(2).expect("cluster up");
-    let setup = "CREATE TABLE t (id int PRIMARY KEY, a int NOT NULL);
-                 INSERT INTO t SELECT g, 0 FROM generate_series(1, 100) g;
-                 SELECT remus_create_distributed_table('t', 'id', 4);";
-    c.connect("n1").unwrap().batch_execute(setup).unwrap();
-    let shard = owners(&c, "t")
-        .into_iter()
-        .find_map(|(s, o)| (o == "n1").then_some(s))
-        .expect("n1 owns a shard of t");
+    let (c, shard) = two_nodes_with_table("t");
     c.arm_pause(DUAL_STARTED).unwrap();
     let mut caller = c.connect("n1").unwrap();
     let call = std::thread::spawn(move || {
@@ -179,4 +190,100 @@ fn orphan_shadows_follow_their_source_fate_during_dual_execution() {
         (101, 1)
     );
     assert_eq!(shadows(&c, "n2"), 0);
+}
+
+/// Requirement 4, wait_remaster: once the admission gate closed, the handover waits for the
+/// transactions admitted before it, says so in `remus_migrations.waiting_on` with its bound,
+/// and past `remus.gate_drain_timeout` rolls back (the gate reopens) instead of waiting for an
+/// idle transaction for ever.
+#[test]
+fn a_gate_drain_is_bounded_and_named_in_waiting_on() {
+    let (c, shard) = two_nodes_with_table("g");
+    let mut n1 = c.connect("n1").unwrap();
+    for node in ["n1", "n2"] {
+        let mut db = c.connect(node).unwrap();
+        for sql in [
+            "ALTER SYSTEM SET remus.gate_drain_timeout = '3s'",
+            "SELECT pg_reload_conf()",
+        ] {
+            db.batch_execute(sql).unwrap();
+        }
+    }
+    // An idle transaction that touched no shard, open before the gate closes.
+    let mut idle = c.connect("n1").unwrap();
+    idle.batch_execute("BEGIN; SELECT 1").unwrap();
+    // The test's observer is a migration session, which the closed gate does not hold; set
+    // before the gate closes.
+    let mut watcher = c.connect("n2").unwrap();
+    watcher
+        .batch_execute("SET remus.migration_session = on")
+        .unwrap();
+    let call = std::thread::spawn(move || {
+        n1.query_one(
+            "SELECT status FROM remus_migrate_shard($1, 'n2', 'wait_remaster')",
+            &[&shard],
+        )
+        .map(|r| r.get::<_, String>(0))
+        .map_err(|e| format!("{e:?}"))
+    });
+    let seen = std::cell::RefCell::new(String::new());
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            let now: String = watcher
+                .query_one(
+                    "SELECT coalesce(string_agg(waiting_on, '; '), '') FROM remus_migrations WHERE status = 'running'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            let ok = now.contains("in flight when the gate closed")
+                && now.contains("remus.gate_drain_timeout");
+            *seen.borrow_mut() = now;
+            ok
+        },
+        || {
+            format!(
+                "the gate drain is not named with its bound in waiting_on (last: {:?})",
+                seen.borrow()
+            )
+        },
+    );
+    // The bound ends the wait although the idle transaction is still open.
+    let outcome = call.join().unwrap();
+    let (status, error): (String, Option<String>) = {
+        let row = c
+            .connect("n2")
+            .unwrap()
+            .query_one(
+                "SELECT status, error FROM remus_migrations ORDER BY migration_id DESC LIMIT 1",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(status, "rolled_back", "call: {outcome:?}");
+    assert!(
+        error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("remus.gate_drain_timeout"),
+        "{error:?}"
+    );
+    assert!(outcome.is_err(), "{outcome:?}");
+    // Nothing moved and the gate is open: new transactions run, the idle one can go on.
+    assert_eq!(
+        owners(&c, "g")
+            .into_iter()
+            .find(|(s, _)| *s == shard)
+            .unwrap()
+            .1,
+        "n1"
+    );
+    idle.batch_execute("COMMIT").unwrap();
+    c.connect("n1")
+        .unwrap()
+        .execute("UPDATE g SET a = a + 1 WHERE id = 1", &[])
+        .unwrap();
 }

@@ -116,6 +116,13 @@ pub enum DriverError {
     /// from the source's.
     #[error(transparent)]
     Verification(Box<VerificationFailed>),
+    /// wait_remaster: transactions admitted before the admission gate closed still ran when the
+    /// drain's bound passed; the handover is rolled back (its gates reopen).
+    #[error(
+        "wait_remaster: transactions admitted before the admission gate closed still ran on {node} after {ms} ms \
+         (remus.gate_drain_timeout, at most the gate's own timeout); the handover is rolled back"
+    )]
+    GateDrainTimeout { node: String, ms: u64 },
     /// Cleanup was about to drop the source's copy of shards that the source's own map does
     /// not give to the target: Tm did not commit there, so that copy may be the only one.
     #[error(

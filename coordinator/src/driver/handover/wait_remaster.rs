@@ -1,10 +1,10 @@
 //! wait_remaster handover (DynaMast-style): new transactions held at an admission gate on every
 //! node (`remus.close_gate` / `remus.open_gate`: the extension's half) while the ones in flight
-//! finish.
+//! finish, for at most `remus.gate_drain_timeout` (then the handover rolls back).
 
 use std::time::{Duration, Instant};
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::super::{sql, DriverError, Run};
 
@@ -15,20 +15,52 @@ impl Run {
         let id = self.id();
         let timeout_ms = self.config.gate_timeout.as_millis() as i64;
         let mut closed_at = Vec::new();
+        // The drain's bound: the smallest remus.gate_drain_timeout of the nodes, and at most the
+        // gate's own timeout (past it the gates reopen by themselves and the drain no longer
+        // holds anything back).
+        let mut bound = self.config.gate_timeout;
         self.state.gate_closed = true;
         for node in &self.plan.nodes {
             let c = self.config.connector.connect(node).await?;
+            let ms: Option<i64> = c
+                .query_one(
+                    "SELECT (extract(epoch FROM nullif(current_setting('remus.gate_drain_timeout', true), '')::interval) * 1000)::bigint",
+                    &[],
+                )
+                .await
+                .map_err(sql(node))?
+                .get(0);
+            if let Some(ms) = ms {
+                bound = bound.min(Duration::from_millis(ms.max(0) as u64));
+            }
             let at = self.close_gate_when_free(node, &c, timeout_ms).await?;
             closed_at.push((node.clone(), at));
         }
         let started = Instant::now();
+        let what = format!(
+            "transactions in flight when the gate closed (the handover rolls back if any still runs after {} ms, remus.gate_drain_timeout)",
+            bound.as_millis()
+        );
         for (node, at) in &closed_at {
-            self.wait_for_older_transactions(
-                node,
-                at,
-                "transactions in flight when the gate closed",
-            )
-            .await?;
+            let left = bound.saturating_sub(started.elapsed());
+            match tokio::time::timeout(left, self.wait_for_older_transactions(node, at, &what))
+                .await
+            {
+                Ok(r) => r?,
+                Err(_) => {
+                    warn!(
+                        migration_id = id,
+                        phase = "handover",
+                        node = %node.name,
+                        timeout_ms = bound.as_millis() as u64,
+                        "transactions admitted before the gate closed still run past remus.gate_drain_timeout; rolling back"
+                    );
+                    return Err(DriverError::GateDrainTimeout {
+                        node: node.name.clone(),
+                        ms: bound.as_millis() as u64,
+                    });
+                }
+            }
         }
         info!(
             migration_id = id,
