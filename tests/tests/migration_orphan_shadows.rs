@@ -1,5 +1,5 @@
 //! Orphan prepared shadows and the waits of a migration that clients can run into (issue 15,
-//! review finding F6 and requirement 4).
+//! review finding F6 and requirement 4). One file, each test under 30 s.
 //!
 //! - A shadow whose source transaction's fate never reached the destination (here: the
 //!   post-commit Resolve times out, `remus.resolve_timeout`, because the replay worker is
@@ -12,10 +12,15 @@
 //!   without a race. (The review's other recipe, a COMMIT cancelled during its validation, no
 //!   longer leaves an orphan since the source records the gid before it asks: see
 //!   migration_dual.rs.)
+//! - wait_remaster's gate drain: named with its bound in `waiting_on`, and past
+//!   `remus.gate_drain_timeout` the handover rolls back instead of waiting for an idle
+//!   transaction (without the bound it waited for it as long as it stayed open).
+//! - A Tm prepared and not yet decided: `waiting_on` names the nodes that have it prepared, where
+//!   statements on the moved shards wait (`remus.in_doubt_wait_timeout`).
 
 use std::time::Duration;
 
-use coordinator::failpoint::DUAL_STARTED;
+use coordinator::failpoint::{DUAL_STARTED, HANDOVER_TM_PREPARED};
 use integration::shards::owners;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::wait_until;
@@ -286,4 +291,45 @@ fn a_gate_drain_is_bounded_and_named_in_waiting_on() {
         .unwrap()
         .execute("UPDATE g SET a = a + 1 WHERE id = 1", &[])
         .unwrap();
+}
+
+/// Requirement 4, the in-doubt Tm: while the ownership change is prepared on the nodes and not
+/// yet decided, statements on the moved shards there wait (`remus.in_doubt_wait_timeout`);
+/// `remus_migrations.waiting_on` says so and names the nodes that have it prepared.
+#[test]
+fn a_prepared_undecided_tm_is_named_in_waiting_on() {
+    let (c, shard) = two_nodes_with_table("d");
+    c.arm_pause(HANDOVER_TM_PREPARED).unwrap();
+    let mut n1 = c.connect("n1").unwrap();
+    let call = std::thread::spawn(move || {
+        n1.query_one(
+            "SELECT status FROM remus_migrate_shard($1, 'n2')",
+            &[&shard],
+        )
+        .map(|r| r.get::<_, String>(0))
+    });
+    let id = c
+        .wait_paused_at(HANDOVER_TM_PREPARED, Duration::from_secs(120))
+        .unwrap();
+    let waiting_on: Option<String> = c
+        .connect("n2")
+        .unwrap()
+        .query_one(
+            "SELECT waiting_on FROM remus_migrations WHERE migration_id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    let text = waiting_on.unwrap_or_default();
+    for part in [
+        "Tm",
+        "prepared on",
+        "n1",
+        "n2",
+        "remus.in_doubt_wait_timeout",
+    ] {
+        assert!(text.contains(part), "waiting_on {text:?} lacks {part:?}");
+    }
+    c.release_failpoint(HANDOVER_TM_PREPARED).unwrap();
+    assert_eq!(call.join().unwrap().expect("migration call"), "succeeded");
 }

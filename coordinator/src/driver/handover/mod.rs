@@ -83,6 +83,16 @@ impl Run {
             .map_err(sql(node))?;
             sessions.push((node.clone(), c));
         }
+        // Requirement 4: while Tm is in doubt, statements on the moved shards on these nodes
+        // wait (remus.in_doubt_wait_timeout); an operator sees why. Written before the decision
+        // so it stays visible if this coordinator stops here; the decision clears it.
+        let prepared_on: Vec<&str> = sessions.iter().map(|(n, _)| n.name.as_str()).collect();
+        self.reporter
+            .waiting_on(Some(format!(
+                "the ownership change (Tm) is prepared on {} and not yet decided: statements on shards {ids} there wait for the decision (remus.in_doubt_wait_timeout)",
+                prepared_on.join(", ")
+            )))
+            .await;
         self.config
             .failpoints
             .pause(failpoint::HANDOVER_TM_PREPARED, id)
