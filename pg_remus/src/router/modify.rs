@@ -551,7 +551,11 @@ unsafe fn targets(
             }
             // The whole WHERE, not only its key conjunct: the fence waits for the holders of
             // the rows the statement writes, on every moving shard it touches.
-            let lock_rows = fence::rows_written_by(query);
+            // Built only when a shard it goes to is draining: a deparse per statement otherwise.
+            let lock_rows = all
+                .iter()
+                .any(draining)
+                .then(|| fence::rows_written_by(query));
             for c in conjuncts {
                 if let Some(v) = super::key::key_equality_value(c, rt, key_attno) {
                     let (value, isnull, ty) = super::execute::eval_expr(v, ps);
@@ -560,9 +564,9 @@ unsafe fn targets(
                     }
                     let p = super::key::placement_for(table, all, value, ty)?;
                     return Ok(vec![ShardWork {
+                        fence: lock_rows.filter(|_| draining(&p)),
                         placement: p,
                         query,
-                        fence: Some(lock_rows),
                     }]);
                 }
             }
@@ -572,7 +576,7 @@ unsafe fn targets(
                 .map(|p| ShardWork {
                     placement: p.clone(),
                     query,
-                    fence: Some(lock_rows.clone()),
+                    fence: lock_rows.clone().filter(|_| draining(p)),
                 })
                 .collect());
         }
@@ -602,9 +606,13 @@ unsafe fn targets(
                 }
                 let p = super::key::placement_for(table, all, value, ty)?;
                 Ok(vec![ShardWork {
+                    fence: if draining(&p) {
+                        fence::rows_upserted(query, table, 0, &[], ps)
+                    } else {
+                        None
+                    },
                     placement: p,
                     query,
-                    fence: fence::rows_upserted(query, table, 0, &[], ps),
                 }])
             }
             Some((vidx, vrte)) => {
@@ -643,7 +651,11 @@ unsafe fn targets(
                 let mut out = Vec::new();
                 for (_, (placement, rows, row_list)) in groups {
                     // From the original statement, whose target list still names every column.
-                    let lock_rows = fence::rows_upserted(query, table, vidx + 1, &row_list, ps);
+                    let lock_rows = if draining(&placement) {
+                        fence::rows_upserted(query, table, vidx + 1, &row_list, ps)
+                    } else {
+                        None
+                    };
                     let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void)
                         as *mut pg_sys::Query;
                     let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
@@ -673,6 +685,11 @@ unsafe fn targets(
             }
         }
     }
+}
+
+/// Whether a write to `p` must first wait on the shard's drain source (`fence`).
+fn draining(p: &ShardPlacement) -> bool {
+    crate::migration::handover::remus::drain_source_of(p.shard_id).is_some_and(|s| s != p.node_name)
 }
 
 fn null_key(table: &DistTable) -> RemusError {
