@@ -17,9 +17,11 @@
 //!
 //! Rollback and resume (`coordinator/src/driver/{rollback,resume}.rs`) have no node side of
 //! their own: they call the functions above. Everything lives in shared memory ([`state`]), so
-//! every backend of the node obeys it at its next statement; a node restart clears it (the
-//! coordinator's record in etcd says what was going on), and until the coordinator has
-//! finished the migration the node guards the moving shards from durable state alone
+//! every backend of the node obeys it at its next statement. A node restart clears shared
+//! memory; each migration's registration, capture, sync mode, fence and drain source are kept
+//! on disk by the calls that set them and put back when shared memory is created, before any
+//! backend runs ([`durable`]); and until the coordinator has finished the migration the node
+//! also guards the moving shards from the shard map and the prepared Tm
 //! ([`handover::restart`]). The coordinator decides when each
 //! primitive is used; nothing here knows the order of the phases.
 //!
