@@ -16,7 +16,7 @@
 //! in the postmaster, while it creates shared memory.
 //!
 //! Restore: [`restored`] is the value shared memory is created with (`pg_shmem_init!` in
-//! `state::init_shmem`), so it runs in the postmaster on every start and on every
+//! [`init_shmem`]), so it runs in the postmaster on every start and on every
 //! crash-restart's re-initialisation, before the startup process and before any backend
 //! exists: no client statement can ever see the node without its migrations. The entries come
 //! back marked `restored`, so `handover::restart` still treats their shards as having lost
@@ -33,7 +33,7 @@ use pgrx::{pg_shmem_init, PgLwLock};
 
 use crate::error::RemusError;
 use crate::migration::state::{
-    HandoverState, MigrationEntry, ShardEntry, ENDPOINT_BYTES, MAX_MIGRATING_SHARDS,
+    HandoverState, MigrationEntry, ShardEntry, ACTIVE, ENDPOINT_BYTES, MAX_MIGRATING_SHARDS,
     MAX_MIGRATIONS, NODE_NAME_BYTES, STATE,
 };
 
@@ -48,7 +48,14 @@ const HEADER: &str = "pg_remus migration state v1";
 // backend takes the lock.
 static FILE_LOCK: PgLwLock<u64> = unsafe { PgLwLock::new(c"remus_durable_state_files") };
 
+/// Reserves the handover state (`state::STATE` and its counter), created in the postmaster at
+/// start and at every crash-restart's re-initialisation with the migrations whose files
+/// survive, before any backend runs; and the lock of the files. The state is initialised here,
+/// not in `state`, so that `state` does not depend on its durable copy.
 pub(crate) fn init_shmem() {
+    pg_shmem_init!(STATE = restored());
+    // After STATE (hooks registered earlier run first): `restored()` counted the migrations.
+    pg_shmem_init!(ACTIVE = AtomicU32::new(restored_count()));
     pg_shmem_init!(FILE_LOCK);
 }
 

@@ -39,7 +39,6 @@ pub(crate) mod state;
 
 /// Reserves the shared memory; must run while the library is preloaded.
 pub(crate) fn init_shmem() {
-    state::init_shmem();
     durable::init_shmem();
     handover::restart::init_shmem();
 }

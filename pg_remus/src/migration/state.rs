@@ -4,8 +4,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use pgrx::prelude::*;
-use pgrx::{pg_shmem_init, pg_sys, PGRXSharedMemory, PgAtomic, PgLwLock};
+use pgrx::{pg_sys, PGRXSharedMemory, PgAtomic, PgLwLock};
 
 use crate::error::RemusError;
 
@@ -147,22 +146,14 @@ impl Default for HandoverState {
 // SAFETY: plain-old-data (integers and bools), no pointers: valid in every process.
 unsafe impl PGRXSharedMemory for HandoverState {}
 
-// SAFETY: set up by `init_shmem` (pg_shmem_init!) while the library is preloaded, before any
-// backend takes the lock.
+// SAFETY: set up by `durable::init_shmem` (pg_shmem_init!, with the restored migrations) while
+// the library is preloaded, before any backend takes the lock.
 pub(crate) static STATE: PgLwLock<HandoverState> =
     unsafe { PgLwLock::new(c"remus_handover_state") };
 /// Non-zero while anything above is in use: the per-statement checks then take the lock; when
 /// zero (the normal case) they cost one atomic load.
-// SAFETY: as STATE: set up by `init_shmem` before any backend reads it.
-static ACTIVE: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_handover_active") };
-
-/// Created in the postmaster (at start and at every crash-restart's re-initialisation) with
-/// the migrations whose durable state survives (`super::durable`), before any backend runs.
-pub(crate) fn init_shmem() {
-    pg_shmem_init!(STATE = super::durable::restored());
-    // After STATE (its hook runs first): the restored migrations make it non-zero.
-    pg_shmem_init!(ACTIVE = AtomicU32::new(super::durable::restored_count()));
-}
+// SAFETY: as STATE: set up by `durable::init_shmem` before any backend reads it.
+pub(crate) static ACTIVE: PgAtomic<AtomicU32> = unsafe { PgAtomic::new(c"remus_handover_active") };
 
 /// Recomputes the "anything registered?" word after a change of `s`.
 pub(crate) fn recount(s: &HandoverState) {
