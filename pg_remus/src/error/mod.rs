@@ -287,7 +287,9 @@ pub enum RemusError {
     Spi(#[from] pgrx::spi::Error),
     /// The durable copy of a migration's state on this node could not be written or removed
     /// (`migration::durable`; issue 15 requirement 3).
-    #[error("could not keep the state of shard migration {migration_id} on disk ({path}): {message}")]
+    #[error(
+        "could not keep the state of shard migration {migration_id} on disk ({path}): {message}"
+    )]
     DurableState {
         migration_id: i64,
         path: String,
