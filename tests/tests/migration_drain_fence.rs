@@ -10,7 +10,9 @@
 //!   while the older transaction is still open (the fence locked every row of w = 1 before);
 //! - an upsert of (1, 1), and an UPDATE without shard key (sent to every shard), through a
 //!   third node wait for the older transaction, which then commits (no 40001), and the newer
-//!   write applies on top of it (neither was fenced before).
+//!   write applies on top of it (neither was fenced before); the fence's own connection to the
+//!   source (`application_name` `pg_remus drain`) ends with the fenced transaction, not with the
+//!   session (F19).
 
 use std::thread;
 use std::time::Duration;
@@ -188,7 +190,11 @@ fn a_newer_write_of_another_row_of_the_shard_key_does_not_wait_for_an_older_writ
 /// 40001), and `sql` applies on top of it.
 fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
     let mut newer = patient(&d.c, &d.third);
-    let write = thread::spawn(move || newer.execute(sql, &[]));
+    // The session outlives its write: the fence's connection must not (F19).
+    let write = thread::spawn(move || {
+        let r = newer.execute(sql, &[]);
+        (newer, r)
+    });
     let mut on_source = d.c.connect(&d.source).unwrap();
     wait_until(
         Duration::from_secs(60),
@@ -197,7 +203,8 @@ fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
             let n: i64 = on_source
                 .query_one(
                     "SELECT count(*) FROM pg_stat_activity
-                      WHERE wait_event_type = 'Lock' AND strpos(query, 'FOR SHARE') > 0",
+                      WHERE wait_event_type = 'Lock' AND strpos(query, 'FOR SHARE') > 0
+                        AND application_name = 'pg_remus drain'",
                     &[],
                 )
                 .unwrap()
@@ -219,7 +226,31 @@ fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
     d.older
         .batch_execute("COMMIT")
         .expect("the older writer commits (no 40001)");
-    assert_eq!(write.join().unwrap().expect(sql), rows);
+    let (newer, written) = write.join().unwrap();
+    assert_eq!(written.expect(sql), rows);
+    // F19: the fence's own connection to the source ended with the transaction that needed
+    // it, although the session that fenced is still open.
+    wait_until(
+        Duration::from_secs(30),
+        Duration::from_millis(20),
+        || {
+            let n: i64 = on_source
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pg_remus drain'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            n == 0
+        },
+        || {
+            format!(
+                "a drain fence connection to {} outlived its transaction",
+                d.source
+            )
+        },
+    );
+    drop(newer);
     let (c, target, shard) = finish(d);
     assert_eq!(
         q_on(&c, &target, shard, 1),

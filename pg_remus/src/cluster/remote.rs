@@ -45,6 +45,9 @@ pub struct RemoteConnection {
     pub prepared_gid: Option<String>,
     /// A protocol or network error left the connection unusable; it is dropped at transaction end.
     pub broken: bool,
+    /// Closed at the end of the transaction that used it: a connection for one rare purpose
+    /// (the drain fence) must not stay open in every backend that once needed it (review F19).
+    pub close_at_transaction_end: bool,
     /// The command under way has been sent a cancel by [`Interrupts::Forward`].
     cancel_forwarded: bool,
 }
@@ -114,11 +117,12 @@ pub fn any_in_transaction() -> bool {
     CONNECTIONS.with(|c| c.borrow().values().any(|c| c.in_transaction))
 }
 
-/// Clears per-transaction state and drops broken connections.
+/// Clears per-transaction state and drops broken connections and those closed at the end of
+/// their transaction.
 pub fn end_of_transaction() {
     CONNECTIONS.with(|c| {
         let mut map = c.borrow_mut();
-        map.retain(|_, conn| !conn.broken);
+        map.retain(|_, conn| !conn.broken && !conn.close_at_transaction_end);
         for conn in map.values_mut() {
             conn.in_transaction = false;
             conn.modified = false;
@@ -152,7 +156,15 @@ impl RemoteConnection {
             ("port", port),
             ("dbname", dbname),
             ("user", user),
-            ("application_name", "pg_remus".into()),
+            // A connection of its own for one purpose is cached as `<node>#<purpose>`; its
+            // application_name says which, so the peer's pg_stat_activity tells them apart.
+            (
+                "application_name",
+                match addr.name.split_once('#') {
+                    Some((_, purpose)) => format!("pg_remus {purpose}"),
+                    None => "pg_remus".into(),
+                },
+            ),
             ("options", "-c remus.forwarded=on -c client_connection_check_interval=1000 -c standard_conforming_strings=on -c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3".into()),
             ("client_encoding", "UTF8".into()),
             ("connect_timeout", "10".into()),
@@ -186,6 +198,7 @@ impl RemoteConnection {
             modified: false,
             prepared_gid: None,
             broken: false,
+            close_at_transaction_end: false,
             cancel_forwarded: false,
         };
         // SAFETY: conn is a live PGconn owned by `me`.

@@ -94,6 +94,9 @@ pub(crate) fn wait_for_older_writers(
         // Registered as in a transaction while it waits, so an ERROR here (a cancel, a
         // statement timeout) makes the abort callback cancel the remote wait and roll it back.
         c.in_transaction = true;
+        // Fences happen only during a cleanup drain: the connection goes with this transaction
+        // instead of staying open to the source in every backend that once fenced (F19).
+        c.close_at_transaction_end = true;
         let r = wait_until_row_queue_is_empty(c, &lock_row, params, types, &shard_table, deadline);
         if r.is_err() {
             let _ = c.exec("ROLLBACK");
