@@ -147,6 +147,10 @@ fn q_on(c: &TestCluster, node: &str, shard: i64, i: i32) -> i32 {
         .get(0)
 }
 
+fn count(db: &mut postgres::Client, sql: &str) -> i64 {
+    db.query_one(sql, &[]).unwrap().get(0)
+}
+
 fn finish(d: Drain) -> (TestCluster, String, i64) {
     let (status, aborted) = d.mover.join().unwrap().expect("migration call");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
@@ -200,16 +204,12 @@ fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
         Duration::from_secs(60),
         Duration::from_millis(20),
         || {
-            let n: i64 = on_source
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE wait_event_type = 'Lock' AND strpos(query, 'FOR SHARE') > 0
-                        AND application_name = 'pg_remus drain'",
-                    &[],
-                )
-                .unwrap()
-                .get(0);
-            n > 0
+            count(
+                &mut on_source,
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE wait_event_type = 'Lock' AND strpos(query, 'FOR SHARE') > 0
+                    AND application_name = 'pg_remus drain'",
+            ) > 0
         },
         || {
             format!(
@@ -234,14 +234,10 @@ fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
         Duration::from_secs(30),
         Duration::from_millis(20),
         || {
-            let n: i64 = on_source
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pg_remus drain'",
-                    &[],
-                )
-                .unwrap()
-                .get(0);
-            n == 0
+            count(
+                &mut on_source,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pg_remus drain'",
+            ) == 0
         },
         || {
             format!(
