@@ -481,26 +481,29 @@ fn a_routing_lookup_that_failed_does_not_unroute_the_session() {
     }
 }
 
-/// The CI tier's baselines: READ COMMITTED and REPEATABLE READ (review finding F20: an RR
+/// The CI tier's baselines, like remus's above: each mode runs every isolation level and every
+/// shape once (a Latin square of the full matrix; review finding F20: an RR or SERIALIZABLE
 /// statement that waited at wait_remaster's gate must not write the old copy).
 #[test]
-fn concurrent_lock_abort_migrations_at_rc_and_rr() {
+fn concurrent_lock_abort_migrations_at_every_isolation_level() {
     run_matrix(
         "lock_abort",
         &[
             (Isolation::ReadCommitted, Shape::Crossing),
             (Isolation::RepeatableRead, Shape::OneSource),
+            (Isolation::Serializable, Shape::OneTarget),
         ],
     );
 }
 
 #[test]
-fn concurrent_wait_remaster_migrations_at_rc_and_rr() {
+fn concurrent_wait_remaster_migrations_at_every_isolation_level() {
     run_matrix(
         "wait_remaster",
         &[
             (Isolation::ReadCommitted, Shape::OneTarget),
             (Isolation::RepeatableRead, Shape::Crossing),
+            (Isolation::Serializable, Shape::OneSource),
         ],
     );
 }
