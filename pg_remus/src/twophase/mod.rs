@@ -38,6 +38,18 @@ pub(crate) mod worker;
 pub(crate) fn on_xact_event(event: pg_sys::XactEvent::Type) {
     use pg_sys::XactEvent::*;
     if !remote::any_in_transaction() {
+        // No remote transaction to finish, but connections kept only for this transaction (the
+        // drain fence's, F19) or broken ones still go; a statement forwarded here and fenced
+        // here has no other remote participant.
+        if matches!(
+            event,
+            XACT_EVENT_COMMIT
+                | XACT_EVENT_PARALLEL_COMMIT
+                | XACT_EVENT_ABORT
+                | XACT_EVENT_PARALLEL_ABORT
+        ) {
+            remote::end_of_transaction();
+        }
         return;
     }
     match event {
