@@ -71,3 +71,15 @@ pub fn tpcb_cluster_with_shard_on(owner: &str) -> (TestCluster, i64) {
         .unwrap_or_else(|| panic!("{owner} holds no account shard"));
     (c, shard)
 }
+
+/// The `aborted_by_migration` of migration `id`.
+pub fn aborted_by(c: &TestCluster, id: i64) -> i64 {
+    c.connect("n1")
+        .unwrap()
+        .query_one(
+            "SELECT aborted_by_migration FROM remus_migrations WHERE migration_id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0)
+}

@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use coordinator::failpoint::{CLEANUP_STARTED, COPY_SNAPSHOT_EXPORTED, DUAL_STARTED};
 use integration::consistency::assert_tpcb_consistent;
+use integration::migrations::aborted_by;
 use integration::pgbench::{finish, init_tpcb, prepared_everywhere, PgbenchResult};
 use integration::shards::owners;
 use remus_test_support::cluster::{stderr, stdout, TestCluster};
@@ -162,18 +163,6 @@ fn wait_marker(c: &TestCluster, name: &str, id: i64) {
         },
         || format!("migration {id} never reached {name}\n{}", c.daemon_logs(40)),
     );
-}
-
-/// The `aborted_by_migration` of migration `id`.
-fn aborted_by(c: &TestCluster, id: i64) -> i64 {
-    c.connect("n1")
-        .unwrap()
-        .query_one(
-            "SELECT aborted_by_migration FROM remus_migrations WHERE migration_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0)
 }
 
 /// The shard of `table` owned by `node` that has rows, if any.

@@ -17,7 +17,7 @@
 use std::time::{Duration, Instant};
 
 use coordinator::failpoint::{CATCHUP_RUNNING, DUAL_STARTED};
-use integration::migrations::{start_paused, MigrationCall};
+use integration::migrations::{aborted_by, start_paused, MigrationCall};
 use integration::shards::owners;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
@@ -48,14 +48,7 @@ fn succeeded(c: &TestCluster, id: i64, call: MigrationCall) -> i64 {
         .unwrap()
         .unwrap_or_else(|e| panic!("migration: {e:?}\n{}", c.daemon_logs(40)));
     assert_eq!(status, "succeeded", "{}", c.daemon_logs(40));
-    c.connect("n1")
-        .unwrap()
-        .query_one(
-            "SELECT aborted_by_migration FROM remus_migrations WHERE migration_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0)
+    aborted_by(c, id)
 }
 
 /// Rows of the shard on `node`'s own copy that differ from `expected` (a SQL expression over
