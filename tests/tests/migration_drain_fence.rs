@@ -12,7 +12,11 @@
 //!   third node wait for the older transaction, which then commits (no 40001), and the newer
 //!   write applies on top of it (neither was fenced before); the fence's own connection to the
 //!   source (`application_name` `pg_remus drain`) ends with the fenced transaction, not with the
-//!   session (F19).
+//!   session (F19);
+//! - a newer transaction that holds a row on the source (a `warehouse` row, another table) that
+//!   the older one then waits for is not held back by that older writer: the older one cannot
+//!   go on before the newer one ends (a cycle PostgreSQL's deadlock detector does not see, which
+//!   lasted until `remus.drain_wait_timeout`).
 
 use std::thread;
 use std::time::Duration;
@@ -43,7 +47,10 @@ fn drain_with_an_older_writer_of_1_1() -> Drain {
         .batch_execute(
             "CREATE TABLE stock (w int, i int, q int, PRIMARY KEY (w, i));
              INSERT INTO stock SELECT w, i, 1 FROM generate_series(1, 8) w, generate_series(1, 50) i;
-             SELECT remus_create_distributed_table('stock', 'w', 4);",
+             SELECT remus_create_distributed_table('stock', 'w', 4);
+             CREATE TABLE warehouse (w int PRIMARY KEY, ytd int);
+             INSERT INTO warehouse SELECT w, 0 FROM generate_series(1, 60) w;
+             SELECT remus_create_distributed_table('warehouse', 'w', 6);",
         )
         .unwrap();
     let (shard, source) = owners(&c, "stock")
@@ -151,6 +158,32 @@ fn count(db: &mut postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).unwrap().get(0)
 }
 
+/// Runs `sql` in `db` on a thread of its own; the session comes back with the outcome.
+fn in_background(
+    mut db: postgres::Client,
+    sql: impl Into<String>,
+) -> thread::JoinHandle<(postgres::Client, Result<u64, postgres::Error>)> {
+    let sql = sql.into();
+    thread::spawn(move || {
+        let r = db.execute(&sql, &[]);
+        (db, r)
+    })
+}
+
+/// Waits until a session on `node` waits for a lock with `predicate` (over pg_stat_activity).
+fn until_lock_wait(c: &TestCluster, node: &str, predicate: &str, never: impl Fn() -> String) {
+    let mut db = c.connect(node).unwrap();
+    let sql = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND {predicate}"
+    );
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || count(&mut db, &sql) > 0,
+        never,
+    );
+}
+
 fn finish(d: Drain) -> (TestCluster, String, i64) {
     let (status, aborted) = d.mover.join().unwrap().expect("migration call");
     assert_eq!((status.as_str(), aborted), ("succeeded", 0));
@@ -193,32 +226,15 @@ fn a_newer_write_of_another_row_of_the_shard_key_does_not_wait_for_an_older_writ
 /// fence must wait on the source for the older writer of (1, 1); that one then commits (no
 /// 40001), and `sql` applies on top of it.
 fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
-    let mut newer = patient(&d.c, &d.third);
     // The session outlives its write: the fence's connection must not (F19).
-    let write = thread::spawn(move || {
-        let r = newer.execute(sql, &[]);
-        (newer, r)
-    });
-    let mut on_source = d.c.connect(&d.source).unwrap();
-    wait_until(
-        Duration::from_secs(60),
-        Duration::from_millis(20),
-        || {
-            count(
-                &mut on_source,
-                "SELECT count(*) FROM pg_stat_activity
-                  WHERE wait_event_type = 'Lock' AND strpos(query, 'FOR SHARE') > 0
-                    AND application_name = 'pg_remus drain'",
-            ) > 0
-        },
-        || {
-            format!(
-                "{sql:?} did not wait on {} for the older writer (finished: {})",
-                d.source,
-                write.is_finished()
-            )
-        },
+    let write = in_background(patient(&d.c, &d.third), sql);
+    until_lock_wait(
+        &d.c,
+        &d.source,
+        "strpos(query, 'FOR SHARE') > 0 AND application_name = 'pg_remus drain'",
+        || format!("{sql:?} did not wait on {} for the older writer", d.source),
     );
+    let mut on_source = d.c.connect(&d.source).unwrap();
     assert!(
         !write.is_finished(),
         "{sql:?} went ahead of the older writer"
@@ -272,4 +288,73 @@ fn an_update_of_every_shard_waits_for_an_older_writer_of_a_moving_one() {
         "UPDATE stock SET q = q * 2 WHERE i = 1",
         8,
     );
+}
+
+#[test]
+fn a_newer_writer_is_not_held_back_by_an_older_one_that_waits_for_it() {
+    let mut d = drain_with_an_older_writer_of_1_1();
+    // A warehouse (another table, not moving) whose row lives on the source.
+    let x: i32 = owners(&d.c, "warehouse")
+        .into_iter()
+        .filter(|(_, o)| *o == d.source)
+        .find_map(|(s, o)| {
+            d.c.connect(&o)
+                .unwrap()
+                .query_one(
+                    &format!("SELECT min(w) FROM remus_shards.warehouse_{s}"),
+                    &[],
+                )
+                .unwrap()
+                .get::<_, Option<i32>>(0)
+        })
+        .expect("the source owns a warehouse shard with rows");
+    // The newer transaction, through the third node, first holds warehouse x on the source.
+    let mut newer = patient(&d.c, &d.third);
+    newer
+        .batch_execute(&format!(
+            "BEGIN; UPDATE warehouse SET ytd = ytd + 1 WHERE w = {x}"
+        ))
+        .unwrap();
+    // The older one (it holds (1, 1) of the moved shard) now waits for warehouse x, running.
+    let older_waits = in_background(
+        d.older,
+        format!("UPDATE warehouse SET ytd = ytd + 10 WHERE w = {x}"),
+    );
+    until_lock_wait(&d.c, &d.source, "strpos(query, 'ytd + 10') > 0", || {
+        "the older writer never waited for warehouse x".to_string()
+    });
+    // The newer transaction's write of the moved shard: its fence must not wait for the older
+    // writer, which waits for this very transaction.
+    let update = in_background(newer, "UPDATE stock SET q = q + 1 WHERE w = 1 AND i = 2");
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || update.is_finished(),
+        || {
+            format!(
+                "the fence of the newer UPDATE of (1, 2) waits on {} for the older writer, \
+                 which waits for the newer transaction",
+                d.source
+            )
+        },
+    );
+    let (mut newer, r) = update.join().unwrap();
+    assert_eq!(r.expect("the newer UPDATE"), 1);
+    newer.batch_execute("COMMIT").expect("the newer commits");
+    let (mut older, r) = older_waits.join().unwrap();
+    assert_eq!(r.expect("the older UPDATE of warehouse x"), 1);
+    older
+        .batch_execute("COMMIT")
+        .expect("the older writer commits (no 40001)");
+    d.older = older;
+    let ytd: i32 =
+        d.c.connect(&d.third)
+            .unwrap()
+            .query_one("SELECT ytd FROM warehouse WHERE w = $1", &[&x])
+            .unwrap()
+            .get(0);
+    assert_eq!(ytd, 11);
+    let (c, target, shard) = finish(d);
+    assert_eq!(q_on(&c, &target, shard, 1), 11);
+    assert_eq!(q_on(&c, &target, shard, 2), 2);
 }

@@ -113,6 +113,17 @@ pub fn for_each_in_transaction(mut f: impl FnMut(&mut RemoteConnection)) {
     });
 }
 
+/// The backend pid, on `node`, of this transaction's own session there, if it has one open:
+/// what the drain fence must not wait for (a writer queued behind it waits for us).
+pub fn in_transaction_backend_pid(node: &str) -> Option<i32> {
+    CONNECTIONS.with(|c| {
+        c.borrow()
+            .get(node)
+            .filter(|c| c.in_transaction)
+            .map(|c| c.backend_pid())
+    })
+}
+
 pub fn any_in_transaction() -> bool {
     CONNECTIONS.with(|c| c.borrow().values().any(|c| c.in_transaction))
 }
@@ -219,6 +230,12 @@ impl RemoteConnection {
         // SAFETY: as above; non-blocking mode so sends never block outside our latch wait.
         unsafe { pq::PQsetnonblocking(me.conn.as_ptr(), 1) };
         Ok(me)
+    }
+
+    /// The pid of the backend serving this connection on the peer.
+    pub fn backend_pid(&self) -> i32 {
+        // SAFETY: live PGconn.
+        unsafe { pq::PQbackendPID(self.conn.as_ptr()) }
     }
 
     pub(crate) fn status_ok(&self) -> bool {

@@ -87,6 +87,15 @@ pub(crate) fn wait_for_older_writers(
         name: format!("{}#drain", addr.name),
         ..addr
     };
+    // This transaction's own sessions on the source (this backend, if this node is the source;
+    // its participant session there, if it has one): an older writer queued behind one of them
+    // waits for us, so waiting for it would be a cycle no deadlock detector sees (review F7).
+    let mut own_pids = Vec::new();
+    if crate::guc::node_name().as_deref() == Some(source.as_str()) {
+        // SAFETY: MyProcPid is set once at backend start and only read here.
+        own_pids.push(unsafe { pg_sys::MyProcPid });
+    }
+    own_pids.extend(remote::in_transaction_backend_pid(&addr.name));
     let lock_row = shard_marker::marked(placement.shard_id, lock_rows);
     let shard_table = crate::catalog::shard_table_name(&table.rel_name, placement.shard_id);
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
@@ -97,7 +106,15 @@ pub(crate) fn wait_for_older_writers(
         // Fences happen only during a cleanup drain: the connection goes with this transaction
         // instead of staying open to the source in every backend that once fenced (F19).
         c.close_at_transaction_end = true;
-        let r = wait_until_row_queue_is_empty(c, &lock_row, params, types, &shard_table, deadline);
+        let r = wait_until_row_queue_is_empty(
+            c,
+            &lock_row,
+            params,
+            types,
+            &shard_table,
+            &own_pids,
+            deadline,
+        );
         if r.is_err() {
             let _ = c.exec("ROLLBACK");
         }
@@ -135,12 +152,16 @@ pub(crate) fn wait_for_older_writers(
 /// writer. Only source transactions whose view predates Tm write the source copy, so they
 /// drain and do not come back.
 ///
-/// Not waited for (review F7): a writer idle between statements that does not hold these rows.
-/// Every writer running a statement is, even one blocked on another row: skipping those (to
-/// keep a cycle through this loop, which PostgreSQL's deadlock detector cannot see, from
-/// lasting until `deadline`) let TPC-B clients that predate Tm fail with 40001 in the
-/// fresh-clone CI of 00ce58e (a writer blocked behind another older writer of the same row is
-/// such a writer). So a cycle through the fence lasts until `deadline`
+/// Not waited for (review F7): a writer idle between statements that does not hold these rows,
+/// and a writer whose lock wait leads (through `pg_blocking_pids`, transitively) to one of
+/// `own_pids`, this transaction's own sessions on the source: it cannot go on before this
+/// transaction ends, so waiting for it is a cycle through this loop that PostgreSQL's deadlock
+/// detector cannot see, and it used to last until `deadline`. Every other writer running a
+/// statement is waited for, even one blocked on another row: skipping all blocked writers let
+/// TPC-B clients that predate Tm fail with 40001 in the fresh-clone CI of 00ce58e (a writer
+/// blocked behind another older writer of the same row is such a writer). A cycle through a
+/// session the fencing backend does not know (this transaction's session on the source opened
+/// by another node of it, when the statement was forwarded) still lasts until `deadline`
 /// (`remus.drain_wait_timeout`). Returns false when writers were still at work at `deadline`.
 fn wait_until_row_queue_is_empty(
     c: &mut remote::RemoteConnection,
@@ -148,14 +169,38 @@ fn wait_until_row_queue_is_empty(
     params: &[Option<String>],
     types: &[u32],
     shard_table: &str,
+    own_pids: &[i32],
     deadline: Instant,
 ) -> Result<bool, RemusError> {
+    let own = if own_pids.is_empty() {
+        "'{}'::int[]".to_string()
+    } else {
+        format!(
+            "ARRAY[{}]::int[]",
+            own_pids
+                .iter()
+                .map(i32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        )
+    };
     let writers_at_work = format!(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
-                         WHERE l.locktype = 'relation' AND l.relation = {}::regclass
-                           AND l.mode = 'RowExclusiveLock' AND l.granted
-                           AND a.state = 'active' AND l.pid <> pg_catalog.pg_backend_pid())",
-        quote_literal(shard_table)
+        "WITH RECURSIVE writer AS (
+             SELECT l.pid FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'relation' AND l.relation = {table}::regclass
+                AND l.mode = 'RowExclusiveLock' AND l.granted
+                AND a.state = 'active' AND l.pid <> pg_catalog.pg_backend_pid()),
+         blocked_by(writer, pid, depth) AS (
+             SELECT w.pid, b, 1 FROM writer w, unnest(pg_catalog.pg_blocking_pids(w.pid)) b
+                WHERE cardinality({own}) > 0
+             UNION
+             SELECT bb.writer, b, bb.depth + 1
+               FROM blocked_by bb, unnest(pg_catalog.pg_blocking_pids(bb.pid)) b
+              WHERE bb.depth < 16 AND bb.pid <> ALL ({own}))
+         SELECT EXISTS (SELECT 1 FROM writer w
+                         WHERE NOT EXISTS (SELECT 1 FROM blocked_by bb
+                                            WHERE bb.writer = w.pid AND bb.pid = ANY ({own}))))",
+        table = quote_literal(shard_table)
     );
     let mut pause = false;
     loop {
