@@ -63,17 +63,23 @@ unsafe extern "C-unwind" fn xact_callback(
         XACT_EVENT_PREPARE => dual::prepared(),
         _ => {}
     }
-    if matches!(
+    let ended = matches!(
         event,
         XACT_EVENT_COMMIT
             | XACT_EVENT_PARALLEL_COMMIT
             | XACT_EVENT_ABORT
             | XACT_EVENT_PARALLEL_ABORT
-            | XACT_EVENT_PREPARE
-    ) {
+    );
+    if ended || event == XACT_EVENT_PREPARE {
         crate::router::placement::end_of_transaction();
         crate::migration::handover::lock_abort::end_of_transaction();
         savepoints::end_of_transaction();
     }
     twophase::on_xact_event(event);
+    // Once 2PC is done with them: the connections' per-transaction state goes, and so do the
+    // connections kept only for this transaction (the drain fence's, review F19; a statement
+    // forwarded here and fenced here has no remote participant at all) and broken ones.
+    if ended {
+        crate::cluster::remote::end_of_transaction();
+    }
 }

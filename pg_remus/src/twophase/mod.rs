@@ -34,22 +34,11 @@ pub(crate) mod savepoints;
 pub(crate) mod worker;
 
 /// The transaction callback's 2PC part (after dual execution and the end-of-transaction
-/// bookkeeping of the other features, see `hooks::xact`).
+/// bookkeeping of the other features, see `hooks::xact`, which then clears the connections'
+/// per-transaction state).
 pub(crate) fn on_xact_event(event: pg_sys::XactEvent::Type) {
     use pg_sys::XactEvent::*;
     if !remote::any_in_transaction() {
-        // No remote transaction to finish, but connections kept only for this transaction (the
-        // drain fence's, F19) or broken ones still go; a statement forwarded here and fenced
-        // here has no other remote participant.
-        if matches!(
-            event,
-            XACT_EVENT_COMMIT
-                | XACT_EVENT_PARALLEL_COMMIT
-                | XACT_EVENT_ABORT
-                | XACT_EVENT_PARALLEL_ABORT
-        ) {
-            remote::end_of_transaction();
-        }
         return;
     }
     match event {
@@ -62,14 +51,8 @@ pub(crate) fn on_xact_event(event: pg_sys::XactEvent::Type) {
             "PREPARE TRANSACTION is not supported in a transaction that used other nodes",
         )
         .raise(),
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
-            finish(true);
-            remote::end_of_transaction();
-        }
-        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
-            finish(false);
-            remote::end_of_transaction();
-        }
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => finish(true),
+        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => finish(false),
         _ => {}
     }
 }
