@@ -39,8 +39,18 @@ use crate::migration::state::{
 
 /// Relative to the data directory, the working directory of the postmaster and its children.
 const DIR: &str = "pg_remus/migrations";
-/// First line of a state file; a file without it is ignored (and logged).
-const HEADER: &str = "pg_remus migration state v1";
+/// The `format` of a state file; a file with another (or none) is not restored (and logged).
+/// A JSON document through serde rather than a format of our own: nothing to parse by hand,
+/// and a field added later is a field, not a new line syntax.
+const FORMAT: u32 = 2;
+
+/// What a state file holds.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StateFile {
+    format: u32,
+    migration: Saved,
+}
 
 /// Serialises the writers of the files (lock order: this one, then `STATE`), so the last file
 /// written for a migration reflects its latest entry. Its value is unused.
@@ -60,7 +70,8 @@ pub(crate) fn init_shmem() {
 }
 
 /// One migration's durable state.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct Saved {
     pub(crate) migration_id: i64,
     pub(crate) shards: Vec<i64>,
@@ -94,54 +105,33 @@ impl Saved {
     }
 
     fn render(&self) -> String {
-        let shards: Vec<String> = self.shards.iter().map(|s| s.to_string()).collect();
-        format!(
-            "{HEADER}\nmigration {}\nshards {}\ncapture {}\nsync {}\nfenced {}\nendpoint {}\ndrain_source {}\n",
-            self.migration_id,
-            shards.join(" "),
-            self.capture,
-            self.sync,
-            self.fenced,
-            self.endpoint,
-            self.drain_source.as_deref().unwrap_or("")
-        )
+        let file = StateFile {
+            format: FORMAT,
+            migration: self.clone(),
+        };
+        // Plain data (integers, booleans, strings): serialising it cannot fail.
+        serde_json::to_string_pretty(&file).unwrap_or_default() + "\n"
     }
 
     fn parse(text: &str) -> Result<Saved, String> {
-        let mut lines = text.lines();
-        if lines.next() != Some(HEADER) {
-            return Err("unknown format".into());
+        let file: StateFile = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if file.format != FORMAT {
+            return Err(format!("unknown format {}", file.format));
         }
-        let mut saved = Saved::default();
-        let flag = |v: &str| -> Result<bool, String> {
-            v.parse::<bool>().map_err(|_| format!("bad flag {v:?}"))
-        };
-        for line in lines {
-            let (key, value) = line.split_once(' ').unwrap_or((line, ""));
-            match key {
-                "migration" => {
-                    saved.migration_id = value
-                        .parse()
-                        .map_err(|_| format!("bad migration id {value:?}"))?
-                }
-                "shards" => {
-                    saved.shards = value
-                        .split_whitespace()
-                        .map(|s| s.parse().map_err(|_| format!("bad shard id {s:?}")))
-                        .collect::<Result<_, _>>()?
-                }
-                "capture" => saved.capture = flag(value)?,
-                "sync" => saved.sync = flag(value)?,
-                "fenced" => saved.fenced = flag(value)?,
-                "endpoint" if value.len() < ENDPOINT_BYTES => saved.endpoint = value.to_string(),
-                "drain_source" if value.len() < NODE_NAME_BYTES => {
-                    saved.drain_source = Some(value.to_string()).filter(|v| !v.is_empty())
-                }
-                _ => return Err(format!("unexpected line {line:?}")),
-            }
-        }
+        let saved = file.migration;
         if saved.migration_id <= 0 {
             return Err("no migration id".into());
+        }
+        // They go into fixed-size shared-memory fields (with a NUL).
+        if saved.endpoint.len() >= ENDPOINT_BYTES {
+            return Err("endpoint too long".into());
+        }
+        if saved
+            .drain_source
+            .as_ref()
+            .is_some_and(|d| d.is_empty() || d.len() >= NODE_NAME_BYTES)
+        {
+            return Err("bad drain source".into());
         }
         Ok(saved)
     }
@@ -360,7 +350,13 @@ mod tests {
         };
         assert_eq!(Saved::parse(&bare.render()), Ok(bare));
         assert!(Saved::parse("something else\nmigration 3\n").is_err());
-        assert!(Saved::parse(&s.render().replace("sync true", "sync maybe")).is_err());
+        assert!(
+            Saved::parse(&s.render().replace("\"sync\": true", "\"sync\": \"maybe\"")).is_err()
+        );
+        assert!(Saved::parse(&s.render().replace("\"format\": 2", "\"format\": 1")).is_err());
+        assert!(
+            Saved::parse(&s.render().replace("\"shards\"", "\"more\": 1, \"shards\"")).is_err()
+        );
     }
 
     fn saved_of(migration_id: i64) -> Option<Saved> {
