@@ -61,7 +61,9 @@ sample() {
             echo "$n.publications $(q "$n" "SELECT count(*) FROM pg_publication")"
             # Older than 5 s: the 2PC commits of the load itself are prepared for milliseconds.
             echo "$n.stuck_prepared_xacts $(q "$n" "SELECT count(*) FROM pg_prepared_xacts WHERE prepared < now() - interval '5 seconds'")"
-            echo "$n.connections $(q "$n" "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'")"
+            # The fewest of three looks: the coordinator's sweep (coordinator/src/reconcile.rs)
+            # opens a session on every node for a few milliseconds every 10 s; a leak stays.
+            echo "$n.connections $(for _ in 1 2 3; do q "$n" "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"; sleep 0.2; done | sort -n | head -1)"
             pm=$(head -1 "$(jq -r ".nodes[] | select(.name == \"$n\") | .data_dir" "$dir/cluster.json")/postmaster.pid")
             children=$(pgrep -P "$pm" | tr '\n' ' ')
             echo "$n.postmaster_rss_kb $(rss "$pm")"

@@ -10,6 +10,8 @@
 //! - [`leader`]: leader election among the coordinators of a cluster (etcd lease); a standby
 //!   takes over when the leader's lease ends.
 //! - [`resume`]: a starting coordinator resumes the migrations its predecessor was running.
+//! - [`reconcile`]: the leader clears what a node that was down still holds for a migration
+//!   that has ended.
 //! - [`propagator`]: the slot's pgoutput stream shipped to the replay worker over gRPC.
 //! - [`node_conn`]: conninfo and sessions of the migration machinery on the nodes.
 //! - [`failpoint`]: named places where a test can stop a running migration.
@@ -24,5 +26,6 @@ pub mod node_conn;
 pub mod node_registry;
 pub mod plan;
 pub mod propagator;
+pub mod reconcile;
 pub mod resume;
 pub mod service;

@@ -176,3 +176,50 @@ fn a_source_restarted_in_dual_execution_enforces_the_migration_again() {
 fn a_third_node_restarted_in_dual_execution_enforces_the_migration_again() {
     restart_in_dual_execution("n3", "n2");
 }
+
+/// A node that missed a migration's end (it was down longer than the coordinator waits for it)
+/// keeps that migration's state, durable copy included, and would refuse DDL on the shard and
+/// fail its writes for good (README, failure 11, before the fix). The leader coordinator's
+/// sweep (`coordinator::reconcile`) clears it within seconds once the migration's record says
+/// it has ended. The missed end is made directly: the node is given the registration of a
+/// migration that has already succeeded, as the call it missed would have left it.
+#[test]
+fn state_a_node_kept_for_a_migration_that_ended_is_cleared_by_the_coordinator() {
+    let (c, shard) = tpcb_cluster_with_shard_on("n1");
+    let mut n1 = c.connect("n1").unwrap();
+    let row = n1
+        .query_one(
+            "SELECT migration_id, status FROM remus_migrate_shard($1, 'n2')",
+            &[&shard],
+        )
+        .unwrap();
+    let (id, status): (i64, String) = (row.get(0), row.get(1));
+    assert_eq!(status, "succeeded");
+    let mut n3 = c.connect("n3").unwrap();
+    // One statement: the sweep must not clear it before it is seen.
+    let durable: i64 = n3
+        .query_one(
+            "SELECT (SELECT count(*) FROM remus.handover_state()
+                      WHERE migration_id = $1 AND kind = 'durable')
+               FROM (SELECT remus.migration_begin($1, ARRAY[$2::bigint])) AS registered",
+            &[&id, &shard],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(durable, 1, "no durable state for migration {id} on n3");
+    remus_test_support::wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || entries(&c, "n3", id).is_empty(),
+        || {
+            format!(
+                "n3 still holds migration {id}, which succeeded: {:?}\n{}",
+                entries(&c, "n3", id),
+                c.daemon_logs(20)
+            )
+        },
+    );
+    // Nothing of it is enforced any more: a freezing VACUUM of the moved table runs on n3.
+    n3.batch_execute("VACUUM (FREEZE) pgbench_accounts")
+        .expect("VACUUM FREEZE once the ended migration's state is cleared");
+}

@@ -13,6 +13,7 @@ use std::time::Duration;
 use coordinator::driver::DriverConfig;
 use coordinator::failpoint::Failpoints;
 use coordinator::node_conn::NodeConnector;
+use coordinator::reconcile;
 use coordinator::resume::{self, Resuming};
 use coordinator::service::{CoordinatorService, MigrationRuntime};
 use remus_proto::v1::coordinator_server::CoordinatorServer;
@@ -131,7 +132,16 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
         service.driver.clone(),
         service.migrations.clone(),
         service.nodes.clone(),
+        resuming.clone(),
+    ));
+    // Then, every few seconds, clears what a node that was down still holds for a migration
+    // that has ended (`coordinator::reconcile`).
+    migrations.spawn(reconcile::run(
+        service.driver.clone(),
+        service.migrations.clone(),
+        service.nodes.clone(),
         resuming,
+        reconcile::SWEEP_INTERVAL,
     ));
     tracing::info!(listen = %args.listen, etcd = %args.etcd, cluster = %args.cluster, lease, "coordinator serving");
     tonic::transport::Server::builder()
