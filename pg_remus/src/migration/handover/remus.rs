@@ -199,7 +199,7 @@ fn wait_until_row_queue_is_empty(
               WHERE bb.depth < 16 AND bb.pid <> ALL ({own}))
          SELECT EXISTS (SELECT 1 FROM writer w
                          WHERE NOT EXISTS (SELECT 1 FROM blocked_by bb
-                                            WHERE bb.writer = w.pid AND bb.pid = ANY ({own}))))",
+                                            WHERE bb.writer = w.pid AND bb.pid = ANY ({own})))",
         table = quote_literal(shard_table)
     );
     let mut pause = false;
