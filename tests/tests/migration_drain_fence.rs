@@ -16,7 +16,10 @@
 //! - a newer transaction that holds a row on the source (a `warehouse` row, another table) that
 //!   the older one then waits for is not held back by that older writer: the older one cannot
 //!   go on before the newer one ends (a cycle PostgreSQL's deadlock detector does not see, which
-//!   lasted until `remus.drain_wait_timeout`).
+//!   lasted until `remus.drain_wait_timeout`);
+//! - an older writer still running its UPDATE of (1, 2) (held inside it, before it locks the
+//!   row) holds back a newer UPDATE of (1, 2): the fence's share lock alone would let the newer
+//!   one go first and leave the older one a 40001.
 
 use std::thread;
 use std::time::Duration;
@@ -357,4 +360,60 @@ fn a_newer_writer_is_not_held_back_by_an_older_one_that_waits_for_it() {
     let (c, target, shard) = finish(d);
     assert_eq!(q_on(&c, &target, shard, 1), 11);
     assert_eq!(q_on(&c, &target, shard, 2), 2);
+}
+
+/// The fence's recheck: an older writer that is running a statement on the moved shard but
+/// does not hold the newer statement's rows yet (here it is blocked, inside its UPDATE of
+/// (1, 2), on a lock the test holds) is waited for; the newer write of (1, 2) then follows it.
+/// Going ahead at once instead (a recheck that fails, or that skips every blocked writer) lets
+/// the older transaction's COMMIT fail with 40001 on the destination.
+#[test]
+fn a_newer_write_waits_for_an_older_writer_still_running_its_statement() {
+    let d = drain_with_an_older_writer_of_1_1();
+    // The older transaction's next statement, held inside its scan of (1, 2) before it locks
+    // the row: its filter waits for an advisory lock the controller holds.
+    let mut controller = d.c.connect(&d.source).unwrap();
+    controller
+        .batch_execute(
+            "CREATE FUNCTION wait_for_controller() RETURNS boolean LANGUAGE plpgsql AS
+             $$ BEGIN PERFORM pg_advisory_xact_lock_shared(4242); RETURN true; END $$;
+             SELECT pg_advisory_lock(4242);",
+        )
+        .unwrap();
+    let older_statement = in_background(
+        d.older,
+        "UPDATE stock SET q = q + 1 WHERE w = 1 AND i = 2 AND wait_for_controller()",
+    );
+    until_lock_wait(&d.c, &d.source, "wait_event = 'advisory'", || {
+        "the older UPDATE of (1, 2) never waited for the controller's lock".to_string()
+    });
+    let newer = in_background(
+        patient(&d.c, &d.third),
+        "UPDATE stock SET q = q + 1 WHERE w = 1 AND i = 2",
+    );
+    // Its fence's share lock on (1, 2) is granted at once; the recheck must hold it back.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        !newer.is_finished(),
+        "the newer UPDATE of (1, 2) went ahead of an older writer still running its statement: {:?}",
+        newer.join().unwrap().1
+    );
+    controller
+        .batch_execute("SELECT pg_advisory_unlock(4242)")
+        .unwrap();
+    let (mut older, r) = older_statement.join().unwrap();
+    assert_eq!(r.expect("the older UPDATE of (1, 2)"), 1);
+    older
+        .batch_execute("COMMIT")
+        .expect("the older writer commits (no 40001)");
+    let (_newer, r) = newer.join().unwrap();
+    assert_eq!(r.expect("the newer UPDATE of (1, 2)"), 1);
+    let d = Drain { older, ..d };
+    let (c, target, shard) = finish(d);
+    assert_eq!(q_on(&c, &target, shard, 1), 11);
+    assert_eq!(
+        q_on(&c, &target, shard, 2),
+        3,
+        "1, then the older + 1, then the newer + 1"
+    );
 }
