@@ -455,3 +455,39 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
     assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);
     assert_eq!(count(&mut n1, "SELECT count(*) FROM t"), 0);
 }
+
+/// A participant prepared for a transaction its coordinator never assigned: after a crash that
+/// lost the coordinating transaction's only WAL (decision rows never flushed, no commit
+/// record), its xid lies ahead of the restarted coordinator's counter. The coordinator's
+/// recovery rolls it back; it used to take the xid for a running one (PostgreSQL's
+/// `TransactionIdIsInProgress` says so for an xid past the latest completed one) and leave it
+/// prepared, with its row locks, until the node assigned xids past it (a node without writes:
+/// forever; `pgbench_tpcb::a_killed_node_loses_nothing…` hung on it in a CI run). The state is
+/// made directly: a transaction prepared on n2 under a gid naming an xid far ahead of n1's.
+#[test]
+fn a_participant_of_a_coordinating_xid_lost_in_a_crash_is_rolled_back() {
+    let c = TestCluster::start(2).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    n2.batch_execute("CREATE TABLE t (id int PRIMARY KEY)")
+        .unwrap();
+    let ahead: i64 = n1
+        .query_one("SELECT (txid_current() % 4294967296) + 100000", &[])
+        .unwrap()
+        .get(0);
+    n2.batch_execute(&format!(
+        "BEGIN; INSERT INTO t VALUES (1); PREPARE TRANSACTION 'remus_n1_{ahead}_n2'"
+    ))
+    .unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(500),
+        || count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts") == 0,
+        || format!("remus_n1_{ahead}_n2 is still prepared on n2 after a minute"),
+    );
+    assert_eq!(
+        count(&mut n2, "SELECT count(*) FROM t"),
+        0,
+        "rolled back, not committed"
+    );
+}

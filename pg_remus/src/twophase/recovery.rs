@@ -2,7 +2,8 @@
 //!
 //! A gid is `remus_<coordinator>_<xid>_<participant>`. For each one prepared on a peer:
 //! the local transaction still running → leave it; a decision row exists → COMMIT PREPARED;
-//! no row → the local transaction aborted (or never reached its commit) → ROLLBACK PREPARED.
+//! no row → the local transaction aborted (or never reached its commit, also when a crash lost
+//! all of its WAL and its xid is ahead of the restarted node's counter) → ROLLBACK PREPARED.
 //! Decision rows whose prepared transaction is gone everywhere are then deleted.
 //!
 //! A transaction prepared less than [`IN_DOUBT_GRACE`] ago is left alone (and its decision row
@@ -28,6 +29,25 @@ pub struct RecoveryStats {
 /// How long a prepared transaction belongs to its coordinating backend before recovery may
 /// finish it (a PostgreSQL interval).
 const IN_DOUBT_GRACE: &str = "5 seconds";
+
+/// Whether local transaction `xid` may still be running. An xid at or past this node's next
+/// xid was never assigned since the node's last start: a crash can lose a coordinating
+/// transaction's only WAL (its decision rows, never flushed, no commit record), and its xid
+/// then lies ahead of the restarted node's counter. `TransactionIdIsInProgress` answers true
+/// for such an xid (it follows latestCompletedXid), which kept its participants prepared, and
+/// their row locks held, until the node happened to assign xids past it (a node with no
+/// writes: forever). It did not commit here, so its participants are rolled back.
+fn may_be_running(xid: u32) -> bool {
+    let xid = pg_sys::TransactionId::from(xid);
+    // SAFETY: reads the shared next-xid counter (under XidGenLock, taken inside) and probes
+    // the proc array read-only.
+    unsafe {
+        let next = pg_sys::ReadNextFullTransactionId();
+        let next_xid = pg_sys::TransactionId::from((next.value & 0xffff_ffff) as u32);
+        !pg_sys::TransactionIdFollowsOrEquals(xid, next_xid)
+            && pg_sys::TransactionIdIsInProgress(xid)
+    }
+}
 
 fn parse_xid(gid: &str, me: &str) -> Option<u32> {
     gid.strip_prefix(&format!("remus_{me}_"))?
@@ -79,10 +99,7 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
             let Some(xid) = parse_xid(&gid, &me) else {
                 continue;
             };
-            if young
-                // SAFETY: read-only probe of the proc array.
-                || unsafe { pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(xid)) }
-            {
+            if young || may_be_running(xid) {
                 stats.in_progress += 1;
                 still_prepared.push(gid);
                 continue;
@@ -125,11 +142,7 @@ pub fn recover() -> Result<RecoveryStats, RemusError> {
         .collect::<Result<Vec<_>, pgrx::spi::Error>>()
     })?;
     for (gid, participant) in rows {
-        let running = parse_xid(&gid, &me)
-            // SAFETY: read-only probe of the proc array.
-            .is_some_and(|x| unsafe {
-                pg_sys::TransactionIdIsInProgress(pg_sys::TransactionId::from(x))
-            });
+        let running = parse_xid(&gid, &me).is_some_and(may_be_running);
         if !running && listed.contains(&participant) && !still_prepared.contains(&gid) {
             Spi::run_with_args(
                 "DELETE FROM remus.commit_decisions WHERE gid = $1",
