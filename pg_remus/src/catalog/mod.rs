@@ -171,6 +171,25 @@ pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError>
     .map_err(RemusError::from)
 }
 
+/// Shard indexes and ids of a table (immutable while it stays distributed).
+pub fn shard_ids(relid: pg_sys::Oid) -> Result<Vec<(i32, i64)>, RemusError> {
+    Spi::connect(|c| {
+        c.select(
+            "SELECT shard_index, shard_id FROM remus.shards WHERE logicalrelid = $1",
+            None,
+            &[relid.into()],
+        )?
+        .map(|r| {
+            Ok((
+                r.get::<i32>(1)?.unwrap_or_default(),
+                r.get::<i64>(2)?.unwrap_or_default(),
+            ))
+        })
+        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+    })
+    .map_err(RemusError::from)
+}
+
 /// The single shard of a reference table (present on every node).
 pub fn reference_shard(relid: pg_sys::Oid) -> Result<i64, RemusError> {
     crate::pg::spi::read_one::<i64>(

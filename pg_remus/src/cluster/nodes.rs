@@ -4,6 +4,9 @@
 //! address with nothing but a local catalog read inside the statement's snapshot. The SQL
 //! functions that change it are in `api::nodes`.
 
+use std::cell::RefCell;
+
+use pgrx::prelude::*;
 use pgrx::spi::Spi;
 
 use crate::cluster::remote::NodeAddr;
@@ -86,11 +89,78 @@ pub fn all_nodes() -> Result<Vec<NodeAddr>, RemusError> {
     .map_err(RemusError::from)
 }
 
+thread_local! {
+    /// The member list as last read, with the OID of `remus.nodes`, for [`lookup`]: routing
+    /// needs an owner's address per remote statement. Cleared by a relcache invalidation of
+    /// `remus.nodes` (its statement trigger sends one when membership changes) or of
+    /// everything.
+    static NODES: RefCell<Option<(pg_sys::Oid, Vec<NodeAddr>)>> = const { RefCell::new(None) };
+}
+
+/// A relcache invalidation of `relid` (`InvalidOid`: of everything).
+pub(crate) fn forget_relation(relid: pg_sys::Oid) {
+    NODES.with(|n| {
+        let mut n = n.borrow_mut();
+        if relid == pg_sys::InvalidOid || n.as_ref().is_some_and(|(r, _)| *r == relid) {
+            *n = None;
+        }
+    });
+}
+
+/// The address of node `name`, from the backend's copy of the member list.
 pub fn lookup(name: &str) -> Result<NodeAddr, RemusError> {
-    all_nodes()?
-        .into_iter()
-        .find(|n| n.name == name)
-        .ok_or_else(|| RemusError::UnknownNode {
+    let hit = NODES.with(|n| {
+        n.borrow()
+            .as_ref()
+            .map(|(_, all)| all.iter().find(|a| a.name == name).cloned())
+    });
+    if let Some(found) = hit {
+        return found.ok_or_else(|| RemusError::UnknownNode {
             node: name.to_string(),
-        })
+        });
+    }
+    let all = all_nodes()?;
+    let found = all.iter().find(|n| n.name == name).cloned();
+    // SAFETY: name lookups in the catalog of the current database.
+    let relid = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"remus".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            pg_sys::InvalidOid
+        } else {
+            pg_sys::get_relname_relid(c"nodes".as_ptr(), nsp)
+        }
+    };
+    if relid != pg_sys::InvalidOid {
+        NODES.with(|n| *n.borrow_mut() = Some((relid, all)));
+    }
+    found.ok_or_else(|| RemusError::UnknownNode {
+        node: name.to_string(),
+    })
+}
+
+pgrx::extension_sql!(
+    r#"
+CREATE TRIGGER nodes_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON remus.nodes
+    FOR EACH STATEMENT EXECUTE FUNCTION remus.nodes_changed();
+"#,
+    name = "nodes_changed_trigger",
+    requires = ["catalog", remus::nodes_changed]
+);
+
+#[pg_schema]
+mod remus {
+    use pgrx::prelude::*;
+
+    /// Statement trigger on `remus.nodes`: every backend's copy of the member list (the
+    /// router's node addresses) is dropped when the change commits.
+    #[pg_trigger]
+    fn nodes_changed<'a>(
+        trigger: &'a pgrx::PgTrigger<'a>,
+    ) -> Result<Option<PgHeapTuple<'a, pgrx::AllocatedByPostgres>>, PgHeapTupleError> {
+        if let Ok(rel) = trigger.relation() {
+            // SAFETY: queues a transactional invalidation of an existing relation.
+            unsafe { pg_sys::CacheInvalidateRelcacheByRelid(rel.oid()) };
+        }
+        Ok(None)
+    }
 }

@@ -28,11 +28,34 @@ unsafe extern "C-unwind" fn remus_planner(
         if let Err(e) = crate::migration::handover::admit_statement() {
             e.raise();
         }
-        match crate::router::planner::route(parse, query_string) {
+        let ctx = crate::router::local::PlanContext {
+            next: next_planner,
+            query_string,
+            cursor_options,
+            bound_params,
+        };
+        match crate::router::planner::route(parse, &ctx) {
             Ok(Some(stmt)) => return stmt,
             Ok(None) => {}
             Err(e) => e.raise(),
         }
+        next_planner(parse, query_string, cursor_options, bound_params)
+    }
+}
+
+/// The planner after this hook: the previous hook of the chain, or PostgreSQL's.
+///
+/// # Safety
+/// As for a `planner_hook`: the planner's Query, its text, options and bound parameters.
+unsafe fn next_planner(
+    parse: *mut pg_sys::Query,
+    query_string: *const std::ffi::c_char,
+    cursor_options: std::ffi::c_int,
+    bound_params: pg_sys::ParamListInfo,
+) -> *mut pg_sys::PlannedStmt {
+    // SAFETY: the caller upholds this function's `# Safety` contract; PREV_PLANNER is set once
+    // at preload.
+    unsafe {
         match PREV_PLANNER {
             Some(prev) => prev(parse, query_string, cursor_options, bound_params),
             None => pg_sys::standard_planner(parse, query_string, cursor_options, bound_params),

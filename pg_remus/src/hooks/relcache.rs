@@ -13,5 +13,6 @@ pub(super) fn install() {
 #[pg_guard]
 unsafe extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     crate::router::placement::forget_relation(relid);
+    crate::cluster::nodes::forget_relation(relid);
     crate::pg::extension::forget();
 }

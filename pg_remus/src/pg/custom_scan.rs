@@ -17,6 +17,14 @@ pub(crate) struct Methods {
         unsafe extern "C-unwind" fn(*mut pg_sys::CustomScanState) -> *mut pg_sys::TupleTableSlot,
     pub(crate) end: unsafe extern "C-unwind" fn(*mut pg_sys::CustomScanState),
     pub(crate) rescan: unsafe extern "C-unwind" fn(*mut pg_sys::CustomScanState),
+    /// Extra lines for EXPLAIN, if any.
+    pub(crate) explain: Option<
+        unsafe extern "C-unwind" fn(
+            *mut pg_sys::CustomScanState,
+            *mut pg_sys::List,
+            *mut pg_sys::ExplainState,
+        ),
+    >,
 }
 
 /// Fills `scan` and `exec` from `methods`, then registers `scan` under its name.
@@ -39,6 +47,7 @@ pub(crate) unsafe fn register(
         (*exec).ExecCustomScan = Some(methods.exec);
         (*exec).EndCustomScan = Some(methods.end);
         (*exec).ReScanCustomScan = Some(methods.rescan);
+        (*exec).ExplainCustomScan = methods.explain;
         pg_sys::RegisterCustomScanMethods(scan);
     }
 }

@@ -71,7 +71,7 @@ unsafe fn flatten_and(node: *mut pg_sys::Node, out: &mut Vec<*mut pg_sys::Node>)
     }
 }
 
-/// A SELECT over two or more co-located distributed tables whose shard keys are all tied
+/// A SELECT over one or more co-located distributed tables whose shard keys are all tied
 /// together by equalities and to one routable value: it reads a single shard group, so it can
 /// run there as one statement. Returns the table and value that pick the group.
 ///
@@ -101,7 +101,7 @@ pub(crate) unsafe fn colocated_anchor(
                 _ => return Ok(None),
             }
         }
-        if rels.len() < 2
+        if rels.is_empty()
             || rels
                 .iter()
                 .any(|(_, t)| t.colocation_id != rels[0].1.colocation_id)

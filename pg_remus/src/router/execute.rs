@@ -98,6 +98,15 @@ impl Params {
     }
 }
 
+/// How a statement joins the current transaction on another node.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Join {
+    /// In the distributed transaction (a remote transaction block; a writer joins 2PC).
+    Transaction,
+    /// As the whole transaction, read-only: a remote autocommit statement ([`whole_transaction`]).
+    Alone,
+}
+
 /// Runs one marked statement for `placement` where the shard lives. `out_types` are the
 /// statement's output column types (for converting remote text rows).
 ///
@@ -109,6 +118,7 @@ pub unsafe fn run_on_shard(
     params: &Params,
     out_types: &[(pg_sys::Oid, i32)],
     writes: bool,
+    join: Join,
 ) -> Result<ShardResult, RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
@@ -119,7 +129,11 @@ pub unsafe fn run_on_shard(
         }
         let addr = crate::cluster::nodes::lookup(&placement.node_name)?;
         let (vals, types) = params.as_text();
-        let r = crate::twophase::exec_params_in_transaction(&addr, &sql, &vals, &types, writes)?;
+        let r = if join == Join::Alone && !writes {
+            crate::twophase::exec_params_alone(&addr, &sql, &vals, &types)?
+        } else {
+            crate::twophase::exec_params_in_transaction(&addr, &sql, &vals, &types, writes)?
+        };
         let mut rows = Vec::with_capacity(r.rows.len());
         for row in r.rows {
             let mut out = Vec::with_capacity(out_types.len());
@@ -149,6 +163,29 @@ pub unsafe fn run_on_shard(
             rows,
             affected: r.affected,
         })
+    }
+}
+
+/// Is the statement of `estate`, a read-only `query`, its transaction's only work, so that a
+/// remote owner may run it as a transaction of its own? Only for a top-level SELECT (the
+/// active portal's own query) outside a transaction block, under READ COMMITTED (whose
+/// statements each take their own snapshot anyway), with no remote transaction open yet, and
+/// with no volatile function (which could write there).
+///
+/// # Safety
+/// `estate` must be the executing statement's EState; `query` its Query.
+pub unsafe fn whole_transaction(estate: *mut pg_sys::EState, query: *mut pg_sys::Query) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract; the portal and its
+    // QueryDesc are live while they are active.
+    unsafe {
+        let portal = pg_sys::ActivePortal;
+        pg_sys::XactIsoLevel as u32 <= pg_sys::XACT_READ_COMMITTED
+            && !pg_sys::IsTransactionBlock()
+            && !portal.is_null()
+            && !(*portal).queryDesc.is_null()
+            && (*(*portal).queryDesc).estate == estate
+            && !crate::cluster::remote::any_in_transaction()
+            && !pg_sys::contain_volatile_functions(query as *mut pg_sys::Node)
     }
 }
 

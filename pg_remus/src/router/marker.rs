@@ -11,8 +11,7 @@ use pgrx::pg_sys;
 
 use crate::error::RemusError;
 use crate::pg::list::list_ptrs;
-use crate::pg::spi::read_one;
-use crate::router::placement::{looking_up, shells_in};
+use crate::router::placement::{shard_ids, shells_in};
 
 thread_local! {
     /// Set while this backend runs a marked shard statement locally.
@@ -59,14 +58,15 @@ pub(crate) unsafe fn pin_to_local_shard(
         }
         // The marker names one shard; every distributed table of the statement uses the shard with
         // the same index in the same co-location group (the same table twice for ON CONFLICT's
-        // `excluded`).
-        let index = looking_up(|| {
-            read_one::<i32>(
-                "SELECT max(shard_index) FROM remus.shards WHERE shard_id = $1",
-                &[shard_id.into()],
-            )
-        });
-        let index = index?.ok_or_else(|| RemusError::NotShardOwner {
+        // `excluded`). Shard ids come from the backend's cache: no catalog query per statement.
+        let mut index = None;
+        for (_, t) in &shells {
+            if let Some(i) = shard_ids(t.relid)?.iter().position(|s| *s == shard_id) {
+                index = Some(i);
+                break;
+            }
+        }
+        let index = index.ok_or_else(|| RemusError::NotShardOwner {
             shard_id,
             node: crate::guc::node_name().unwrap_or_default(),
         })?;
@@ -85,13 +85,10 @@ pub(crate) unsafe fn pin_to_local_shard(
             let sid = if single_table {
                 shard_id
             } else {
-                let sid = looking_up(|| {
-                    read_one::<i64>(
-                    "SELECT max(shard_id) FROM remus.shards WHERE logicalrelid = $1 AND shard_index = $2",
-                    &[table.relid.into(), index.into()],
-                )
-                });
-                sid?.unwrap_or(shard_id)
+                shard_ids(table.relid)?
+                    .get(index)
+                    .copied()
+                    .unwrap_or(shard_id)
             };
             let shard_name =
                 CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");

@@ -33,6 +33,7 @@ pub(crate) mod colocated;
 pub(crate) mod deparse;
 pub(crate) mod execute;
 pub(crate) mod key;
+pub(crate) mod local;
 pub(crate) mod marker;
 pub(crate) mod modify;
 pub(crate) mod ownership;

@@ -16,7 +16,8 @@ use crate::catalog::{DistTable, ShardPlacement};
 use crate::error::RemusError;
 use crate::pg::custom_scan;
 use crate::pg::list::{is_tag, list_ptrs};
-use crate::router::execute::Params;
+use crate::router::execute::{Join, Params};
+use crate::router::local::PlanContext;
 
 mod fence;
 
@@ -35,6 +36,22 @@ struct ModifyState {
     /// Tuplestores hand out minimal tuples; the scan slot of a CustomScan is not of that kind.
     store_slot: *mut pg_sys::TupleTableSlot,
     done: bool,
+    /// A SELECT's local plan, started ([`super::local`]); NULL: rows come from `tstore`.
+    local: *mut pg_sys::QueryDesc,
+    /// How the statement ran, for EXPLAIN ANALYZE.
+    ran: Ran,
+}
+
+/// How a `RemusRouter` statement ran.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Ran {
+    /// Not yet (or it touched no shard).
+    NotYet,
+    /// Its local plan, on this node's shard tables.
+    LocalPlan,
+    /// Deparsed and sent to each shard's owner (this node included).
+    Routed,
 }
 
 /// Fills and registers the method tables; must run while the library is preloaded.
@@ -51,6 +68,7 @@ pub(crate) fn register_methods() {
                 exec,
                 end,
                 rescan,
+                explain: Some(explain),
             },
         );
     }
@@ -67,6 +85,7 @@ fn unsupported(what: &'static str) -> RemusError {
 pub unsafe fn plan(
     parse: *mut pg_sys::Query,
     table: &DistTable,
+    ctx: &PlanContext,
 ) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
@@ -169,9 +188,83 @@ pub unsafe fn plan(
             std::ptr::null_mut(),
             pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
         );
-        Ok(build_stmt(parse, &returning, &[table.relid], private))
+        let key = if table.kind == 'r' {
+            None
+        } else {
+            single_shard_key(parse, key_attno)
+        };
+        let (local, cost) = local_or_cost(parse, table, key, ctx)?;
+        Ok(build_stmt(
+            parse,
+            &returning,
+            &[table.relid],
+            private,
+            local,
+            cost,
+        ))
     }
 }
+
+/// The expression that picks the one shard of a single-shard write: `key = value` in the WHERE
+/// of an UPDATE / DELETE, the key of a one-row INSERT. None: several shards, or not known.
+unsafe fn single_shard_key(parse: *mut pg_sys::Query, key_attno: i16) -> Option<*mut pg_sys::Expr> {
+    // SAFETY: `parse` is the planner's valid Query.
+    unsafe {
+        let q = &*parse;
+        if q.commandType == pg_sys::CmdType::CMD_INSERT {
+            let values = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable)
+                .into_iter()
+                .any(|r| (*r).rtekind == pg_sys::RTEKind::RTE_VALUES);
+            if values {
+                return None;
+            }
+            return list_ptrs::<pg_sys::TargetEntry>(q.targetList)
+                .into_iter()
+                .find(|te| (**te).resno == key_attno)
+                .map(|te| (*te).expr);
+        }
+        if q.jointree.is_null() {
+            return None;
+        }
+        let quals = (*q.jointree).quals;
+        let mut conjuncts = vec![quals];
+        if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
+            && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
+        {
+            conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
+        }
+        conjuncts
+            .into_iter()
+            .find_map(|c| super::key::key_equality_value(c, q.resultRelation, key_attno))
+    }
+}
+
+/// A local plan for a single-shard statement whose shard this node is expected to own
+/// ([`super::local`]), and the plan's cost: high when the shard is chosen only at execution.
+unsafe fn local_or_cost(
+    parse: *mut pg_sys::Query,
+    anchor: &DistTable,
+    key: Option<*mut pg_sys::Expr>,
+    ctx: &PlanContext,
+) -> Result<(Option<*mut pg_sys::List>, f64), RemusError> {
+    // SAFETY: the caller passes the planner's Query and its key expression.
+    unsafe {
+        let Some(key) = key else {
+            return Ok((None, ROUTED_PLAN_COST));
+        };
+        if let Some((value, ty)) = super::local::value_at_plan_time(key, ctx.bound_params) {
+            let local = super::local::plan_on_local_shards(parse, anchor, value, ty, ctx)?;
+            return Ok((local, ROUTED_PLAN_COST));
+        }
+        if super::local::chosen_at_execution(key, ctx.bound_params) {
+            return Ok((None, super::local::GENERIC_PLAN_COST));
+        }
+        Ok((None, ROUTED_PLAN_COST))
+    }
+}
+
+/// Cost of every other routed plan (only ever compared with another plan of the same statement).
+const ROUTED_PLAN_COST: f64 = 100.0;
 
 /// A SELECT that reads one shard group of co-located tables runs there as one statement. The
 /// anchor value (a constant or parameter) picks the group at execution time.
@@ -182,6 +275,7 @@ pub unsafe fn plan_single_shard_select(
     parse: *mut pg_sys::Query,
     anchor: &DistTable,
     value: *mut pg_sys::Expr,
+    ctx: &PlanContext,
 ) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
@@ -215,7 +309,8 @@ pub unsafe fn plan_single_shard_select(
             true,
         );
         private = pg_sys::lappend(private, anchor_const as *mut std::ffi::c_void);
-        Ok(build_stmt(parse, &outputs, &relids, private))
+        let (local, cost) = local_or_cost(parse, anchor, Some(value), ctx)?;
+        Ok(build_stmt(parse, &outputs, &relids, private, local, cost))
     }
 }
 
@@ -224,7 +319,9 @@ unsafe fn build_stmt(
     parse: *mut pg_sys::Query,
     outputs: &[*mut pg_sys::TargetEntry],
     relids: &[pg_sys::Oid],
-    private: *mut pg_sys::List,
+    mut private: *mut pg_sys::List,
+    local: Option<*mut pg_sys::List>,
+    cost: f64,
 ) -> *mut pg_sys::PlannedStmt {
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
@@ -234,6 +331,7 @@ unsafe fn build_stmt(
             pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
         (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
         (*cscan).scan.plan.plan_rows = 1.0;
+        (*cscan).scan.plan.total_cost = cost;
         (*cscan).scan.scanrelid = 0;
         (*cscan).methods = &raw const SCAN_METHODS;
         // The scan tuple has the output columns; the plan's target list reads them back by
@@ -259,6 +357,15 @@ unsafe fn build_stmt(
         }
         (*cscan).custom_scan_tlist = scan_tlist;
         (*cscan).scan.plan.targetlist = tlist;
+        // The local plan rides last ([`super::local::local_plan_of`]); its shard tables join
+        // the relations whose change invalidates a cached copy of this plan.
+        let mut local_relids: *mut pg_sys::List = std::ptr::null_mut();
+        if let Some(local) = local {
+            private = pg_sys::lappend(private, local as *mut std::ffi::c_void);
+            if let Some((stmt, _)) = super::local::local_plan_of(&[local as *mut pg_sys::Node]) {
+                local_relids = (*stmt).relationOids;
+            }
+        }
         (*cscan).custom_private = private;
 
         let stmt =
@@ -275,6 +382,7 @@ unsafe fn build_stmt(
         for relid in relids {
             (*stmt).relationOids = pg_sys::lappend_oid((*stmt).relationOids, *relid);
         }
+        (*stmt).relationOids = pg_sys::list_concat((*stmt).relationOids, local_relids);
         (*stmt).stmt_location = q.stmt_location;
         (*stmt).stmt_len = q.stmt_len;
         stmt
@@ -289,6 +397,7 @@ unsafe extern "C-unwind" fn create_state(_cscan: *mut pg_sys::CustomScan) -> *mu
         let s = pg_sys::palloc0(std::mem::size_of::<ModifyState>()) as *mut ModifyState;
         (*s).css.ss.ps.type_ = pg_sys::NodeTag::T_CustomScanState;
         (*s).css.methods = &raw const EXEC_METHODS;
+        (*s).ran = Ran::NotYet;
         s as *mut pg_sys::Node
     }
 }
@@ -323,6 +432,9 @@ unsafe extern "C-unwind" fn exec(
                 e.raise();
             }
         }
+        if !(*s).local.is_null() {
+            return super::local::next_row((*s).local, (*node).ss.ss_ScanTupleSlot);
+        }
         super::execute::next_from_store((*s).tstore, (*s).store_slot, (*node).ss.ss_ScanTupleSlot)
     }
 }
@@ -351,8 +463,10 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 query,
                 private[1] as *mut pg_sys::Expr,
                 private[2] as *mut pg_sys::Const,
+                super::local::local_plan_of(&private),
             );
         }
+        let local = super::local::local_plan_of(&private);
         let rt = (*query).resultRelation as usize;
         let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
         let table = super::placement::dist_table(shell)?.ok_or(RemusError::TableDisappeared)?;
@@ -390,6 +504,13 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         }
         let mut affected = 0u64;
         let mut text_params = None;
+        // The local plan serves only the one shard it was made for, decided here to be this
+        // node's (`super::local`).
+        let local = local.filter(|(_, shard)| {
+            work.len() == 1
+                && work[0].placement.shard_id == *shard
+                && work[0].placement.node_name == me
+        });
         for w in work {
             if let Some(lock_rows) = &w.fence {
                 let (values, types) = text_params.get_or_insert_with(|| params.as_text());
@@ -401,8 +522,23 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                     types,
                 )?;
             }
+            if let Some((stmt, _)) = local {
+                if let Some(changed) = super::local::run_modify(stmt, estate, (*s).tstore) {
+                    affected += changed;
+                    (*s).ran = Ran::LocalPlan;
+                    continue;
+                }
+            }
+            (*s).ran = Ran::Routed;
             let sql = super::deparse::deparse(w.query);
-            let r = super::execute::run_on_shard(&w.placement, &sql, &params, &out_types, true)?;
+            let r = super::execute::run_on_shard(
+                &w.placement,
+                &sql,
+                &params,
+                &out_types,
+                true,
+                Join::Transaction,
+            )?;
             // A reference table's copies all change alike: report (and return) one of them.
             if reference && w.placement.node_name != me {
                 continue;
@@ -422,6 +558,7 @@ unsafe fn run_select(
     query: *mut pg_sys::Query,
     value: *mut pg_sys::Expr,
     anchor: *mut pg_sys::Const,
+    local: Option<(*mut pg_sys::PlannedStmt, i64)>,
 ) -> Result<(), RemusError> {
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
@@ -439,6 +576,16 @@ unsafe fn run_select(
         }
         let placement = super::key::placement_for(&table, &all, v, ty)?;
         same_node_for_every_table(query, anchor_relid, &placement, v, ty)?;
+        if let Some((stmt, shard)) = local {
+            let me = crate::guc::node_name().unwrap_or_default();
+            if placement.shard_id == shard && placement.node_name == me {
+                if let Some(qd) = super::local::start_select(stmt, estate) {
+                    (*s).local = qd;
+                    (*s).ran = Ran::LocalPlan;
+                    return Ok(());
+                }
+            }
+        }
         let out_types: Vec<(pg_sys::Oid, i32)> =
             list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
                 .into_iter()
@@ -450,7 +597,13 @@ unsafe fn run_select(
                 .collect();
         let params = Params::from_list((*estate).es_param_list_info);
         let sql = super::deparse::deparse(query);
-        let r = super::execute::run_on_shard(&placement, &sql, &params, &out_types, false)?;
+        (*s).ran = Ran::Routed;
+        let join = if super::execute::whole_transaction(estate, query) {
+            Join::Alone
+        } else {
+            Join::Transaction
+        };
+        let r = super::execute::run_on_shard(&placement, &sql, &params, &out_types, false, join)?;
         let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
         let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
         (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
@@ -699,12 +852,48 @@ fn null_key(table: &DistTable) -> RemusError {
     }
 }
 
+/// EXPLAIN: the shard a local plan was made for; with ANALYZE, how the statement ran.
+#[pg_guard]
+unsafe extern "C-unwind" fn explain(
+    node: *mut pg_sys::CustomScanState,
+    _ancestors: *mut pg_sys::List,
+    es: *mut pg_sys::ExplainState,
+) {
+    // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
+    // duration of the call.
+    unsafe {
+        let s = node as *mut ModifyState;
+        let cscan = (*node).ss.ps.plan as *mut pg_sys::CustomScan;
+        let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
+        if let Some((_, shard)) = super::local::local_plan_of(&private) {
+            pg_sys::ExplainPropertyInteger(
+                c"Local Plan For Shard".as_ptr(),
+                std::ptr::null(),
+                shard,
+                es,
+            );
+        }
+        if (*es).analyze {
+            let ran = match (*s).ran {
+                Ran::NotYet => c"no shard",
+                Ran::LocalPlan => c"local plan",
+                Ran::Routed => c"routed",
+            };
+            pg_sys::ExplainPropertyText(c"Ran".as_ptr(), ran.as_ptr(), es);
+        }
+    }
+}
+
 #[pg_guard]
 unsafe extern "C-unwind" fn end(node: *mut pg_sys::CustomScanState) {
     // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
     // duration of the call; the body passes them to pg_sys as that API documents.
     unsafe {
         let s = node as *mut ModifyState;
+        if !(*s).local.is_null() {
+            super::local::end((*s).local);
+            (*s).local = std::ptr::null_mut();
+        }
         if !(*s).tstore.is_null() {
             pg_sys::tuplestore_end((*s).tstore);
             (*s).tstore = std::ptr::null_mut();
@@ -719,6 +908,9 @@ unsafe extern "C-unwind" fn rescan(node: *mut pg_sys::CustomScanState) {
     unsafe {
         // Never re-run DML: rewind what it returned.
         let s = node as *mut ModifyState;
+        if !(*s).local.is_null() {
+            super::local::rescan((*s).local);
+        }
         if !(*s).tstore.is_null() {
             pg_sys::tuplestore_rescan((*s).tstore);
         }

@@ -68,8 +68,9 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
             // the migration moves away (review finding F4).
             crate::migration::handover::restart::check_write(&shards)?;
         }
-        if crate::router::marker::marker_honoured()
-            && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some()
+        if crate::router::local::decided()
+            || (crate::router::marker::marker_honoured()
+                && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some())
         {
             return Ok(());
         }

@@ -7,6 +7,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use pgrx::pg_sys;
 
@@ -18,6 +19,11 @@ use crate::pg::list::list_ptrs;
 thread_local! {
     /// relid → distribution (None: not distributed). Cleared by relcache invalidation.
     static DIST_CACHE: RefCell<HashMap<u32, Option<DistTable>>> = RefCell::new(HashMap::new());
+    /// relid → its shard ids by shard index. A table's shards never change while it stays
+    /// distributed (a migration moves a shard, it keeps its id), so only a relcache
+    /// invalidation of the shell clears it: the marker's receiving side and the local fast
+    /// path find shards with no catalog query.
+    static SHARD_IDS: RefCell<HashMap<u32, Rc<[i64]>>> = RefCell::new(HashMap::new());
     /// Set while the cache itself is being filled (its SPI queries are planned too).
     static IN_LOOKUP: Cell<bool> = const { Cell::new(false) };
     static PINS: RefCell<HashMap<i64, String>> = RefCell::new(HashMap::new());
@@ -60,11 +66,28 @@ pub(crate) fn forget_relation(relid: pg_sys::Oid) {
         if relid == pg_sys::InvalidOid {
             c.clear();
             map_cache::clear();
+            SHARD_IDS.with(|s| s.borrow_mut().clear());
         } else {
             c.remove(&relid.to_u32());
             map_cache::forget(relid.to_u32());
+            SHARD_IDS.with(|s| s.borrow_mut().remove(&relid.to_u32()));
         }
     });
+}
+
+/// The shard ids of hash-distributed table `relid`, indexed by shard index (cached per backend).
+pub(crate) fn shard_ids(relid: pg_sys::Oid) -> Result<Rc<[i64]>, RemusError> {
+    if let Some(hit) = SHARD_IDS.with(|s| s.borrow().get(&relid.to_u32()).cloned()) {
+        return Ok(hit);
+    }
+    let rows = looking_up(|| catalog::shard_ids(relid))?;
+    let mut ids = vec![0i64; rows.iter().map(|(i, _)| *i as usize + 1).max().unwrap_or(0)];
+    for (index, id) in rows {
+        ids[index as usize] = id;
+    }
+    let ids: Rc<[i64]> = ids.into();
+    SHARD_IDS.with(|s| s.borrow_mut().insert(relid.to_u32(), ids.clone()));
+    Ok(ids)
 }
 
 /// The distribution of `relid`, if it is the shell of a distributed table.
@@ -231,6 +254,11 @@ pub(crate) fn pinned_owner(shard_id: i64, seen: &str) -> String {
             .or_insert_with(|| seen.to_string())
             .clone()
     })
+}
+
+/// The owner this transaction has pinned for `shard_id`, if it has routed it already.
+pub(crate) fn pinned(shard_id: i64) -> Option<String> {
+    PINS.with(|p| p.borrow().get(&shard_id).cloned())
 }
 
 /// Has this transaction already routed `shard_id`?

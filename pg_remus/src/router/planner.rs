@@ -9,6 +9,7 @@ use pgrx::pg_sys;
 use crate::cluster::shard_marker;
 use crate::error::RemusError;
 use crate::pg::extension::extension_present;
+use crate::router::local::PlanContext;
 use crate::router::marker::{marker_honoured, pin_to_local_shard};
 use crate::router::placement::shells_in;
 use crate::router::{colocated, modify};
@@ -20,8 +21,9 @@ use crate::router::{colocated, modify};
 /// `parse` must be the planner's Query and `query_string` its NUL-terminated text (or NULL).
 pub(crate) unsafe fn route(
     parse: *mut pg_sys::Query,
-    query_string: *const std::ffi::c_char,
+    ctx: &PlanContext,
 ) -> Result<Option<*mut pg_sys::PlannedStmt>, RemusError> {
+    let query_string = ctx.query_string;
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
     unsafe {
@@ -45,7 +47,7 @@ pub(crate) unsafe fn route(
             let rt = (*parse).resultRelation as usize;
             let shells = shells_in(parse)?;
             if let Some((_, t)) = shells.iter().find(|(i, _)| *i == rt) {
-                return modify::plan(parse, t).map(Some);
+                return modify::plan(parse, t, ctx).map(Some);
             }
             if !shells.is_empty() {
                 return Err(RemusError::Unsupported(
@@ -69,7 +71,7 @@ pub(crate) unsafe fn route(
         }
         if cmd == pg_sys::CmdType::CMD_SELECT {
             if let Some((anchor_table, anchor_value)) = colocated::colocated_anchor(parse)? {
-                return modify::plan_single_shard_select(parse, &anchor_table, anchor_value)
+                return modify::plan_single_shard_select(parse, &anchor_table, anchor_value, ctx)
                     .map(Some);
             }
         }

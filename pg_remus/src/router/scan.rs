@@ -14,7 +14,7 @@ use pgrx::prelude::*;
 use crate::error::RemusError;
 use crate::pg::custom_scan;
 use crate::pg::list::list_ptrs;
-use crate::router::execute::Params;
+use crate::router::execute::{Join, Params};
 
 /// Method tables must have stable addresses for PostgreSQL; they are filled once at preload.
 // SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
@@ -54,6 +54,7 @@ pub(crate) fn register_methods() {
                 exec,
                 end,
                 rescan,
+                explain: None,
             },
         );
     }
@@ -275,7 +276,8 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
         let mut values = vec![pg_sys::Datum::from(0usize); natts];
         let mut nulls = vec![true; natts];
         for p in &targets {
-            let r = super::execute::run_on_shard(p, &sql, &params, &types, false)?;
+            let r =
+                super::execute::run_on_shard(p, &sql, &params, &types, false, Join::Transaction)?;
             for row in r.rows {
                 for (j, v) in row.into_iter().enumerate().take(positions.len()) {
                     let pos = positions[j];

@@ -197,6 +197,31 @@ pub fn exec_params_in_transaction(
     writes: bool,
 ) -> Result<remote::RemoteResult, RemusError> {
     remote::with_connection(addr, |c| {
+        join_transaction(c)?;
+        if writes {
+            c.modified = true;
+        }
+        c.exec_params(sql, params, types)
+    })
+}
+
+/// Runs one read-only statement on `addr` as a transaction of its own there (autocommit, one
+/// round trip instead of BEGIN, the statement and COMMIT), for a local transaction whose only
+/// remote work it is: the router decides that (`router::modify`). A remote transaction already
+/// open on `addr` is used as [`exec_params_in_transaction`] would.
+pub fn exec_params_alone(
+    addr: &remote::NodeAddr,
+    sql: &str,
+    params: &[Option<String>],
+    types: &[u32],
+) -> Result<remote::RemoteResult, RemusError> {
+    remote::with_connection(addr, |c| c.exec_params(sql, params, types))
+}
+
+/// Opens, once per local transaction, the remote transaction on `c` at the local isolation
+/// level, with the savepoints the local transaction has open.
+fn join_transaction(c: &mut remote::RemoteConnection) -> Result<(), RemusError> {
+    {
         if !c.in_transaction {
             // SAFETY: plain read of a backend global.
             let iso = match unsafe { pg_sys::XactIsoLevel } as u32 {
@@ -212,11 +237,8 @@ pub fn exec_params_in_transaction(
                 c.exec(&format!("SAVEPOINT {}", savepoints::savepoint_name(subid)))?;
             }
         }
-        if writes {
-            c.modified = true;
-        }
-        c.exec_params(sql, params, types)
-    })
+        Ok(())
+    }
 }
 
 /// Streams COPY text into `sql` (a `COPY … FROM STDIN`) on `addr`, as a writing participant of

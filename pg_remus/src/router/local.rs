@@ -1,0 +1,494 @@
+//! The local fast path: a statement on one shard group that this node owns runs on its local
+//! shard tables as PostgreSQL's own plan, in the same executor: no SPI statement, no deparse, no
+//! second parse or plan, no catalog query.
+//!
+//! - Plan time only guesses. When the key value is known at plan time (a constant, or a
+//!   parameter bound for a custom plan) and the backend's shard-map cache (or this
+//!   transaction's pin) says this node owns the shard, the statement is also planned on the
+//!   local shard tables (the relid swap of `marker::pin_to_local_shard`, then the next planner)
+//!   and that plan rides along in the `RemusRouter` CustomScan. Nothing is pinned at plan time.
+//! - Execution decides, as for every routed statement: with the statement's snapshot, pinned for
+//!   the (transaction, shard), after the handover's waits and fences (`modify::run`). Only when
+//!   that decision is this node and the very shard the plan was made for does the local plan
+//!   run; otherwise (a migration moved the shard since, a cached plan outlived it, the table
+//!   was dropped and made again) the statement takes the general path, which deparses it and
+//!   runs it where the shard now lives.
+//! - A SELECT's local plan is started by a nested executor and its rows are handed up one by one
+//!   (no tuplestore); INSERT / UPDATE / DELETE run to completion in a nested executor, RETURNING
+//!   rows collected for the CustomScan to return. The nested `ExecutorStart` still runs the
+//!   handover's write checks; the RM001 ownership check is skipped for it (`decided`), since
+//!   the router's own decision is what it would check.
+//! - Plans whose key is a parameter without a value at plan time (generic plans) carry no local
+//!   plan and are priced out, so the plan cache keeps making custom plans, which do.
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int};
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use crate::catalog::{map_cache, DistTable};
+use crate::error::RemusError;
+use crate::pg::list::{is_tag, list_ptrs};
+use crate::router::placement::{pinned, shard_ids, shells_in};
+
+/// The planner a local plan is made by: the next `planner_hook` of the chain, or PostgreSQL's.
+pub(crate) type NextPlanner = unsafe fn(
+    *mut pg_sys::Query,
+    *const c_char,
+    c_int,
+    pg_sys::ParamListInfo,
+) -> *mut pg_sys::PlannedStmt;
+
+/// What the planner hook was called with, for planning a statement on local shards.
+#[derive(Clone, Copy)]
+pub(crate) struct PlanContext {
+    pub next: NextPlanner,
+    pub query_string: *const c_char,
+    pub cursor_options: c_int,
+    pub bound_params: pg_sys::ParamListInfo,
+}
+
+/// Cost of a routed plan whose shard is chosen only at execution (its key is a parameter with
+/// no value at plan time): high, so that the plan cache prefers custom plans, which carry a
+/// local plan when the shard is here.
+pub(crate) const GENERIC_PLAN_COST: f64 = 1.0e9;
+
+thread_local! {
+    /// Set while a plan the router decided to run here is started (`ExecutorStart`).
+    static DECIDED: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Is this backend starting a local plan of the router (which needs no RM001 check)?
+pub(crate) fn decided() -> bool {
+    DECIDED.with(|d| d.get()) > 0
+}
+
+struct Decided;
+
+impl Decided {
+    fn enter() -> Self {
+        DECIDED.with(|d| d.set(d.get() + 1));
+        Decided
+    }
+}
+
+impl Drop for Decided {
+    fn drop(&mut self) {
+        DECIDED.with(|d| d.set(d.get() - 1));
+    }
+}
+
+/// The value of a key expression known at plan time: a constant, a parameter bound for a custom
+/// plan (`PARAM_FLAG_CONST`), or a cast of a constant that folds to one. None otherwise.
+///
+/// # Safety
+/// `expr` must be a valid expression; `bound` NULL or the planner's bound parameters.
+pub(crate) unsafe fn value_at_plan_time(
+    expr: *mut pg_sys::Expr,
+    bound: pg_sys::ParamListInfo,
+) -> Option<(pg_sys::Datum, pg_sys::Oid)> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let node = expr as *mut pg_sys::Node;
+        if is_tag(node, pg_sys::NodeTag::T_Param) {
+            let p = node as *mut pg_sys::Param;
+            if (*p).paramkind != pg_sys::ParamKind::PARAM_EXTERN || bound.is_null() {
+                return None;
+            }
+            let id = (*p).paramid;
+            if id < 1 || id > (*bound).numParams {
+                return None;
+            }
+            let mut workspace: pg_sys::ParamExternData = std::mem::zeroed();
+            let prm = match (*bound).paramFetch {
+                Some(fetch) => fetch(bound, id, true, &mut workspace),
+                None => (*bound).params.as_mut_ptr().add(id as usize - 1),
+            };
+            if prm.is_null()
+                || (*prm).isnull
+                || (*prm).pflags & pg_sys::PARAM_FLAG_CONST as u16 == 0
+                || (*prm).ptype != (*p).paramtype
+            {
+                return None;
+            }
+            return Some(((*prm).value, (*prm).ptype));
+        }
+        let folded = if is_tag(node, pg_sys::NodeTag::T_Const) {
+            node
+        } else {
+            let copy = pg_sys::copyObjectImpl(node as *const std::ffi::c_void) as *mut pg_sys::Node;
+            pg_sys::eval_const_expressions(std::ptr::null_mut(), copy)
+        };
+        if !is_tag(folded, pg_sys::NodeTag::T_Const) {
+            return None;
+        }
+        let c = folded as *mut pg_sys::Const;
+        if (*c).constisnull {
+            return None;
+        }
+        Some(((*c).constvalue, (*c).consttype))
+    }
+}
+
+/// Is the key expression a parameter with no value at plan time (so the plan is generic)?
+///
+/// # Safety
+/// As for [`value_at_plan_time`].
+pub(crate) unsafe fn chosen_at_execution(
+    expr: *mut pg_sys::Expr,
+    bound: pg_sys::ParamListInfo,
+) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        !expr.is_null()
+            && has_extern_param(expr as *mut pg_sys::Node)
+            && value_at_plan_time(expr, bound).is_none()
+    }
+}
+
+/// Does a routable value (`key::is_routable_value`: constants, parameters, casts) use a `$n`?
+unsafe fn has_extern_param(node: *mut pg_sys::Node) -> bool {
+    // SAFETY: `node` is NULL or a valid expression node.
+    unsafe {
+        use pg_sys::NodeTag::*;
+        if node.is_null() {
+            return false;
+        }
+        match (*node).type_ {
+            T_Param => (*(node as *mut pg_sys::Param)).paramkind == pg_sys::ParamKind::PARAM_EXTERN,
+            T_RelabelType => has_extern_param((*(node as *mut pg_sys::RelabelType)).arg as *mut _),
+            T_CoerceViaIO => has_extern_param((*(node as *mut pg_sys::CoerceViaIO)).arg as *mut _),
+            T_FuncExpr => list_ptrs::<pg_sys::Node>((*(node as *mut pg_sys::FuncExpr)).args)
+                .into_iter()
+                .any(|a| has_extern_param(a)),
+            _ => false,
+        }
+    }
+}
+
+/// The owner this backend expects for shard index `index` of `table`: this transaction's pin,
+/// else the cached map. None: not known without reading the catalog (a guess only; nothing is
+/// pinned or cached).
+fn expected_owner(table: &DistTable, index: usize) -> Option<(i64, String)> {
+    let cached = map_cache::get(table.relid.to_u32())?;
+    let p = cached.iter().find(|p| p.shard_index as usize == index)?;
+    Some((
+        p.shard_id,
+        pinned(p.shard_id).unwrap_or_else(|| p.node_name.clone()),
+    ))
+}
+
+/// If this node is expected to own the shard group that `value` (of type `value_type`) picks
+/// for `anchor`, plans `parse` on the local shard tables of that group. Returns the list to
+/// append to the `RemusRouter`'s private data ([`local_plan_of`] reads it back), or None.
+///
+/// # Safety
+/// `parse` must be the planner's Query, every distributed table of which is `anchor` or
+/// co-located with it; `value` a valid datum of `value_type`.
+pub(crate) unsafe fn plan_on_local_shards(
+    parse: *mut pg_sys::Query,
+    anchor: &DistTable,
+    value: pg_sys::Datum,
+    value_type: pg_sys::Oid,
+    ctx: &PlanContext,
+) -> Result<Option<*mut pg_sys::List>, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        if anchor.kind != 'h' {
+            return Ok(None);
+        }
+        let me = crate::guc::node_name().unwrap_or_default();
+        let d = crate::pg::datum::coerce_via_text(value, value_type, anchor.key_type);
+        let hash = crate::catalog::hashing::hash_datum(d, anchor.key_type, pg_sys::InvalidOid)?;
+        let index = crate::catalog::hashing::shard_index(hash, anchor.shard_count as u32) as usize;
+        let Some((anchor_shard, owner)) = expected_owner(anchor, index) else {
+            return Ok(None);
+        };
+        if owner != me {
+            return Ok(None);
+        }
+        let local = pg_sys::copyObjectImpl(parse as *const std::ffi::c_void) as *mut pg_sys::Query;
+        let shells = shells_in(local)?;
+        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return Ok(None);
+        }
+        let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*local).rtable);
+        for (rti, table) in &shells {
+            if table.kind != 'h' || table.colocation_id != anchor.colocation_id {
+                return Ok(None);
+            }
+            match expected_owner(table, index) {
+                Some((_, o)) if o == me => {}
+                _ => return Ok(None),
+            }
+            let Some(sid) = shard_ids(table.relid)?.get(index).copied() else {
+                return Ok(None);
+            };
+            let rte = rtes[rti - 1];
+            let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, nsp, (*rte).rellockmode)
+            else {
+                return Ok(None);
+            };
+            (*rte).relid = shard_relid;
+        }
+        // No parallel plan: the nested executor does not enter parallel mode.
+        let options = ctx.cursor_options & !(pg_sys::CURSOR_OPT_PARALLEL_OK as c_int);
+        let stmt = (ctx.next)(local, ctx.query_string, options, ctx.bound_params);
+        let shard = pg_sys::makeConst(
+            pg_sys::INT8OID,
+            -1,
+            pg_sys::InvalidOid,
+            8,
+            pg_sys::Datum::from(anchor_shard),
+            false,
+            true,
+        );
+        let mut list = pg_sys::lappend(std::ptr::null_mut(), stmt as *mut std::ffi::c_void);
+        list = pg_sys::lappend(list, shard as *mut std::ffi::c_void);
+        Ok(Some(list))
+    }
+}
+
+/// Locks shard table `remus_shards.<rel_name>_<shard_id>` and returns its OID, if it is here.
+unsafe fn lock_local_shard(
+    rel_name: &str,
+    shard_id: i64,
+    nsp: pg_sys::Oid,
+    lockmode: c_int,
+) -> Option<pg_sys::Oid> {
+    // SAFETY: catalog lookups and a lock by OID; the caller is in a transaction.
+    unsafe {
+        let name = std::ffi::CString::new(format!("{rel_name}_{shard_id}")).ok()?;
+        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+        if relid == pg_sys::InvalidOid {
+            return None;
+        }
+        lock_existing(relid, lockmode).then_some(relid)
+    }
+}
+
+/// Takes `lockmode` on `relid`; false if the relation is gone once the lock is granted (a
+/// migration's cleanup dropped it meanwhile).
+unsafe fn lock_existing(relid: pg_sys::Oid, lockmode: c_int) -> bool {
+    // SAFETY: a lock by OID and a syscache probe; the caller is in a transaction.
+    unsafe {
+        pg_sys::LockRelationOid(relid, lockmode);
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            pg_sys::Datum::from(relid),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
+/// The local plan in a `RemusRouter`'s private data, and the shard (of the anchor table) it was
+/// made for.
+///
+/// # Safety
+/// `private` must be the CustomScan's private list as `modify` builds it.
+pub(crate) unsafe fn local_plan_of(
+    private: &[*mut pg_sys::Node],
+) -> Option<(*mut pg_sys::PlannedStmt, i64)> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let last = *private.last()?;
+        if !is_tag(last, pg_sys::NodeTag::T_List) {
+            return None;
+        }
+        let items = list_ptrs::<pg_sys::Node>(last as *mut pg_sys::List);
+        if items.len() != 2 || !is_tag(items[0], pg_sys::NodeTag::T_PlannedStmt) {
+            return None;
+        }
+        let shard = (*(items[1] as *mut pg_sys::Const)).constvalue.value() as i64;
+        Some((items[0] as *mut pg_sys::PlannedStmt, shard))
+    }
+}
+
+/// Locks every relation of a local plan and checks that it still exists. False: the plan is
+/// stale (a shard dropped since it was made), take the general path.
+unsafe fn relations_here(stmt: *mut pg_sys::PlannedStmt) -> bool {
+    // SAFETY: the plan is a valid PlannedStmt; locks and syscache probes by OID.
+    unsafe {
+        for rte in list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
+            if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION
+                && !lock_existing((*rte).relid, (*rte).rellockmode)
+            {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// Starts a local SELECT plan in a nested executor with the statement's snapshot and
+/// parameters. None: stale, take the general path.
+///
+/// # Safety
+/// `stmt` must be a local plan of this statement; `estate` the statement's live EState.
+pub(crate) unsafe fn start_select(
+    stmt: *mut pg_sys::PlannedStmt,
+    estate: *mut pg_sys::EState,
+) -> Option<*mut pg_sys::QueryDesc> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        if !relations_here(stmt) {
+            return None;
+        }
+        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+        let qd = pg_sys::CreateQueryDesc(
+            stmt,
+            (*estate).es_sourceText,
+            pg_sys::GetActiveSnapshot(),
+            std::ptr::null_mut(),
+            pg_sys::None_Receiver,
+            (*estate).es_param_list_info,
+            (*estate).es_queryEnv,
+            0,
+        );
+        {
+            let _decided = Decided::enter();
+            pg_sys::ExecutorStart(qd, 0);
+        }
+        pg_sys::MemoryContextSwitchTo(old);
+        Some(qd)
+    }
+}
+
+/// The next row of a started local SELECT, in `scan_slot` (its first `natts` columns; an empty
+/// slot at the end).
+///
+/// # Safety
+/// `qd` must come from [`start_select`]; `scan_slot` is the CustomScan's scan slot.
+pub(crate) unsafe fn next_row(
+    qd: *mut pg_sys::QueryDesc,
+    scan_slot: *mut pg_sys::TupleTableSlot,
+) -> *mut pg_sys::TupleTableSlot {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let ps = (*qd).planstate;
+        let old = pg_sys::MemoryContextSwitchTo((*(*qd).estate).es_query_cxt);
+        let exec = (*ps).ExecProcNode.expect("an initialised plan node");
+        let slot = exec(ps);
+        pg_sys::MemoryContextSwitchTo(old);
+        pg_sys::ExecClearTuple(scan_slot);
+        if slot.is_null() || (*slot).tts_flags & pg_sys::TTS_FLAG_EMPTY as u16 != 0 {
+            return scan_slot;
+        }
+        // The local plan's top target list may end in junk columns (sort keys): the scan slot
+        // has the statement's output columns only. The values stay valid until the next call,
+        // as the child's own slot keeps its tuple until then.
+        let natts = (*(*scan_slot).tts_tupleDescriptor).natts;
+        pg_sys::slot_getsomeattrs(slot, natts);
+        for i in 0..natts as usize {
+            *(*scan_slot).tts_values.add(i) = *(*slot).tts_values.add(i);
+            *(*scan_slot).tts_isnull.add(i) = *(*slot).tts_isnull.add(i);
+        }
+        pg_sys::ExecStoreVirtualTuple(scan_slot)
+    }
+}
+
+/// Rewinds a started local SELECT.
+///
+/// # Safety
+/// `qd` must come from [`start_select`].
+pub(crate) unsafe fn rescan(qd: *mut pg_sys::QueryDesc) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe { pg_sys::ExecReScan((*qd).planstate) }
+}
+
+/// Ends a started local SELECT.
+///
+/// # Safety
+/// `qd` must come from [`start_select`] and not be ended yet.
+pub(crate) unsafe fn end(qd: *mut pg_sys::QueryDesc) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        pg_sys::ExecutorFinish(qd);
+        pg_sys::ExecutorEnd(qd);
+        pg_sys::FreeQueryDesc(qd);
+    }
+}
+
+/// A DestReceiver that appends every row to a tuplestore (RETURNING rows of a local write).
+#[repr(C)]
+struct StoreReceiver {
+    dest: pg_sys::DestReceiver,
+    store: *mut pg_sys::Tuplestorestate,
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn store_row(
+    slot: *mut pg_sys::TupleTableSlot,
+    dest: *mut pg_sys::DestReceiver,
+) -> bool {
+    // SAFETY: PostgreSQL passes the receiver made by `run_modify` and a live slot.
+    unsafe { pg_sys::tuplestore_puttupleslot((*(dest as *mut StoreReceiver)).store, slot) };
+    true
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn store_startup(
+    _dest: *mut pg_sys::DestReceiver,
+    _operation: c_int,
+    _typeinfo: pg_sys::TupleDesc,
+) {
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn store_nothing(_dest: *mut pg_sys::DestReceiver) {}
+
+/// Runs a local INSERT / UPDATE / DELETE plan to completion in a nested executor, with the
+/// statement's snapshot and parameters; RETURNING rows go to `store` (NULL: none). Returns the
+/// rows it changed, or None when the plan is stale (take the general path).
+///
+/// # Safety
+/// `stmt` must be a local plan of this statement; `estate` the statement's live EState;
+/// `store` NULL or a tuplestore of the RETURNING row type.
+pub(crate) unsafe fn run_modify(
+    stmt: *mut pg_sys::PlannedStmt,
+    estate: *mut pg_sys::EState,
+    store: *mut pg_sys::Tuplestorestate,
+) -> Option<u64> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        if !relations_here(stmt) {
+            return None;
+        }
+        let dest = if store.is_null() {
+            pg_sys::None_Receiver
+        } else {
+            let r = pg_sys::palloc0(std::mem::size_of::<StoreReceiver>()) as *mut StoreReceiver;
+            (*r).dest.receiveSlot = Some(store_row);
+            (*r).dest.rStartup = Some(store_startup);
+            (*r).dest.rShutdown = Some(store_nothing);
+            (*r).dest.rDestroy = Some(store_nothing);
+            (*r).dest.mydest = pg_sys::CommandDest::DestTuplestore;
+            (*r).store = store;
+            r as *mut pg_sys::DestReceiver
+        };
+        let qd = pg_sys::CreateQueryDesc(
+            stmt,
+            (*estate).es_sourceText,
+            pg_sys::GetActiveSnapshot(),
+            std::ptr::null_mut(),
+            dest,
+            (*estate).es_param_list_info,
+            (*estate).es_queryEnv,
+            0,
+        );
+        {
+            let _decided = Decided::enter();
+            pg_sys::ExecutorStart(qd, 0);
+        }
+        pg_sys::ExecutorRun(qd, pg_sys::ScanDirection::ForwardScanDirection, 0, true);
+        pg_sys::ExecutorFinish(qd);
+        let changed = (*(*qd).estate).es_processed;
+        pg_sys::ExecutorEnd(qd);
+        pg_sys::FreeQueryDesc(qd);
+        Some(changed)
+    }
+}

@@ -1,0 +1,253 @@
+//! The router's local fast path (`router::local`): a statement on one shard group this node owns
+//! runs as PostgreSQL's own plan on the local shard tables, everything else is routed, and a
+//! local plan made before its shard moved is never used after. EXPLAIN shows which: "Local Plan
+//! For Shard: <id>" when a local plan was made, and with ANALYZE "Ran: local plan" or
+//! "Ran: routed".
+
+use remus_test_support::cluster::TestCluster;
+
+fn explain(db: &mut postgres::Client, sql: &str) -> String {
+    db.simple_query(&format!(
+        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) {sql}"
+    ))
+    .unwrap()
+    .iter()
+    .filter_map(|m| match m {
+        postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+        _ => None,
+    })
+    .collect::<Vec<_>>()
+    .join("\n")
+}
+
+/// A key of `kv` whose shard `node` owns (`owned`) or does not own.
+fn key_on(db: &mut postgres::Client, node: &str, owned: bool) -> (i64, i64) {
+    let r = db
+        .query_one(
+            "SELECT k::bigint, s.shard_id FROM generate_series(1, 10000) k
+               JOIN remus_shards s ON s.shard_id = remus_shard_id_for('kv', k)
+              WHERE (s.node_name = $1) = $2 ORDER BY k LIMIT 1",
+            &[&node, &owned],
+        )
+        .unwrap();
+    (r.get(0), r.get(1))
+}
+
+/// Rows 1..=n of `kv`: (k, 'v<k>', 0).
+fn fill(db: &mut postgres::Client, n: i64) {
+    db.batch_execute(&format!(
+        "INSERT INTO kv VALUES {}",
+        (1..=n)
+            .map(|k| format!("({k}, 'v{k}', 0)"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+    .unwrap();
+}
+
+fn n_of(c: &TestCluster, via: &str, k: i64) -> i32 {
+    c.connect(via)
+        .unwrap()
+        .query_one("SELECT n FROM kv WHERE k = $1", &[&k])
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE kv (k bigint PRIMARY KEY, v text NOT NULL, n int NOT NULL DEFAULT 0);
+         CREATE TABLE kv_log (k bigint, id int, note text, PRIMARY KEY (k, id));
+         SELECT remus_create_distributed_table('kv', 'k', 8);
+         SELECT remus_create_distributed_table('kv_log', 'k', 8, colocate_with => 'kv');",
+    )
+    .unwrap();
+    fill(&mut n1, 200);
+    n1.batch_execute(&format!(
+        "INSERT INTO kv_log VALUES {}",
+        (1..=200)
+            .map(|k| format!("({k}, 1, 'note {k}')"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+    .unwrap();
+
+    for name in c.node_names() {
+        let mut db = c.connect(&name).unwrap();
+        let (mine, my_shard) = key_on(&mut db, &name, true);
+        let (theirs, _) = key_on(&mut db, &name, false);
+        // The first statement on a table fills the backend's shard-map cache, which plan time
+        // reads: until then a statement is routed.
+        let plan = explain(&mut db, &format!("SELECT v FROM kv WHERE k = {mine}"));
+        assert!(plan.contains("Ran: routed"), "first statement:\n{plan}");
+        let v: String = db
+            .query_one("SELECT v FROM kv WHERE k = $1", &[&mine])
+            .unwrap()
+            .get(0);
+        assert_eq!(v, format!("v{mine}"));
+        db.query_one("SELECT count(*) FROM kv_log WHERE k = $1", &[&mine])
+            .unwrap();
+
+        let plan = explain(&mut db, &format!("SELECT v, n FROM kv WHERE k = {mine}"));
+        assert!(
+            plan.contains(&format!("Local Plan For Shard: {my_shard}"))
+                && plan.contains("Ran: local plan"),
+            "a key {name} owns, through {name}:\n{plan}"
+        );
+        let plan = explain(&mut db, &format!("SELECT v, n FROM kv WHERE k = {theirs}"));
+        assert!(
+            !plan.contains("Local Plan For Shard") && plan.contains("Ran: routed"),
+            "a key {name} does not own, through {name}:\n{plan}"
+        );
+
+        // Writes: UPDATE … RETURNING, DELETE, INSERT, ON CONFLICT, each a local plan.
+        let plan = explain(
+            &mut db,
+            &format!("UPDATE kv SET n = n + 5 WHERE k = {mine} RETURNING n"),
+        );
+        assert!(plan.contains("Ran: local plan"), "UPDATE:\n{plan}");
+        let n: i32 = db
+            .query_one("UPDATE kv SET n = n + 1 WHERE k = $1 RETURNING n", &[&mine])
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 6, "RETURNING of a local UPDATE through {name}");
+        for via in c.node_names() {
+            assert_eq!(
+                n_of(&c, &via, mine),
+                6,
+                "the local UPDATE seen through {via}"
+            );
+        }
+        let plan = explain(
+            &mut db,
+            &format!("INSERT INTO kv_log VALUES ({mine}, 2, 'two') ON CONFLICT (k, id) DO UPDATE SET note = 'again'"),
+        );
+        assert!(plan.contains("Ran: local plan"), "INSERT:\n{plan}");
+        assert_eq!(
+            db.execute("DELETE FROM kv_log WHERE k = $1 AND id = 2", &[&mine])
+                .unwrap(),
+            1,
+            "DELETE of the row the local INSERT made, through {name}"
+        );
+
+        // A co-located join on one key value, ORDER BY and an aggregate: one local plan.
+        let sql = format!(
+            "SELECT kv.v, count(l.*) FROM kv JOIN kv_log l ON l.k = kv.k WHERE kv.k = {mine} GROUP BY kv.v ORDER BY 1"
+        );
+        let plan = explain(&mut db, &sql);
+        assert!(plan.contains("Ran: local plan"), "join:\n{plan}");
+        let r = db.query_one(sql.as_str(), &[]).unwrap();
+        assert_eq!(
+            (r.get::<_, String>(0), r.get::<_, i64>(1)),
+            (format!("v{mine}"), 1)
+        );
+
+        // Parameters: a prepared statement keeps making custom plans, so each execution on an
+        // owned key has its local plan, and a key elsewhere is routed.
+        db.batch_execute("PREPARE get(bigint) AS SELECT n FROM kv WHERE k = $1")
+            .unwrap();
+        for _ in 0..7 {
+            db.batch_execute(&format!("EXECUTE get({mine}); EXECUTE get({theirs})"))
+                .unwrap();
+        }
+        let plan = explain(&mut db, &format!("EXECUTE get({mine})"));
+        assert!(
+            plan.contains("Ran: local plan"),
+            "EXECUTE, owned key:\n{plan}"
+        );
+        let plan = explain(&mut db, &format!("EXECUTE get({theirs})"));
+        assert!(plan.contains("Ran: routed"), "EXECUTE, other key:\n{plan}");
+        let stmt = db.prepare("SELECT n FROM kv WHERE k = $1").unwrap();
+        for _ in 0..8 {
+            assert_eq!(db.query_one(&stmt, &[&mine]).unwrap().get::<_, i32>(0), 6);
+            assert_eq!(db.query_one(&stmt, &[&theirs]).unwrap().get::<_, i32>(0), 0);
+        }
+        db.batch_execute("DEALLOCATE get").unwrap();
+
+        // A read through a non-owner inside a transaction sees that transaction's own write
+        // there (it joins the remote transaction, it is not a transaction of its own).
+        db.batch_execute(&format!("BEGIN; UPDATE kv SET n = 99 WHERE k = {theirs}"))
+            .unwrap();
+        assert_eq!(
+            db.query_one("SELECT n FROM kv WHERE k = $1", &[&theirs])
+                .unwrap()
+                .get::<_, i32>(0),
+            99
+        );
+        db.batch_execute("ROLLBACK").unwrap();
+        assert_eq!(n_of(&c, &name, theirs), 0, "rolled back through {name}");
+        db.batch_execute(&format!("UPDATE kv SET n = 0 WHERE k = {mine}"))
+            .unwrap();
+    }
+}
+
+#[test]
+fn a_local_plan_made_before_its_shard_moved_is_not_used_after() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE kv (k bigint PRIMARY KEY, v text NOT NULL, n int NOT NULL DEFAULT 0);
+         SELECT remus_create_distributed_table('kv', 'k', 4);",
+    )
+    .unwrap();
+    fill(&mut n1, 100);
+    let (k, shard) = key_on(&mut n1, "n1", true);
+    // Plans with the key as a constant: cached once, each with its local plan.
+    let mut s = c.connect("n1").unwrap();
+    s.batch_execute(&format!(
+        "SELECT n FROM kv WHERE k = {k};
+         PREPARE get AS SELECT n FROM kv WHERE k = {k};
+         PREPARE bump AS UPDATE kv SET n = n + 1 WHERE k = {k} RETURNING n;"
+    ))
+    .unwrap();
+    for i in 1..=3 {
+        let n: i32 = s.query_one("EXECUTE bump", &[]).unwrap().get(0);
+        assert_eq!(n, i);
+    }
+    let plan = explain(&mut s, "EXECUTE get");
+    assert!(
+        plan.contains(&format!("Local Plan For Shard: {shard}"))
+            && plan.contains("Ran: local plan"),
+        "before the move:\n{plan}"
+    );
+
+    // The shard moves to n2 (its copy on n1 is dropped at the end of the migration).
+    let status: String = n1
+        .query_one(
+            "SELECT status FROM remus_migrate_shard($1, 'n2')",
+            &[&shard],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "succeeded");
+
+    // The same session, the same prepared statements: routed to n2, nothing lost.
+    let n: i32 = s.query_one("EXECUTE get", &[]).unwrap().get(0);
+    assert_eq!(
+        n, 3,
+        "the moved row, read through the old owner's prepared statement"
+    );
+    let n: i32 = s.query_one("EXECUTE bump", &[]).unwrap().get(0);
+    assert_eq!(n, 4);
+    let plan = explain(&mut s, "EXECUTE get");
+    assert!(plan.contains("Ran: routed"), "after the move:\n{plan}");
+    for via in c.node_names() {
+        assert_eq!(
+            n_of(&c, &via, k),
+            4,
+            "the write after the move, seen through {via}"
+        );
+    }
+    let on_n2: i32 = c
+        .connect("n2")
+        .unwrap()
+        .query_one(
+            &format!("SELECT n FROM remus_shards.kv_{shard} WHERE k = $1"),
+            &[&k],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(on_n2, 4, "the write reached the new owner's shard table");
+}
