@@ -78,10 +78,13 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
         let mut db = c.connect(&name).unwrap();
         let (mine, my_shard) = key_on(&mut db, &name, true);
         let (theirs, _) = key_on(&mut db, &name, false);
-        // The first statement on a table fills the backend's shard-map cache, which plan time
-        // reads: until then a statement is routed.
+        // The first statement on a table finds the backend's shard-map cache empty at plan
+        // time: its local plan is made at execution (and the map cached).
         let plan = explain(&mut db, &format!("SELECT v FROM kv WHERE k = {mine}"));
-        assert!(plan.contains("Ran: routed"), "first statement:\n{plan}");
+        assert!(
+            !plan.contains("Local Plan For Shard") && plan.contains("Ran: local plan"),
+            "first statement:\n{plan}"
+        );
         let v: String = db
             .query_one("SELECT v FROM kv WHERE k = $1", &[&mine])
             .unwrap()
@@ -144,8 +147,8 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
             (format!("v{mine}"), 1)
         );
 
-        // Parameters: a prepared statement keeps making custom plans, so each execution on an
-        // owned key has its local plan, and a key elsewhere is routed.
+        // Parameters: a prepared statement's generic plan (from the sixth execution on) makes
+        // its local plan at execution, once per shard; a key elsewhere is routed.
         db.batch_execute("PREPARE get(bigint) AS SELECT n FROM kv WHERE k = $1")
             .unwrap();
         for _ in 0..7 {
@@ -250,4 +253,76 @@ fn a_local_plan_made_before_its_shard_moved_is_not_used_after() {
         .unwrap()
         .get(0);
     assert_eq!(on_n2, 4, "the write reached the new owner's shard table");
+}
+
+/// SELECT … FOR UPDATE / FOR SHARE on one shard group takes its row locks where the rows are,
+/// through the owner (local plan) and through a non-owner (routed), and holds them to the end
+/// of the transaction; on several shards it is refused with 0A000.
+#[test]
+fn select_for_update_on_one_shard_group_locks_the_rows_until_commit() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE kv (k bigint PRIMARY KEY, v text NOT NULL, n int NOT NULL DEFAULT 0);
+         SELECT remus_create_distributed_table('kv', 'k', 8);",
+    )
+    .unwrap();
+    fill(&mut n1, 50);
+    let mut expected = 0;
+    for name in c.node_names() {
+        let mut locker = c.connect(&name).unwrap();
+        for owned in [true, false] {
+            let (k, _) = key_on(&mut locker, &name, owned);
+            // Warm the map cache, so that an owned key gets its local plan.
+            locker
+                .query_one("SELECT n FROM kv WHERE k = $1", &[&k])
+                .unwrap();
+            locker.batch_execute("BEGIN").unwrap();
+            let plan = explain(
+                &mut locker,
+                &format!("SELECT n FROM kv WHERE k = {k} FOR UPDATE"),
+            );
+            let how = if owned {
+                "Ran: local plan"
+            } else {
+                "Ran: routed"
+            };
+            assert!(
+                plan.contains(how),
+                "FOR UPDATE through {name}, owned {owned}:\n{plan}"
+            );
+            let n: i32 = locker
+                .query_one("SELECT n FROM kv WHERE k = $1 FOR UPDATE", &[&k])
+                .unwrap()
+                .get(0);
+            // A writer through a third node waits for the lock.
+            let other = c.node_names().into_iter().find(|o| *o != name).unwrap();
+            let mut writer = c.connect(&other).unwrap();
+            writer
+                .batch_execute("SET statement_timeout = '1s'")
+                .unwrap();
+            let e = writer
+                .execute("UPDATE kv SET n = n + 1 WHERE k = $1", &[&k])
+                .unwrap_err();
+            assert_eq!(
+                remus_test_support::sqlstate(&e),
+                "57014",
+                "the UPDATE through {other} waits for the lock taken through {name}: {e:?}"
+            );
+            locker
+                .execute("UPDATE kv SET n = $2 WHERE k = $1", &[&k, &(n + 10)])
+                .unwrap();
+            locker.batch_execute("COMMIT").unwrap();
+            writer
+                .execute("UPDATE kv SET n = n + 1 WHERE k = $1", &[&k])
+                .unwrap();
+            assert_eq!(n_of(&c, "n1", k), n + 11);
+            expected += 1;
+        }
+    }
+    assert_eq!(expected, 6);
+    let e = n1
+        .query("SELECT n FROM kv WHERE k IN (1, 2, 3) FOR UPDATE", &[])
+        .unwrap_err();
+    assert_eq!(remus_test_support::sqlstate(&e), "0A000", "{e:?}");
 }

@@ -219,7 +219,7 @@ fn every_form_through_every_node() {
         for sql in [
             "UPDATE kv SET k = k + 1 WHERE k = 100",
             "INSERT INTO kv SELECT 999, 'z', 0",
-            "SELECT * FROM kv WHERE k = 100 FOR UPDATE",
+            "SELECT * FROM kv WHERE k IN (100, 101) FOR UPDATE",
             "UPDATE kv SET v = 'q' FROM kv_log WHERE kv.k = kv_log.k",
             "WITH x AS (SELECT 1) DELETE FROM kv WHERE k = 100",
             "MERGE INTO kv USING (SELECT 100 AS k) s ON kv.k = s.k WHEN MATCHED THEN UPDATE SET v = 'm'",

@@ -14,5 +14,6 @@ pub(super) fn install() {
 unsafe extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     crate::router::placement::forget_relation(relid);
     crate::cluster::nodes::forget_relation(relid);
+    crate::router::local::relcache_changed();
     crate::pg::extension::forget();
 }

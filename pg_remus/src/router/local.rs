@@ -18,10 +18,13 @@
 //!   rows collected for the CustomScan to return. The nested `ExecutorStart` still runs the
 //!   handover's write checks; the RM001 ownership check is skipped for it (`decided`), since
 //!   the router's own decision is what it would check.
-//! - Plans whose key is a parameter without a value at plan time (generic plans) carry no local
-//!   plan and are priced out, so the plan cache keeps making custom plans, which do.
+//! - A statement whose plan carries no local plan for the shard execution chose here (a generic
+//!   plan, whose key is a parameter; a backend whose map cache was empty at plan time) gets one
+//!   made at execution, kept with the plan per shard ([`local_plan_at_execution`]): a prepared
+//!   statement is planned once per shard, as PostgreSQL plans it once.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
 
 use pgrx::pg_sys;
@@ -49,14 +52,28 @@ pub(crate) struct PlanContext {
     pub bound_params: pg_sys::ParamListInfo,
 }
 
-/// Cost of a routed plan whose shard is chosen only at execution (its key is a parameter with
-/// no value at plan time): high, so that the plan cache prefers custom plans, which carry a
-/// local plan when the shard is here.
-pub(crate) const GENERIC_PLAN_COST: f64 = 1.0e9;
-
 thread_local! {
     /// Set while a plan the router decided to run here is started (`ExecutorStart`).
     static DECIDED: Cell<u32> = const { Cell::new(0) };
+    /// Local plans made at execution ([`local_plan_at_execution`]), per routed plan node.
+    static MADE_AT_EXECUTION: RefCell<HashMap<usize, ExecutionPlans>> = RefCell::new(HashMap::new());
+    /// Bumped by every relcache invalidation: a local plan made at execution before it may
+    /// name an index or a shard table that changed since, and is made again.
+    static EPOCH: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The local plans made at execution for one `RemusRouter` plan node, by shard, in a memory
+/// context that is a child of the plan's own: they live as long as the (cached) plan, and the
+/// context's reset callback drops this entry when the plan goes.
+struct ExecutionPlans {
+    cxt: pg_sys::MemoryContext,
+    epoch: u64,
+    plans: HashMap<i64, *mut pg_sys::PlannedStmt>,
+}
+
+/// A relcache invalidation arrived: local plans made at execution are made again.
+pub(crate) fn relcache_changed() {
+    EPOCH.with(|e| e.set(e.get() + 1));
 }
 
 /// Is this backend starting a local plan of the router (which needs no RM001 check)?
@@ -131,42 +148,6 @@ pub(crate) unsafe fn value_at_plan_time(
     }
 }
 
-/// Is the key expression a parameter with no value at plan time (so the plan is generic)?
-///
-/// # Safety
-/// As for [`value_at_plan_time`].
-pub(crate) unsafe fn chosen_at_execution(
-    expr: *mut pg_sys::Expr,
-    bound: pg_sys::ParamListInfo,
-) -> bool {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        !expr.is_null()
-            && has_extern_param(expr as *mut pg_sys::Node)
-            && value_at_plan_time(expr, bound).is_none()
-    }
-}
-
-/// Does a routable value (`key::is_routable_value`: constants, parameters, casts) use a `$n`?
-unsafe fn has_extern_param(node: *mut pg_sys::Node) -> bool {
-    // SAFETY: `node` is NULL or a valid expression node.
-    unsafe {
-        use pg_sys::NodeTag::*;
-        if node.is_null() {
-            return false;
-        }
-        match (*node).type_ {
-            T_Param => (*(node as *mut pg_sys::Param)).paramkind == pg_sys::ParamKind::PARAM_EXTERN,
-            T_RelabelType => has_extern_param((*(node as *mut pg_sys::RelabelType)).arg as *mut _),
-            T_CoerceViaIO => has_extern_param((*(node as *mut pg_sys::CoerceViaIO)).arg as *mut _),
-            T_FuncExpr => list_ptrs::<pg_sys::Node>((*(node as *mut pg_sys::FuncExpr)).args)
-                .into_iter()
-                .any(|a| has_extern_param(a)),
-            _ => false,
-        }
-    }
-}
-
 /// The owner this backend expects for shard index `index` of `table`: this transaction's pin,
 /// else the cached map. None: not known without reading the catalog (a guess only; nothing is
 /// pinned or cached).
@@ -208,30 +189,15 @@ pub(crate) unsafe fn plan_on_local_shards(
         if owner != me {
             return Ok(None);
         }
-        let local = pg_sys::copyObjectImpl(parse as *const std::ffi::c_void) as *mut pg_sys::Query;
-        let shells = shells_in(local)?;
-        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return Ok(None);
-        }
-        let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*local).rtable);
-        for (rti, table) in &shells {
-            if table.kind != 'h' || table.colocation_id != anchor.colocation_id {
-                return Ok(None);
-            }
-            match expected_owner(table, index) {
+        for (_, table) in shells_in(parse)? {
+            match expected_owner(&table, index) {
                 Some((_, o)) if o == me => {}
                 _ => return Ok(None),
             }
-            let Some(sid) = shard_ids(table.relid)?.get(index).copied() else {
-                return Ok(None);
-            };
-            let rte = rtes[rti - 1];
-            let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, nsp, (*rte).rellockmode)
-            else {
-                return Ok(None);
-            };
-            (*rte).relid = shard_relid;
+        }
+        let local = pg_sys::copyObjectImpl(parse as *const std::ffi::c_void) as *mut pg_sys::Query;
+        if !on_local_shards(local, anchor, index)? {
+            return Ok(None);
         }
         // No parallel plan: the nested executor does not enter parallel mode.
         let options = ctx.cursor_options & !(pg_sys::CURSOR_OPT_PARALLEL_OK as c_int);
@@ -248,6 +214,38 @@ pub(crate) unsafe fn plan_on_local_shards(
         let mut list = pg_sys::lappend(std::ptr::null_mut(), stmt as *mut std::ffi::c_void);
         list = pg_sys::lappend(list, shard as *mut std::ffi::c_void);
         Ok(Some(list))
+    }
+}
+
+/// Points every distributed table of `query` (a copy, edited in place) at its local shard of
+/// index `index`, locked. False: a table is not co-located with `anchor`, or a shard is not here.
+unsafe fn on_local_shards(
+    query: *mut pg_sys::Query,
+    anchor: &DistTable,
+    index: usize,
+) -> Result<bool, RemusError> {
+    // SAFETY: `query` is a valid Query of our own; catalog lookups and locks by OID.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return Ok(false);
+        }
+        let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable);
+        for (rti, table) in shells_in(query)? {
+            if table.kind != 'h' || table.colocation_id != anchor.colocation_id {
+                return Ok(false);
+            }
+            let Some(sid) = shard_ids(table.relid)?.get(index).copied() else {
+                return Ok(false);
+            };
+            let rte = rtes[rti - 1];
+            let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, nsp, (*rte).rellockmode)
+            else {
+                return Ok(false);
+            };
+            (*rte).relid = shard_relid;
+        }
+        Ok(true)
     }
 }
 
@@ -491,4 +489,101 @@ pub(crate) unsafe fn run_modify(
         pg_sys::FreeQueryDesc(qd);
         Some(changed)
     }
+}
+
+/// A local plan for `query` (the statement a `RemusRouter` plan node `cscan` carries) on this
+/// node's shards of index `index` (`shard`: the anchor table's), made at execution: kept with the
+/// plan node for later executions, made again after any relcache invalidation. None: a shard of
+/// the group is not here (take the general path).
+///
+/// # Safety
+/// `cscan` must be the executing plan node and `query` its Query; inside a transaction.
+pub(crate) unsafe fn local_plan_at_execution(
+    cscan: *mut pg_sys::CustomScan,
+    query: *mut pg_sys::Query,
+    anchor: &DistTable,
+    index: usize,
+    shard: i64,
+    source_text: *const c_char,
+) -> Result<Option<*mut pg_sys::PlannedStmt>, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract; memory contexts are
+    // PostgreSQL's, switched and restored around the allocation.
+    unsafe {
+        let key = cscan as usize;
+        let epoch = EPOCH.with(|e| e.get());
+        let known = MADE_AT_EXECUTION.with(|m| {
+            m.borrow()
+                .get(&key)
+                .map(|e| (e.cxt, e.epoch, e.plans.get(&shard).copied()))
+        });
+        let cxt = match known {
+            Some((_, e, Some(plan))) if e == epoch => return Ok(Some(plan)),
+            Some((cxt, e, None)) if e == epoch => cxt,
+            Some((cxt, _, _)) => {
+                // Stale: drop every plan of this node (the reset callback forgets the entry).
+                pg_sys::MemoryContextReset(cxt);
+                remember(key, cxt, epoch);
+                cxt
+            }
+            None => {
+                let parent = pg_sys::GetMemoryChunkContext(cscan as *mut std::ffi::c_void);
+                let cxt = pg_sys::AllocSetContextCreateInternal(
+                    parent,
+                    c"pg_remus local plans".as_ptr(),
+                    0,
+                    1024,
+                    8 * 1024 * 1024,
+                );
+                remember(key, cxt, epoch);
+                cxt
+            }
+        };
+        let old = pg_sys::MemoryContextSwitchTo(cxt);
+        let local = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
+        let here = on_local_shards(local, anchor, index);
+        let plan = match here {
+            Ok(true) => Some(pg_sys::planner(local, source_text, 0, std::ptr::null_mut())),
+            _ => None,
+        };
+        pg_sys::MemoryContextSwitchTo(old);
+        here?;
+        if let Some(p) = plan {
+            MADE_AT_EXECUTION.with(|m| {
+                if let Some(e) = m.borrow_mut().get_mut(&key) {
+                    e.plans.insert(shard, p);
+                }
+            });
+        }
+        Ok(plan)
+    }
+}
+
+/// Registers a fresh entry for plan node `key` whose plans live in `cxt`, and the callback that
+/// forgets it when `cxt` is reset or deleted.
+unsafe fn remember(key: usize, cxt: pg_sys::MemoryContext, epoch: u64) {
+    // SAFETY: the callback struct lives in `cxt`, as long as the registration.
+    unsafe {
+        let cb =
+            pg_sys::MemoryContextAlloc(cxt, std::mem::size_of::<pg_sys::MemoryContextCallback>())
+                as *mut pg_sys::MemoryContextCallback;
+        (*cb).func = Some(forget_plans);
+        (*cb).arg = key as *mut std::ffi::c_void;
+        (*cb).next = std::ptr::null_mut();
+        pg_sys::MemoryContextRegisterResetCallback(cxt, cb);
+    }
+    MADE_AT_EXECUTION.with(|m| {
+        m.borrow_mut().insert(
+            key,
+            ExecutionPlans {
+                cxt,
+                epoch,
+                plans: HashMap::new(),
+            },
+        )
+    });
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn forget_plans(arg: *mut std::ffi::c_void) {
+    let _ = MADE_AT_EXECUTION.try_with(|m| m.borrow_mut().remove(&(arg as usize)));
 }

@@ -24,6 +24,10 @@
 //! - [`key`]: the shard-key value of a statement and the placement it maps to;
 //!   [`colocated`]: SELECTs over co-located tables that read one shard group.
 //! - [`scan`] (`RemusShardScan`) and [`modify`] (`RemusRouter`): the two CustomScans.
+//! - [`local`]: the fast path, a statement on one shard group this node owns planned on the
+//!   local shard tables and run in a nested executor (no SPI, no deparse).
+//! - [`fanout`]: count / sum / min / max / avg over every shard of a table, computed per shard
+//!   and combined.
 //! - [`execute`]: running one marked statement where its shard lives; [`deparse`]: the text
 //!   sent there.
 //! - [`utility`]: COPY FROM, TRUNCATE and the refused utility statements.
@@ -32,6 +36,7 @@
 pub(crate) mod colocated;
 pub(crate) mod deparse;
 pub(crate) mod execute;
+pub(crate) mod fanout;
 pub(crate) mod key;
 pub(crate) mod local;
 pub(crate) mod marker;

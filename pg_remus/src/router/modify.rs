@@ -240,7 +240,7 @@ unsafe fn single_shard_key(parse: *mut pg_sys::Query, key_attno: i16) -> Option<
 }
 
 /// A local plan for a single-shard statement whose shard this node is expected to own
-/// ([`super::local`]), and the plan's cost: high when the shard is chosen only at execution.
+/// ([`super::local`]), and the plan's cost.
 unsafe fn local_or_cost(
     parse: *mut pg_sys::Query,
     anchor: &DistTable,
@@ -255,9 +255,6 @@ unsafe fn local_or_cost(
         if let Some((value, ty)) = super::local::value_at_plan_time(key, ctx.bound_params) {
             let local = super::local::plan_on_local_shards(parse, anchor, value, ty, ctx)?;
             return Ok((local, ROUTED_PLAN_COST));
-        }
-        if super::local::chosen_at_execution(key, ctx.bound_params) {
-            return Ok((None, super::local::GENERIC_PLAN_COST));
         }
         Ok((None, ROUTED_PLAN_COST))
     }
@@ -504,13 +501,28 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         }
         let mut affected = 0u64;
         let mut text_params = None;
-        // The local plan serves only the one shard it was made for, decided here to be this
-        // node's (`super::local`).
-        let local = local.filter(|(_, shard)| {
-            work.len() == 1
-                && work[0].placement.shard_id == *shard
-                && work[0].placement.node_name == me
-        });
+        // A local plan serves only the one shard it was made for, decided here to be this
+        // node's (`super::local`); without one made at plan time, one is made now.
+        let local = if work.len() == 1
+            && !reference
+            && work[0].query == query
+            && work[0].placement.node_name == me
+        {
+            let p = &work[0].placement;
+            match local.filter(|(_, shard)| *shard == p.shard_id) {
+                Some((stmt, _)) => Some(stmt),
+                None => super::local::local_plan_at_execution(
+                    cscan,
+                    query,
+                    &table,
+                    p.shard_index as usize,
+                    p.shard_id,
+                    (*estate).es_sourceText,
+                )?,
+            }
+        } else {
+            None
+        };
         for w in work {
             if let Some(lock_rows) = &w.fence {
                 let (values, types) = text_params.get_or_insert_with(|| params.as_text());
@@ -522,7 +534,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                     types,
                 )?;
             }
-            if let Some((stmt, _)) = local {
+            if let Some(stmt) = local {
                 if let Some(changed) = super::local::run_modify(stmt, estate, (*s).tstore) {
                     affected += changed;
                     (*s).ran = Ran::LocalPlan;
@@ -576,14 +588,34 @@ unsafe fn run_select(
         }
         let placement = super::key::placement_for(&table, &all, v, ty)?;
         same_node_for_every_table(query, anchor_relid, &placement, v, ty)?;
-        if let Some((stmt, shard)) = local {
-            let me = crate::guc::node_name().unwrap_or_default();
-            if placement.shard_id == shard && placement.node_name == me {
-                if let Some(qd) = super::local::start_select(stmt, estate) {
-                    (*s).local = qd;
-                    (*s).ran = Ran::LocalPlan;
-                    return Ok(());
-                }
+        // Row locks on a draining shard's new owner wait, like writes, for the older writers of
+        // those rows on its source (the drain fence).
+        if !(*query).rowMarks.is_null() && draining(&placement) {
+            let (values, types) = params_for_fence(estate);
+            crate::migration::handover::remus::wait_for_older_writers(
+                &table,
+                &placement,
+                &fence::rows_locked_by(query),
+                &values,
+                &types,
+            )?;
+        }
+        if placement.node_name == crate::guc::node_name().unwrap_or_default() {
+            let stmt = match local.filter(|(_, shard)| *shard == placement.shard_id) {
+                Some((stmt, _)) => Some(stmt),
+                None => super::local::local_plan_at_execution(
+                    ps.plan as *mut pg_sys::CustomScan,
+                    query,
+                    &table,
+                    placement.shard_index as usize,
+                    placement.shard_id,
+                    (*estate).es_sourceText,
+                )?,
+            };
+            if let Some(qd) = stmt.and_then(|stmt| super::local::start_select(stmt, estate)) {
+                (*s).local = qd;
+                (*s).ran = Ran::LocalPlan;
+                return Ok(());
             }
         }
         let out_types: Vec<(pg_sys::Oid, i32)> =
@@ -598,12 +630,15 @@ unsafe fn run_select(
         let params = Params::from_list((*estate).es_param_list_info);
         let sql = super::deparse::deparse(query);
         (*s).ran = Ran::Routed;
-        let join = if super::execute::whole_transaction(estate, query) {
+        // Row locks are writes for the commit: the participant holding them commits with the
+        // others (2PC), never ahead of them, and never as a transaction of its own.
+        let locks = !(*query).rowMarks.is_null();
+        let join = if !locks && super::execute::whole_transaction(estate, query) {
             Join::Alone
         } else {
             Join::Transaction
         };
-        let r = super::execute::run_on_shard(&placement, &sql, &params, &out_types, false, join)?;
+        let r = super::execute::run_on_shard(&placement, &sql, &params, &out_types, locks, join)?;
         let desc = (*(*s).css.ss.ss_ScanTupleSlot).tts_tupleDescriptor;
         let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
         (*s).tstore = pg_sys::tuplestore_begin_heap(false, false, pg_sys::work_mem);
@@ -654,6 +689,12 @@ unsafe fn same_node_for_every_table(
         }
         Ok(())
     }
+}
+
+/// The statement's parameters as the drain fence sends them.
+unsafe fn params_for_fence(estate: *mut pg_sys::EState) -> (Vec<Option<String>>, Vec<u32>) {
+    // SAFETY: `estate` is the executing statement's live EState.
+    unsafe { Params::from_list((*estate).es_param_list_info).as_text() }
 }
 
 /// Appends shard result rows (padded or cut to `n` columns) to the node's tuplestore.

@@ -12,7 +12,7 @@ use crate::pg::extension::extension_present;
 use crate::router::local::PlanContext;
 use crate::router::marker::{marker_honoured, pin_to_local_shard};
 use crate::router::placement::shells_in;
-use crate::router::{colocated, modify};
+use crate::router::{colocated, fanout, modify};
 
 /// Decides how a statement is planned. `Ok(None)`: by PostgreSQL (the scan hook may still
 /// replace shell scans).
@@ -61,18 +61,21 @@ pub(crate) unsafe fn route(
                 "MERGE on distributed tables is not supported",
             ));
         }
-        if cmd == pg_sys::CmdType::CMD_SELECT
-            && !(*parse).rowMarks.is_null()
-            && !shells_in(parse)?.is_empty()
-        {
-            return Err(RemusError::Unsupported(
-                "SELECT … FOR UPDATE/SHARE on distributed tables is not supported yet",
-            ));
-        }
         if cmd == pg_sys::CmdType::CMD_SELECT {
+            // Whole on one shard group, FOR UPDATE / FOR SHARE included: its row locks are
+            // taken where the rows are.
             if let Some((anchor_table, anchor_value)) = colocated::colocated_anchor(parse)? {
                 return modify::plan_single_shard_select(parse, &anchor_table, anchor_value, ctx)
                     .map(Some);
+            }
+            // Aggregates over every shard of one table: computed per shard, combined here.
+            if let Some(stmt) = fanout::plan(parse, ctx)? {
+                return Ok(Some(stmt));
+            }
+            if !(*parse).rowMarks.is_null() && !shells_in(parse)?.is_empty() {
+                return Err(RemusError::Unsupported(
+                    "SELECT … FOR UPDATE/SHARE on distributed tables other than on one shard group (every distributed table restricted to the same shard-key value)",
+                ));
             }
         }
         Ok(None)

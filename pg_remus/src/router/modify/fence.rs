@@ -71,6 +71,41 @@ pub(crate) unsafe fn rows_written_by(query: *mut pg_sys::Query) -> String {
     }
 }
 
+/// The lock query for a SELECT … FOR UPDATE / FOR SHARE on one shard group: the same FROM and
+/// WHERE, `SELECT 1 … FOR SHARE` of the same tables, with the statement's own parameters.
+///
+/// # Safety
+/// `query` must be a valid rewritten SELECT with row marks (what `modify::plan_single_shard_select`
+/// admits).
+pub(crate) unsafe fn rows_locked_by(query: *mut pg_sys::Query) -> String {
+    // SAFETY: the caller upholds this function's `# Safety` contract; the copy is ours to edit.
+    unsafe {
+        let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
+        for rc in list_ptrs::<pg_sys::RowMarkClause>((*q).rowMarks) {
+            (*rc).strength = pg_sys::LockClauseStrength::LCS_FORSHARE;
+            (*rc).waitPolicy = pg_sys::LockWaitPolicy::LockWaitBlock;
+        }
+        (*q).sortClause = std::ptr::null_mut();
+        (*q).limitCount = std::ptr::null_mut();
+        (*q).limitOffset = std::ptr::null_mut();
+        let one = pg_sys::makeConst(
+            pg_sys::INT4OID,
+            -1,
+            pg_sys::InvalidOid,
+            4,
+            pg_sys::Datum::from(1usize),
+            false,
+            true,
+        );
+        (*q).targetList = pg_sys::lappend(
+            std::ptr::null_mut(),
+            pg_sys::makeTargetEntry(one as *mut pg_sys::Expr, 1, std::ptr::null_mut(), false)
+                as *mut std::ffi::c_void,
+        );
+        deparse::deparse(q)
+    }
+}
+
 /// The lock query for an INSERT … ON CONFLICT of `rows` (for a multi-row INSERT, the rows of the
 /// VALUES list, range-table entry `values_rti`, that go to one shard; for a single row, none and
 /// 0), or None when the statement has no ON CONFLICT or its conflict rows cannot be shipped
