@@ -43,6 +43,25 @@ pub(crate) unsafe fn rows_written_by(query: *mut pg_sys::Query) -> String {
         (*q).onConflict = std::ptr::null_mut();
         (*q).rowMarks = std::ptr::null_mut();
         (*q).hasForUpdate = false;
+        select_one(q);
+        // The target of an UPDATE/DELETE is not in its FROM list; a SELECT's must be (and
+        // ruleutils prints only entries marked as written in FROM).
+        let target = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[rt as usize - 1];
+        (*target).inFromCl = true;
+        let from =
+            pg_sys::palloc0(std::mem::size_of::<pg_sys::RangeTblRef>()) as *mut pg_sys::RangeTblRef;
+        (*from).type_ = pg_sys::NodeTag::T_RangeTblRef;
+        (*from).rtindex = rt;
+        (*(*q).jointree).fromlist =
+            pg_sys::lappend(std::ptr::null_mut(), from as *mut std::ffi::c_void);
+        format!("{} FOR SHARE", deparse::deparse(q))
+    }
+}
+
+/// Makes `q`'s target list `SELECT 1` (a lock query needs no columns).
+unsafe fn select_one(q: *mut pg_sys::Query) {
+    // SAFETY: `q` is a Query copy of the caller's own.
+    unsafe {
         let one = pg_sys::makeConst(
             pg_sys::INT4OID,
             -1,
@@ -57,17 +76,6 @@ pub(crate) unsafe fn rows_written_by(query: *mut pg_sys::Query) -> String {
             pg_sys::makeTargetEntry(one as *mut pg_sys::Expr, 1, std::ptr::null_mut(), false)
                 as *mut std::ffi::c_void,
         );
-        // The target of an UPDATE/DELETE is not in its FROM list; a SELECT's must be (and
-        // ruleutils prints only entries marked as written in FROM).
-        let target = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[rt as usize - 1];
-        (*target).inFromCl = true;
-        let from =
-            pg_sys::palloc0(std::mem::size_of::<pg_sys::RangeTblRef>()) as *mut pg_sys::RangeTblRef;
-        (*from).type_ = pg_sys::NodeTag::T_RangeTblRef;
-        (*from).rtindex = rt;
-        (*(*q).jointree).fromlist =
-            pg_sys::lappend(std::ptr::null_mut(), from as *mut std::ffi::c_void);
-        format!("{} FOR SHARE", deparse::deparse(q))
     }
 }
 
@@ -88,20 +96,7 @@ pub(crate) unsafe fn rows_locked_by(query: *mut pg_sys::Query) -> String {
         (*q).sortClause = std::ptr::null_mut();
         (*q).limitCount = std::ptr::null_mut();
         (*q).limitOffset = std::ptr::null_mut();
-        let one = pg_sys::makeConst(
-            pg_sys::INT4OID,
-            -1,
-            pg_sys::InvalidOid,
-            4,
-            pg_sys::Datum::from(1usize),
-            false,
-            true,
-        );
-        (*q).targetList = pg_sys::lappend(
-            std::ptr::null_mut(),
-            pg_sys::makeTargetEntry(one as *mut pg_sys::Expr, 1, std::ptr::null_mut(), false)
-                as *mut std::ffi::c_void,
-        );
+        select_one(q);
         deparse::deparse(q)
     }
 }
