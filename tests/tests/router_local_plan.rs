@@ -33,6 +33,21 @@ fn key_on(db: &mut postgres::Client, node: &str, owned: bool) -> (i64, i64) {
     (r.get(0), r.get(1))
 }
 
+/// A 3-node cluster with `kv` over 4 shards holding rows 1..=rows, a session on n1, and a key
+/// whose shard n1 owns.
+fn four_shards_and_a_key_on_n1(rows: i64) -> (TestCluster, postgres::Client, i64, i64) {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE kv (k bigint PRIMARY KEY, v text NOT NULL, n int NOT NULL DEFAULT 0);
+         SELECT remus_create_distributed_table('kv', 'k', 4);",
+    )
+    .unwrap();
+    fill(&mut n1, rows);
+    let (k, shard) = key_on(&mut n1, "n1", true);
+    (c, n1, k, shard)
+}
+
 /// Rows 1..=n of `kv`: (k, 'v<k>', 0).
 fn fill(db: &mut postgres::Client, n: i64) {
     db.batch_execute(&format!(
@@ -188,15 +203,7 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
 
 #[test]
 fn a_local_plan_made_before_its_shard_moved_is_not_used_after() {
-    let c = TestCluster::start(3).expect("cluster up");
-    let mut n1 = c.connect("n1").unwrap();
-    n1.batch_execute(
-        "CREATE TABLE kv (k bigint PRIMARY KEY, v text NOT NULL, n int NOT NULL DEFAULT 0);
-         SELECT remus_create_distributed_table('kv', 'k', 4);",
-    )
-    .unwrap();
-    fill(&mut n1, 100);
-    let (k, shard) = key_on(&mut n1, "n1", true);
+    let (c, mut n1, k, shard) = four_shards_and_a_key_on_n1(100);
     // Plans with the key as a constant: cached once, each with its local plan.
     let mut s = c.connect("n1").unwrap();
     s.batch_execute(&format!(
@@ -325,4 +332,46 @@ fn select_for_update_on_one_shard_group_locks_the_rows_until_commit() {
         .query("SELECT n FROM kv WHERE k IN (1, 2, 3) FOR UPDATE", &[])
         .unwrap_err();
     assert_eq!(remus_test_support::sqlstate(&e), "0A000", "{e:?}");
+}
+
+/// The execution-time decision, not the plan, says where a statement runs: a cached plan whose
+/// local plan was made while this node owned the shard is routed to the new owner once the
+/// shard map says so, although the local copy is still here (a simulated flip, data not moved:
+/// the new owner has no shard table, so the statement fails there with RM001 instead of reading
+/// the stale local copy).
+#[test]
+fn a_cached_local_plan_is_not_used_once_the_map_names_another_owner() {
+    let (c, _n1, k, shard) = four_shards_and_a_key_on_n1(40);
+    let mut s = c.connect("n1").unwrap();
+    s.batch_execute(&format!(
+        "SELECT n FROM kv WHERE k = {k};
+         PREPARE get AS SELECT n FROM kv WHERE k = {k};
+         PREPARE get_p(bigint) AS SELECT n FROM kv WHERE k = $1;"
+    ))
+    .unwrap();
+    for _ in 0..7 {
+        s.batch_execute(&format!("EXECUTE get; EXECUTE get_p({k})"))
+            .unwrap();
+    }
+    for stmt in ["EXECUTE get".to_string(), format!("EXECUTE get_p({k})")] {
+        let plan = explain(&mut s, &stmt);
+        assert!(plan.contains("Ran: local plan"), "{stmt} before:\n{plan}");
+    }
+    for name in c.node_names() {
+        c.connect(&name)
+            .unwrap()
+            .batch_execute(&format!(
+                "UPDATE remus.shard_map SET node_name = 'n2' WHERE shard_id = {shard};
+                 SELECT remus.bump_map_generation();"
+            ))
+            .unwrap();
+    }
+    for stmt in ["EXECUTE get".to_string(), format!("EXECUTE get_p({k})")] {
+        let e = s.batch_execute(&stmt).unwrap_err();
+        assert_eq!(
+            remus_test_support::sqlstate(&e),
+            "RM001",
+            "{stmt} after the map names n2 must be routed there, not read here: {e:?}"
+        );
+    }
 }

@@ -50,7 +50,13 @@ pub struct RemoteConnection {
     pub close_at_transaction_end: bool,
     /// The command under way has been sent a cancel by [`Interrupts::Forward`].
     cancel_forwarded: bool,
+    /// Statements prepared on this session, by text and parameter types: a routed statement
+    /// with parameters (a prepared statement's, usually) is parsed and planned there once.
+    prepared: HashMap<(String, Vec<u32>), CString>,
 }
+
+/// Most statements kept prepared per connection; past it they are all deallocated.
+const MAX_PREPARED: usize = 256;
 
 /// What a wait for a participant does with this backend's own pending interrupts.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -211,6 +217,7 @@ impl RemoteConnection {
             broken: false,
             close_at_transaction_end: false,
             cancel_forwarded: false,
+            prepared: HashMap::new(),
         };
         // SAFETY: conn is a live PGconn owned by `me`.
         if unsafe { pq::PQstatus(me.conn.as_ptr()) } == pq::ConnStatusType::CONNECTION_BAD {
@@ -360,7 +367,7 @@ impl RemoteConnection {
         if params.is_empty() {
             return self.exec(sql);
         }
-        let c = cstring(sql)?;
+        let name = self.prepared_statement(sql, types)?;
         let values: Vec<Option<CString>> = params
             .iter()
             .map(|p| p.as_deref().map(cstring).transpose())
@@ -369,14 +376,12 @@ impl RemoteConnection {
             .iter()
             .map(|v| v.as_ref().map_or(std::ptr::null(), |v| v.as_ptr()))
             .collect();
-        let oids: Vec<pq::Oid> = types.iter().map(|t| *t as pq::Oid).collect();
         // SAFETY: arrays of `params.len()` entries that outlive the call; text format.
         let sent = unsafe {
-            pq::PQsendQueryParams(
+            pq::PQsendQueryPrepared(
                 self.conn.as_ptr(),
-                c.as_ptr(),
+                name.as_ptr(),
                 params.len() as i32,
-                oids.as_ptr(),
                 ptrs.as_ptr(),
                 std::ptr::null(),
                 std::ptr::null(),
@@ -388,6 +393,40 @@ impl RemoteConnection {
         }
         self.flush(Interrupts::Service)?;
         self.collect(Interrupts::Service)
+    }
+
+    /// The name of `sql` (with parameter types `types`) prepared on this session, preparing it
+    /// first if needed. Prepared statements outlive transactions, so a rolled-back transaction
+    /// keeps them; an error preparing leaves nothing behind.
+    fn prepared_statement(&mut self, sql: &str, types: &[u32]) -> Result<CString, RemusError> {
+        let key = (sql.to_string(), types.to_vec());
+        if let Some(name) = self.prepared.get(&key) {
+            return Ok(name.clone());
+        }
+        if self.prepared.len() >= MAX_PREPARED {
+            self.exec("DEALLOCATE ALL")?;
+            self.prepared.clear();
+        }
+        let name = cstring(&format!("remus_{}", self.prepared.len() + 1))?;
+        let c = cstring(sql)?;
+        let oids: Vec<pq::Oid> = types.iter().map(|t| *t as pq::Oid).collect();
+        // SAFETY: live PGconn; NUL-terminated name and text, `types.len()` OIDs.
+        let sent = unsafe {
+            pq::PQsendPrepare(
+                self.conn.as_ptr(),
+                name.as_ptr(),
+                c.as_ptr(),
+                types.len() as i32,
+                oids.as_ptr(),
+            )
+        };
+        if sent == 0 {
+            return Err(self.connection_error());
+        }
+        self.flush(Interrupts::Service)?;
+        self.collect(Interrupts::Service)?;
+        self.prepared.insert(key, name.clone());
+        Ok(name)
     }
 
     fn flush(&mut self, interrupts: Interrupts) -> Result<(), RemusError> {

@@ -69,6 +69,8 @@ struct ExecutionPlans {
     cxt: pg_sys::MemoryContext,
     epoch: u64,
     plans: HashMap<i64, *mut pg_sys::PlannedStmt>,
+    /// The node's statement as deparsed for its owner ([`deparsed`]), by Query.
+    texts: HashMap<usize, std::rc::Rc<str>>,
 }
 
 /// A relcache invalidation arrived: local plans made at execution are made again.
@@ -519,24 +521,7 @@ pub(crate) unsafe fn local_plan_at_execution(
         let cxt = match known {
             Some((_, e, Some(plan))) if e == epoch => return Ok(Some(plan)),
             Some((cxt, e, None)) if e == epoch => cxt,
-            Some((cxt, _, _)) => {
-                // Stale: drop every plan of this node (the reset callback forgets the entry).
-                pg_sys::MemoryContextReset(cxt);
-                remember(key, cxt, epoch);
-                cxt
-            }
-            None => {
-                let parent = pg_sys::GetMemoryChunkContext(cscan as *mut std::ffi::c_void);
-                let cxt = pg_sys::AllocSetContextCreateInternal(
-                    parent,
-                    c"pg_remus local plans".as_ptr(),
-                    0,
-                    1024,
-                    8 * 1024 * 1024,
-                );
-                remember(key, cxt, epoch);
-                cxt
-            }
+            _ => node_cache(cscan),
         };
         let old = pg_sys::MemoryContextSwitchTo(cxt);
         let local = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
@@ -555,6 +540,76 @@ pub(crate) unsafe fn local_plan_at_execution(
             });
         }
         Ok(plan)
+    }
+}
+
+/// The cache entry of plan node `cscan`, current (made, or emptied if older than the last
+/// relcache invalidation); returns its memory context.
+unsafe fn node_cache(cscan: *mut pg_sys::CustomScan) -> pg_sys::MemoryContext {
+    // SAFETY: `cscan` is a live plan node, allocated by PostgreSQL in its plan's context.
+    unsafe {
+        let key = cscan as usize;
+        let epoch = EPOCH.with(|e| e.get());
+        let known = MADE_AT_EXECUTION.with(|m| m.borrow().get(&key).map(|e| (e.cxt, e.epoch)));
+        match known {
+            Some((cxt, e)) if e == epoch => cxt,
+            Some((cxt, _)) => {
+                // Stale: drop what this node kept (the reset callback forgets the entry).
+                pg_sys::MemoryContextReset(cxt);
+                remember(key, cxt, epoch);
+                cxt
+            }
+            None => {
+                let parent = pg_sys::GetMemoryChunkContext(cscan as *mut std::ffi::c_void);
+                let cxt = pg_sys::AllocSetContextCreateInternal(
+                    parent,
+                    c"pg_remus plan node cache".as_ptr(),
+                    0,
+                    1024,
+                    8 * 1024 * 1024,
+                );
+                remember(key, cxt, epoch);
+                cxt
+            }
+        }
+    }
+}
+
+/// `query` (carried by plan node `cscan`) deparsed for its owner. A statement with parameters
+/// (`cacheable`: a prepared or extended-protocol statement, whose text does not change between
+/// executions) is deparsed once per plan node; others each time.
+///
+/// # Safety
+/// `cscan` must be the executing plan node and `query` one of its Queries.
+pub(crate) unsafe fn deparsed(
+    cscan: *mut pg_sys::CustomScan,
+    query: *mut pg_sys::Query,
+    cacheable: bool,
+) -> std::rc::Rc<str> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        if !cacheable {
+            return super::deparse::deparse(query).into();
+        }
+        let key = cscan as usize;
+        let epoch = EPOCH.with(|e| e.get());
+        let hit = MADE_AT_EXECUTION.with(|m| {
+            m.borrow()
+                .get(&key)
+                .filter(|e| e.epoch == epoch)
+                .and_then(|e| e.texts.get(&(query as usize)).cloned())
+        });
+        if let Some(text) = hit {
+            return text;
+        }
+        node_cache(cscan);
+        let text: std::rc::Rc<str> = super::deparse::deparse(query).into();
+        MADE_AT_EXECUTION.with(|m| {
+            if let Some(e) = m.borrow_mut().get_mut(&key) {
+                e.texts.insert(query as usize, text.clone());
+            }
+        });
+        text
     }
 }
 
@@ -578,6 +633,7 @@ unsafe fn remember(key: usize, cxt: pg_sys::MemoryContext, epoch: u64) {
                 cxt,
                 epoch,
                 plans: HashMap::new(),
+                texts: HashMap::new(),
             },
         )
     });

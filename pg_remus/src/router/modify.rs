@@ -542,7 +542,13 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 }
             }
             (*s).ran = Ran::Routed;
-            let sql = super::deparse::deparse(w.query);
+            // Cached only for the plan's own Query: a multi-row INSERT's per-shard copies are
+            // new at every execution.
+            let sql = super::local::deparsed(
+                cscan,
+                w.query,
+                !params.values.is_empty() && w.query == query,
+            );
             let r = super::execute::run_on_shard(
                 &w.placement,
                 &sql,
@@ -628,7 +634,11 @@ unsafe fn run_select(
                 })
                 .collect();
         let params = Params::from_list((*estate).es_param_list_info);
-        let sql = super::deparse::deparse(query);
+        let sql = super::local::deparsed(
+            ps.plan as *mut pg_sys::CustomScan,
+            query,
+            !params.values.is_empty(),
+        );
         (*s).ran = Ran::Routed;
         // Row locks are writes for the commit: the participant holding them commits with the
         // others (2PC), never ahead of them, and never as a transaction of its own.
