@@ -184,6 +184,46 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
         }
         db.batch_execute("DEALLOCATE get").unwrap();
 
+        // PL/pgSQL: its statements' plans are generic after a few calls, with the key a
+        // parameter chosen at each execution; owned and other keys alike, one transaction.
+        db.batch_execute(
+            "CREATE OR REPLACE FUNCTION bump_twice(key bigint) RETURNS int LANGUAGE plpgsql AS $$
+             DECLARE r int;
+             BEGIN
+                 UPDATE kv SET n = n + 1 WHERE k = key;
+                 UPDATE kv SET n = n + 1 WHERE k = key RETURNING n INTO r;
+                 PERFORM 1 FROM kv WHERE k = key FOR UPDATE;
+                 RETURN r - (SELECT n FROM kv WHERE k = key);
+             END $$",
+        )
+        .unwrap();
+        for _ in 0..8 {
+            for key in [mine, theirs] {
+                let d: i32 = db
+                    .query_one("SELECT bump_twice($1)", &[&key])
+                    .unwrap()
+                    .get(0);
+                assert_eq!(
+                    d, 0,
+                    "a function's own writes are visible to it through {name}"
+                );
+            }
+        }
+        assert_eq!(
+            n_of(&c, &name, mine),
+            6 + 16,
+            "PL/pgSQL writes on an owned key"
+        );
+        assert_eq!(
+            n_of(&c, &name, theirs),
+            16,
+            "PL/pgSQL writes on another node's key"
+        );
+        db.batch_execute(&format!(
+            "UPDATE kv SET n = 6 WHERE k = {mine}; UPDATE kv SET n = 0 WHERE k = {theirs}"
+        ))
+        .unwrap();
+
         // A read through a non-owner inside a transaction sees that transaction's own write
         // there (it joins the remote transaction, it is not a transaction of its own).
         db.batch_execute(&format!("BEGIN; UPDATE kv SET n = 99 WHERE k = {theirs}"))
