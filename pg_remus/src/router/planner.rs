@@ -74,7 +74,7 @@ pub(crate) unsafe fn route(
             }
             if !(*parse).rowMarks.is_null() && !shells_in(parse)?.is_empty() {
                 return Err(RemusError::Unsupported(
-                    "SELECT … FOR UPDATE/SHARE on distributed tables other than on one shard group (every distributed table restricted to the same shard-key value)",
+                    "SELECT … FOR UPDATE/SHARE on distributed tables is supported on one shard group only (every distributed table restricted to the same shard-key value)",
                 ));
             }
         }
