@@ -162,6 +162,20 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
             (format!("v{mine}"), 1)
         );
 
+        // Tables tied by their keys equal to the same value, not by a join on the keys.
+        for k in [mine, theirs] {
+            let sql = format!(
+                "SELECT count(*) FROM kv, kv_log WHERE kv.k = {k} AND kv_log.k = {k} AND kv_log.id = 1"
+            );
+            let plan = explain(&mut db, &sql);
+            assert!(
+                plan.contains("Custom Scan (RemusRouter)") && !plan.contains("RemusShardScan"),
+                "{sql} through {name} runs whole on its shard group:\n{plan}"
+            );
+            let n: i64 = db.query_one(sql.as_str(), &[]).unwrap().get(0);
+            assert_eq!(n, 1, "{sql} through {name}");
+        }
+
         // Parameters: a prepared statement's generic plan (from the sixth execution on) makes
         // its local plan at execution, once per shard; a key elsewhere is routed.
         db.batch_execute("PREPARE get(bigint) AS SELECT n FROM kv WHERE k = $1")

@@ -91,7 +91,12 @@ pub fn with_connection<R>(
             }
         }
     }
-    let cached = CONNECTIONS.with(|c| c.borrow_mut().remove(&addr.name));
+    let mut cached = CONNECTIONS.with(|c| c.borrow_mut().remove(&addr.name));
+    if let Some(c) = cached.as_mut() {
+        if c.addr == *addr && !c.broken && c.status_ok() && !c.settle_leftover() {
+            c.broken = true;
+        }
+    }
     let conn = match cached {
         Some(c) if c.addr == *addr && !c.broken && c.status_ok() => c,
         // A connection still inside a transaction must not be silently replaced: its remote
@@ -563,6 +568,21 @@ impl RemoteConnection {
         if self.collect(Interrupts::Hold).is_err() {
             self.broken = true;
         }
+    }
+
+    /// A connection outside any local transaction must be idle. One that is not was left by an
+    /// ERROR raised here while it ran a command the abort path does not know of (an autocommit
+    /// read, a BEGIN interrupted before it was recorded): its command is cancelled and drained,
+    /// an open block rolled back. False: still not idle, do not use it.
+    fn settle_leftover(&mut self) -> bool {
+        if self.in_transaction {
+            return true;
+        }
+        self.cancel_running();
+        if !self.broken && !self.transaction_idle() {
+            let _ = self.exec_uninterruptible("ROLLBACK");
+        }
+        !self.broken && self.transaction_idle()
     }
 
     pub fn transaction_idle(&self) -> bool {

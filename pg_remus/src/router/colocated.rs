@@ -135,12 +135,22 @@ pub(crate) unsafe fn colocated_anchor(
             })
         };
         let mut anchor = None;
+        // Tables whose keys equal the same value (`a.k = $1 AND b.k = $1`, TPC-C's stock
+        // level) are tied together as if joined on their keys.
+        let mut valued: Vec<(usize, *mut pg_sys::Expr)> = Vec::new();
         for c in quals {
             for (i, (rti, attno)) in keys.iter().enumerate() {
-                if anchor.is_none() {
-                    if let Some(v) = key_equality_value(c, *rti as i32, *attno) {
+                if let Some(v) = key_equality_value(c, *rti as i32, *attno) {
+                    if anchor.is_none() {
                         anchor = Some((i, v));
                     }
+                    if let Some((j, _)) = valued.iter().find(|(_, w)| {
+                        pg_sys::equal(*w as *const std::ffi::c_void, v as *const std::ffi::c_void)
+                    }) {
+                        let (ri, rj) = (find(&mut parent, i), find(&mut parent, *j));
+                        parent[ri] = rj;
+                    }
+                    valued.push((i, v));
                 }
             }
             if !is_tag(c, pg_sys::NodeTag::T_OpExpr) {

@@ -229,8 +229,10 @@ fn join_transaction(c: &mut remote::RemoteConnection) -> Result<(), RemusError> 
                 pg_sys::XACT_REPEATABLE_READ => "REPEATABLE READ",
                 _ => "READ COMMITTED",
             };
-            c.exec(&format!("BEGIN ISOLATION LEVEL {iso}"))?;
+            // Recorded before BEGIN is sent: an ERROR raised while it runs (a cancel here)
+            // leaves the abort path to cancel and roll back whatever it started there.
             c.in_transaction = true;
+            c.exec(&format!("BEGIN ISOLATION LEVEL {iso}"))?;
             // Joining inside subtransactions: recreate their savepoints here too.
             let open = savepoints::open();
             for subid in open {
