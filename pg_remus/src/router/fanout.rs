@@ -426,21 +426,7 @@ unsafe fn fanout(fcinfo: pg_sys::FunctionCallInfo) -> Result<(), RemusError> {
                 false,
                 Join::Transaction,
             )?;
-            for row in r.rows {
-                let mut values: Vec<pg_sys::Datum> = row
-                    .iter()
-                    .map(|v| v.unwrap_or(pg_sys::Datum::from(0usize)))
-                    .collect();
-                let mut nulls: Vec<bool> = row.iter().map(|v| v.is_none()).collect();
-                values.resize(natts, pg_sys::Datum::from(0usize));
-                nulls.resize(natts, true);
-                pg_sys::tuplestore_putvalues(
-                    store,
-                    tupdesc,
-                    values.as_mut_ptr(),
-                    nulls.as_mut_ptr(),
-                );
-            }
+            super::modify::store_rows(store, tupdesc, r.rows, natts);
         }
         (*rsinfo).returnMode = pg_sys::SetFunctionReturnMode::SFRM_Materialize;
         (*rsinfo).setResult = store;

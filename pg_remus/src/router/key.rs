@@ -22,9 +22,7 @@ pub(crate) unsafe fn placement_for(
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
     unsafe {
-        let d = crate::pg::datum::coerce_via_text(value, value_type, table.key_type);
-        let hash = crate::catalog::hashing::hash_datum(d, table.key_type, pg_sys::InvalidOid)?;
-        let idx = crate::catalog::hashing::shard_index(hash, table.shard_count as u32) as i32;
+        let idx = shard_index_of(table, value, value_type)? as i32;
         let p = placements
             .iter()
             .find(|p| p.shard_index == idx)
@@ -35,6 +33,24 @@ pub(crate) unsafe fn placement_for(
             })?;
         // The chosen shard's ownership change, if in doubt here, is waited for now (F5).
         super::placement::settle(p)
+    }
+}
+
+/// The index of the shard of `table` that a key value (of any type convertible to the key type)
+/// maps to.
+///
+/// # Safety
+/// `value` must be a valid datum of type `value_type`.
+pub(crate) unsafe fn shard_index_of(
+    table: &DistTable,
+    value: pg_sys::Datum,
+    value_type: pg_sys::Oid,
+) -> Result<usize, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let d = crate::pg::datum::coerce_via_text(value, value_type, table.key_type);
+        let hash = crate::catalog::hashing::hash_datum(d, table.key_type, pg_sys::InvalidOid)?;
+        Ok(crate::catalog::hashing::shard_index(hash, table.shard_count as u32) as usize)
     }
 }
 

@@ -182,9 +182,7 @@ pub(crate) unsafe fn plan_on_local_shards(
             return Ok(None);
         }
         let me = crate::guc::node_name().unwrap_or_default();
-        let d = crate::pg::datum::coerce_via_text(value, value_type, anchor.key_type);
-        let hash = crate::catalog::hashing::hash_datum(d, anchor.key_type, pg_sys::InvalidOid)?;
-        let index = crate::catalog::hashing::shard_index(hash, anchor.shard_count as u32) as usize;
+        let index = super::key::shard_index_of(anchor, value, value_type)?;
         let Some((anchor_shard, owner)) = expected_owner(anchor, index) else {
             return Ok(None);
         };
@@ -513,16 +511,16 @@ pub(crate) unsafe fn local_plan_at_execution(
     unsafe {
         let key = cscan as usize;
         let epoch = EPOCH.with(|e| e.get());
-        let known = MADE_AT_EXECUTION.with(|m| {
+        let kept = MADE_AT_EXECUTION.with(|m| {
             m.borrow()
                 .get(&key)
-                .map(|e| (e.cxt, e.epoch, e.plans.get(&shard).copied()))
+                .filter(|e| e.epoch == epoch)
+                .and_then(|e| e.plans.get(&shard).copied())
         });
-        let cxt = match known {
-            Some((_, e, Some(plan))) if e == epoch => return Ok(Some(plan)),
-            Some((cxt, e, None)) if e == epoch => cxt,
-            _ => node_cache(cscan),
-        };
+        if let Some(plan) = kept {
+            return Ok(Some(plan));
+        }
+        let cxt = node_cache(cscan);
         let old = pg_sys::MemoryContextSwitchTo(cxt);
         let local = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
         let here = on_local_shards(local, anchor, index);

@@ -193,14 +193,13 @@ pub unsafe fn plan(
         } else {
             single_shard_key(parse, key_attno)
         };
-        let (local, cost) = local_or_cost(parse, table, key, ctx)?;
+        let local = local_plan_for(parse, table, key, ctx)?;
         Ok(build_stmt(
             parse,
             &returning,
             &[table.relid],
             private,
             local,
-            cost,
         ))
     }
 }
@@ -226,41 +225,47 @@ unsafe fn single_shard_key(parse: *mut pg_sys::Query, key_attno: i16) -> Option<
         if q.jointree.is_null() {
             return None;
         }
-        let quals = (*q.jointree).quals;
-        let mut conjuncts = vec![quals];
-        if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
-            && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
-        {
-            conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
-        }
-        conjuncts
+        top_level_conjuncts((*q.jointree).quals)
             .into_iter()
             .find_map(|c| super::key::key_equality_value(c, q.resultRelation, key_attno))
     }
 }
 
-/// A local plan for a single-shard statement whose shard this node is expected to own
-/// ([`super::local`]), and the plan's cost.
-unsafe fn local_or_cost(
+/// The conjuncts of a WHERE clause: the arguments of a top-level AND, or the clause itself.
+///
+/// # Safety
+/// `quals` must be NULL or a valid expression.
+unsafe fn top_level_conjuncts(quals: *mut pg_sys::Node) -> Vec<*mut pg_sys::Node> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
+            && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
+        {
+            list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args)
+        } else {
+            vec![quals]
+        }
+    }
+}
+
+/// A local plan for a single-shard statement whose shard this node is expected to own and whose
+/// key value is known at plan time ([`super::local`]).
+unsafe fn local_plan_for(
     parse: *mut pg_sys::Query,
     anchor: &DistTable,
     key: Option<*mut pg_sys::Expr>,
     ctx: &PlanContext,
-) -> Result<(Option<*mut pg_sys::List>, f64), RemusError> {
+) -> Result<Option<*mut pg_sys::List>, RemusError> {
     // SAFETY: the caller passes the planner's Query and its key expression.
     unsafe {
-        let Some(key) = key else {
-            return Ok((None, ROUTED_PLAN_COST));
-        };
-        if let Some((value, ty)) = super::local::value_at_plan_time(key, ctx.bound_params) {
-            let local = super::local::plan_on_local_shards(parse, anchor, value, ty, ctx)?;
-            return Ok((local, ROUTED_PLAN_COST));
+        match key.and_then(|k| super::local::value_at_plan_time(k, ctx.bound_params)) {
+            Some((value, ty)) => super::local::plan_on_local_shards(parse, anchor, value, ty, ctx),
+            None => Ok(None),
         }
-        Ok((None, ROUTED_PLAN_COST))
     }
 }
 
-/// Cost of every other routed plan (only ever compared with another plan of the same statement).
+/// Cost of a routed plan (only ever compared with another plan of the same statement).
 const ROUTED_PLAN_COST: f64 = 100.0;
 
 /// A SELECT that reads one shard group of co-located tables runs there as one statement. The
@@ -306,8 +311,8 @@ pub unsafe fn plan_single_shard_select(
             true,
         );
         private = pg_sys::lappend(private, anchor_const as *mut std::ffi::c_void);
-        let (local, cost) = local_or_cost(parse, anchor, Some(value), ctx)?;
-        Ok(build_stmt(parse, &outputs, &relids, private, local, cost))
+        let local = local_plan_for(parse, anchor, Some(value), ctx)?;
+        Ok(build_stmt(parse, &outputs, &relids, private, local))
     }
 }
 
@@ -318,7 +323,6 @@ unsafe fn build_stmt(
     relids: &[pg_sys::Oid],
     mut private: *mut pg_sys::List,
     local: Option<*mut pg_sys::List>,
-    cost: f64,
 ) -> *mut pg_sys::PlannedStmt {
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
@@ -328,7 +332,7 @@ unsafe fn build_stmt(
             pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
         (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
         (*cscan).scan.plan.plan_rows = 1.0;
-        (*cscan).scan.plan.total_cost = cost;
+        (*cscan).scan.plan.total_cost = ROUTED_PLAN_COST;
         (*cscan).scan.scanrelid = 0;
         (*cscan).methods = &raw const SCAN_METHODS;
         // The scan tuple has the output columns; the plan's target list reads them back by
@@ -708,7 +712,7 @@ unsafe fn params_for_fence(estate: *mut pg_sys::EState) -> (Vec<Option<String>>,
 }
 
 /// Appends shard result rows (padded or cut to `n` columns) to the node's tuplestore.
-unsafe fn store_rows(
+pub(crate) unsafe fn store_rows(
     store: *mut pg_sys::Tuplestorestate,
     desc: pg_sys::TupleDesc,
     rows: Vec<Vec<Option<pg_sys::Datum>>>,
@@ -746,13 +750,7 @@ unsafe fn targets(
     unsafe {
         let rt = (*query).resultRelation;
         if (*query).commandType != pg_sys::CmdType::CMD_INSERT {
-            let quals = (*(*query).jointree).quals;
-            let mut conjuncts = vec![quals];
-            if is_tag(quals, pg_sys::NodeTag::T_BoolExpr)
-                && (*(quals as *mut pg_sys::BoolExpr)).boolop == pg_sys::BoolExprType::AND_EXPR
-            {
-                conjuncts = list_ptrs::<pg_sys::Node>((*(quals as *mut pg_sys::BoolExpr)).args);
-            }
+            let conjuncts = top_level_conjuncts((*(*query).jointree).quals);
             // The whole WHERE, not only its key conjunct: the fence waits for the holders of
             // the rows the statement writes, on every moving shard it touches.
             // Built only when a shard it goes to is draining: a deparse per statement otherwise.
