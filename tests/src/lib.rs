@@ -5,3 +5,4 @@ pub mod consistency;
 pub mod migrations;
 pub mod pgbench;
 pub mod shards;
+pub mod tpcc;
