@@ -218,10 +218,11 @@ fn every_form_through_every_node() {
         let mut db = c.connect(&name).unwrap();
         for sql in [
             "UPDATE kv SET k = k + 1 WHERE k = 100",
-            "INSERT INTO kv SELECT 999, 'z', 0",
+            // Across shard groups (within one, these forms run: router_shard_group).
+            "INSERT INTO kv SELECT k + 1000, v, n FROM kv",
             "SELECT * FROM kv WHERE k IN (100, 101) FOR UPDATE",
             "UPDATE kv SET v = 'q' FROM kv_log WHERE kv.k = kv_log.k",
-            "WITH x AS (SELECT 1) DELETE FROM kv WHERE k = 100",
+            "WITH x AS (SELECT k FROM kv) DELETE FROM kv WHERE k = 100 AND k IN (SELECT k FROM x)",
             "MERGE INTO kv USING (SELECT 100 AS k) s ON kv.k = s.k WHEN MATCHED THEN UPDATE SET v = 'm'",
         ] {
             let e = db.batch_execute(sql).unwrap_err();

@@ -10,6 +10,7 @@
 //! - [`isolation`]: the transaction's isolation level, as routing asks it.
 //! - [`ffi`]: the C functions pgrx does not bind.
 //! - [`custom_scan`]: filling and registering a CustomScan's method tables.
+//! - [`query_tree`]: every Query of a statement (WITH queries, subqueries, sublinks).
 
 pub(crate) mod custom_scan;
 pub(crate) mod datum;
@@ -18,5 +19,6 @@ pub(crate) mod ffi;
 pub(crate) mod isolation;
 pub(crate) mod latch;
 pub(crate) mod list;
+pub(crate) mod query_tree;
 pub(crate) mod spi;
 pub(crate) mod sql;

@@ -33,7 +33,7 @@ use pgrx::prelude::*;
 use crate::catalog::{map_cache, DistTable};
 use crate::error::RemusError;
 use crate::pg::list::{is_tag, list_ptrs};
-use crate::router::placement::{pinned, shard_ids, shells_in};
+use crate::router::placement::{pinned, shard_ids, shells_anywhere};
 
 /// The planner a local plan is made by: the next `planner_hook` of the chain, or PostgreSQL's.
 pub(crate) type NextPlanner = unsafe fn(
@@ -189,7 +189,11 @@ pub(crate) unsafe fn plan_on_local_shards(
         if owner != me {
             return Ok(None);
         }
-        for (_, table) in shells_in(parse)? {
+        for (_, table) in shells_anywhere(parse)? {
+            if table.kind == 'r' {
+                // Every node has a copy.
+                continue;
+            }
             match expected_owner(&table, index) {
                 Some((_, o)) if o == me => {}
                 _ => return Ok(None),
@@ -217,8 +221,9 @@ pub(crate) unsafe fn plan_on_local_shards(
     }
 }
 
-/// Points every distributed table of `query` (a copy, edited in place) at its local shard of
-/// index `index`, locked. False: a table is not co-located with `anchor`, or a shard is not here.
+/// Points every distributed table of `query` (a copy, edited in place), at any depth, at its
+/// local shard of index `index` (a reference table at its local copy), locked. False: a table
+/// is not co-located with `anchor`, or a shard is not here.
 unsafe fn on_local_shards(
     query: *mut pg_sys::Query,
     anchor: &DistTable,
@@ -230,15 +235,15 @@ unsafe fn on_local_shards(
         if nsp == pg_sys::InvalidOid {
             return Ok(false);
         }
-        let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable);
-        for (rti, table) in shells_in(query)? {
-            if table.kind != 'h' || table.colocation_id != anchor.colocation_id {
-                return Ok(false);
-            }
-            let Some(sid) = shard_ids(table.relid)?.get(index).copied() else {
+        for (rte, table) in shells_anywhere(query)? {
+            let shard = match table.kind {
+                'r' => shard_ids(table.relid)?.first().copied(),
+                _ if table.colocation_id != anchor.colocation_id => None,
+                _ => shard_ids(table.relid)?.get(index).copied(),
+            };
+            let Some(sid) = shard else {
                 return Ok(false);
             };
-            let rte = rtes[rti - 1];
             let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, nsp, (*rte).rellockmode)
             else {
                 return Ok(false);

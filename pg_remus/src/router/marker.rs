@@ -10,8 +10,7 @@ use std::ffi::CString;
 use pgrx::pg_sys;
 
 use crate::error::RemusError;
-use crate::pg::list::list_ptrs;
-use crate::router::placement::{shard_ids, shells_in};
+use crate::router::placement::{shard_ids, shells_anywhere};
 
 thread_local! {
     /// Set while this backend runs a marked shard statement locally.
@@ -52,38 +51,45 @@ pub(crate) unsafe fn pin_to_local_shard(
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
     unsafe {
-        let shells = shells_in(parse)?;
+        let shells = shells_anywhere(parse)?;
         if shells.is_empty() {
             return Err(RemusError::MarkerWithoutTable { shard_id });
         }
-        // The marker names one shard; every distributed table of the statement uses the shard with
-        // the same index in the same co-location group (the same table twice for ON CONFLICT's
-        // `excluded`). Shard ids come from the backend's cache: no catalog query per statement.
+        // The marker names one shard; every distributed table of the statement, at any depth,
+        // uses the shard with the same index in the same co-location group (the same table
+        // twice for ON CONFLICT's `excluded`), and a reference table its copy here. Shard ids
+        // come from the backend's cache: no catalog query per statement.
         let mut index = None;
-        for (_, t) in &shells {
+        for (_, t) in shells.iter().filter(|(_, t)| t.kind == 'h') {
             if let Some(i) = shard_ids(t.relid)?.iter().position(|s| *s == shard_id) {
-                index = Some(i);
+                index = Some((i, t.colocation_id));
                 break;
             }
         }
-        let index = index.ok_or_else(|| RemusError::NotShardOwner {
-            shard_id,
-            node: crate::guc::node_name().unwrap_or_default(),
-        })?;
+        // A statement on a reference table alone names that table's shard.
         let single_table = shells.iter().all(|(_, t)| t.relid == shells[0].1.relid);
-        let colocation = shells[0].1.colocation_id;
-        if !single_table
-            && shells
-                .iter()
-                .any(|(_, t)| t.colocation_id != colocation || t.kind != 'h')
+        let (index, colocation) = match index {
+            Some(found) => found,
+            None if single_table => (0, shells[0].1.colocation_id),
+            None => {
+                return Err(RemusError::NotShardOwner {
+                    shard_id,
+                    node: crate::guc::node_name().unwrap_or_default(),
+                })
+            }
+        };
+        if shells
+            .iter()
+            .any(|(_, t)| t.kind == 'h' && t.colocation_id != colocation)
         {
             return Err(RemusError::MarkerNotColocated { shard_id });
         }
         let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
-        let rtes = list_ptrs::<pg_sys::RangeTblEntry>((*parse).rtable);
-        for (rti, table) in &shells {
+        for (rte, table) in &shells {
             let sid = if single_table {
                 shard_id
+            } else if table.kind == 'r' {
+                shard_ids(table.relid)?.first().copied().unwrap_or(shard_id)
             } else {
                 shard_ids(table.relid)?
                     .get(index)
@@ -99,7 +105,7 @@ pub(crate) unsafe fn pin_to_local_shard(
                     node: crate::guc::node_name().unwrap_or_default(),
                 });
             }
-            let rte = rtes[rti - 1];
+            let rte = *rte;
             // The parser locked the shell, not the shard; the executor expects its relations locked.
             pg_sys::LockRelationOid(shard_relid, (*rte).rellockmode);
             // The lock may have been granted only because a migration's cleanup dropped the shard

@@ -91,11 +91,22 @@ pub unsafe fn plan(
     // and FFI operations below rely.
     unsafe {
         let q = &*parse;
+        // WITH, subqueries, INSERT … SELECT, UPDATE … FROM and DELETE … USING run whole on the
+        // shard group they are tied to; not tied to one, they are refused below.
+        if table.kind == 'h' && reads_beyond_its_target(q) {
+            if let Some((_, value)) = super::colocated::colocated_anchor(parse)? {
+                return plan_group_write(parse, table, value, ctx);
+            }
+        }
         if !q.cteList.is_null() {
-            return Err(unsupported("WITH in INSERT/UPDATE/DELETE"));
+            return Err(unsupported(
+                "WITH in INSERT/UPDATE/DELETE outside the statement's shard group",
+            ));
         }
         if q.hasSubLinks {
-            return Err(unsupported("a subquery in INSERT/UPDATE/DELETE"));
+            return Err(unsupported(
+                "a subquery in INSERT/UPDATE/DELETE outside the statement's shard group",
+            ));
         }
         if q.hasTargetSRFs {
             return Err(unsupported(
@@ -152,36 +163,21 @@ pub unsafe fn plan(
                         && i + 1 != excluded
                         && (**rte).rtekind != pg_sys::RTEKind::RTE_VALUES
                     {
-                        return Err(unsupported("INSERT … SELECT"));
-                    }
-                }
-                if !q.onConflict.is_null() {
-                    let oc = q.onConflict;
-                    if (*oc).constraint != pg_sys::InvalidOid {
                         return Err(unsupported(
-                            "ON CONFLICT ON CONSTRAINT (name the conflict columns instead)",
+                            "INSERT … SELECT other than within the target's shard group",
                         ));
-                    }
-                    for te in list_ptrs::<pg_sys::TargetEntry>((*oc).onConflictSet) {
-                        if (*te).resno == key_attno {
-                            return Err(unsupported("ON CONFLICT DO UPDATE of the shard key"));
-                        }
                     }
                 }
             }
             _ => {
                 if rtes.len() != 1 {
-                    return Err(unsupported("UPDATE … FROM / DELETE … USING"));
-                }
-                if q.commandType == pg_sys::CmdType::CMD_UPDATE {
-                    for te in list_ptrs::<pg_sys::TargetEntry>(q.targetList) {
-                        if (*te).resno == key_attno && !(*te).resjunk {
-                            return Err(unsupported("UPDATE of the shard key"));
-                        }
-                    }
+                    return Err(unsupported(
+                        "UPDATE … FROM / DELETE … USING other than within the target's shard group",
+                    ));
                 }
             }
         }
+        keeps_the_key(q, key_attno)?;
 
         let returning = list_ptrs::<pg_sys::TargetEntry>(q.returningList);
         let private = pg_sys::lappend(
@@ -201,6 +197,142 @@ pub unsafe fn plan(
             private,
             local,
         ))
+    }
+}
+
+/// Refuses a write that would move a row to another shard: an UPDATE of the key, an ON
+/// CONFLICT DO UPDATE of it, and ON CONFLICT ON CONSTRAINT (whose arbiter the drain fence
+/// cannot ship).
+unsafe fn keeps_the_key(q: &pg_sys::Query, key_attno: i16) -> Result<(), RemusError> {
+    // SAFETY: `q` is the planner's valid Query.
+    unsafe {
+        if q.commandType == pg_sys::CmdType::CMD_UPDATE {
+            for te in list_ptrs::<pg_sys::TargetEntry>(q.targetList) {
+                if (*te).resno == key_attno && !(*te).resjunk {
+                    return Err(unsupported("UPDATE of the shard key"));
+                }
+            }
+        }
+        if !q.onConflict.is_null() {
+            let oc = q.onConflict;
+            if (*oc).constraint != pg_sys::InvalidOid {
+                return Err(unsupported(
+                    "ON CONFLICT ON CONSTRAINT (name the conflict columns instead)",
+                ));
+            }
+            for te in list_ptrs::<pg_sys::TargetEntry>((*oc).onConflictSet) {
+                if (*te).resno == key_attno {
+                    return Err(unsupported("ON CONFLICT DO UPDATE of the shard key"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Does a write read more than its target and its own values: WITH, a sublink, INSERT …
+/// SELECT, UPDATE … FROM, DELETE … USING?
+unsafe fn reads_beyond_its_target(q: &pg_sys::Query) -> bool {
+    // SAFETY: `q` is the planner's valid Query.
+    unsafe {
+        let rtes = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable);
+        !q.cteList.is_null()
+            || q.hasSubLinks
+            || match q.commandType {
+                pg_sys::CmdType::CMD_INSERT => rtes
+                    .iter()
+                    .any(|r| (**r).rtekind == pg_sys::RTEKind::RTE_SUBQUERY),
+                _ => rtes.len() > 1,
+            }
+    }
+}
+
+/// A write within one shard group (`super::colocated`): one statement on the group's owner,
+/// which `value` (a constant or parameter) picks at execution.
+///
+/// # Safety
+/// `parse` must be a valid rewritten INSERT, UPDATE or DELETE whose target is `table`'s shell
+/// and whose distributed tables are all tied to `value`.
+unsafe fn plan_group_write(
+    parse: *mut pg_sys::Query,
+    table: &DistTable,
+    value: *mut pg_sys::Expr,
+    ctx: &PlanContext,
+) -> Result<*mut pg_sys::PlannedStmt, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let q = &*parse;
+        if q.hasTargetSRFs {
+            return Err(unsupported(
+                "a set-returning function in INSERT/UPDATE/DELETE",
+            ));
+        }
+        keeps_the_key(q, super::key::key_attno(table)?)?;
+        let returning = list_ptrs::<pg_sys::TargetEntry>(q.returningList);
+        let private = group_private(parse, table, value);
+        let local = local_plan_for(parse, table, Some(value), ctx)?;
+        Ok(build_stmt(
+            parse,
+            &returning,
+            &relids_anywhere(parse)?,
+            private,
+            local,
+        ))
+    }
+}
+
+/// The private data of a statement on one shard group: the Query, the value that picks the
+/// group, and the table it picks it for ([`group_of`] reads the last two back).
+unsafe fn group_private(
+    parse: *mut pg_sys::Query,
+    anchor: &DistTable,
+    value: *mut pg_sys::Expr,
+) -> *mut pg_sys::List {
+    // SAFETY: `parse` and `value` are valid trees of the statement being planned.
+    unsafe {
+        let mut private = pg_sys::lappend(
+            std::ptr::null_mut(),
+            pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
+        );
+        private = pg_sys::lappend(
+            private,
+            pg_sys::copyObjectImpl(value as *const std::ffi::c_void),
+        );
+        let anchor_const = pg_sys::makeConst(
+            pg_sys::OIDOID,
+            -1,
+            pg_sys::InvalidOid,
+            4,
+            pg_sys::Datum::from(anchor.relid.to_u32() as usize),
+            false,
+            true,
+        );
+        pg_sys::lappend(private, anchor_const as *mut std::ffi::c_void)
+    }
+}
+
+/// The group value and anchor table of a statement on one shard group, from its private data;
+/// None for a write planned per shard (its list is the Query and perhaps a local plan).
+unsafe fn group_of(private: &[*mut pg_sys::Node]) -> Option<(*mut pg_sys::Expr, pg_sys::Oid)> {
+    // SAFETY: `private` is a `RemusRouter`'s private list as this module builds it.
+    unsafe {
+        if private.len() < 3 || !is_tag(private[2], pg_sys::NodeTag::T_Const) {
+            return None;
+        }
+        let anchor =
+            pg_sys::Oid::from((*(private[2] as *mut pg_sys::Const)).constvalue.value() as u32);
+        Some((private[1] as *mut pg_sys::Expr, anchor))
+    }
+}
+
+/// Every shell the statement names, at any depth: a change to one invalidates its plan.
+unsafe fn relids_anywhere(parse: *mut pg_sys::Query) -> Result<Vec<pg_sys::Oid>, RemusError> {
+    // SAFETY: `parse` is the planner's valid Query.
+    unsafe {
+        Ok(super::placement::shells_anywhere(parse)?
+            .into_iter()
+            .map(|(_, t)| t.relid)
+            .collect())
     }
 }
 
@@ -287,30 +419,8 @@ pub unsafe fn plan_single_shard_select(
             .into_iter()
             .filter(|te| !(**te).resjunk)
             .collect();
-        let mut relids = Vec::new();
-        for rte in list_ptrs::<pg_sys::RangeTblEntry>(q.rtable) {
-            if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
-                relids.push((*rte).relid);
-            }
-        }
-        let mut private = pg_sys::lappend(
-            std::ptr::null_mut(),
-            pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
-        );
-        private = pg_sys::lappend(
-            private,
-            pg_sys::copyObjectImpl(value as *const std::ffi::c_void),
-        );
-        let anchor_const = pg_sys::makeConst(
-            pg_sys::OIDOID,
-            -1,
-            pg_sys::InvalidOid,
-            4,
-            pg_sys::Datum::from(anchor.relid.to_u32() as usize),
-            false,
-            true,
-        );
-        private = pg_sys::lappend(private, anchor_const as *mut std::ffi::c_void);
+        let relids = relids_anywhere(parse)?;
+        let private = group_private(parse, anchor, value);
         let local = local_plan_for(parse, anchor, Some(value), ctx)?;
         Ok(build_stmt(parse, &outputs, &relids, private, local))
     }
@@ -458,22 +568,23 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         let cscan = ps.plan as *mut pg_sys::CustomScan;
         let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
         let query = private[0] as *mut pg_sys::Query;
-        if (*query).commandType == pg_sys::CmdType::CMD_SELECT {
-            return run_select(
-                s,
-                query,
-                private[1] as *mut pg_sys::Expr,
-                private[2] as *mut pg_sys::Const,
-                super::local::local_plan_of(&private),
-            );
-        }
+        let group = group_of(&private);
         let local = super::local::local_plan_of(&private);
+        if (*query).commandType == pg_sys::CmdType::CMD_SELECT {
+            let (value, anchor) = group.ok_or(RemusError::TableDisappeared)?;
+            return run_select(s, query, value, anchor, local);
+        }
         let rt = (*query).resultRelation as usize;
         let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
         let table = super::placement::dist_table(shell)?.ok_or(RemusError::TableDisappeared)?;
-        let all = super::placement::placements(shell)?;
         let reference = table.kind == 'r';
-        let work = if reference {
+        let work = if let Some((value, _)) = group {
+            match group_target(query, &table, value, ps)? {
+                Some(w) => vec![w],
+                None => return Ok(()),
+            }
+        } else if reference {
+            let all = super::placement::placements(shell)?;
             // One copy per node, all in this transaction (2PC).
             all.iter()
                 .map(|p| ShardWork {
@@ -483,6 +594,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 })
                 .collect()
         } else {
+            let all = super::placement::placements(shell)?;
             let key_attno = super::key::key_attno(&table)?;
             targets(query, &table, key_attno, &all, ps)?
         };
@@ -574,12 +686,59 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
     }
 }
 
+/// The one shard of a write within a shard group (`plan_group_write`): the target's shard the
+/// group value picks, checked to be where this transaction routes every other table of the
+/// group, with the drain fence's lock query when it is draining. None: the value is NULL, so
+/// the statement writes nothing.
+unsafe fn group_target(
+    query: *mut pg_sys::Query,
+    table: &DistTable,
+    value: *mut pg_sys::Expr,
+    ps: *mut pg_sys::PlanState,
+) -> Result<Option<ShardWork>, RemusError> {
+    // SAFETY: the caller passes the plan's own Query and value and its live PlanState.
+    unsafe {
+        let all = super::placement::placements_for_key(table.relid)?;
+        let (v, isnull, ty) = super::execute::eval_expr(value, ps);
+        if isnull {
+            // An INSERT whose key is this NULL value has no shard; otherwise `key = NULL`
+            // selects nothing, so nothing is written.
+            let key_attno = super::key::key_attno(table)?;
+            let key_is_value = (*query).commandType == pg_sys::CmdType::CMD_INSERT
+                && list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
+                    .into_iter()
+                    .any(|te| {
+                        (*te).resno == key_attno
+                            && super::key::is_routable_value((*te).expr as *mut pg_sys::Node)
+                    });
+            if key_is_value {
+                return Err(null_key(table));
+            }
+            return Ok(None);
+        }
+        let placement = super::key::placement_for(table, &all, v, ty)?;
+        same_node_for_every_table(query, table.relid, &placement, v, ty)?;
+        let fence = if !draining(&placement) {
+            None
+        } else if (*query).commandType == pg_sys::CmdType::CMD_INSERT {
+            fence::rows_upserted(query, table, 0, &[], ps)
+        } else {
+            Some(fence::rows_written_by(query))
+        };
+        Ok(Some(ShardWork {
+            placement,
+            query,
+            fence,
+        }))
+    }
+}
+
 /// A co-located single-shard-group SELECT: one statement on the group's owner.
 unsafe fn run_select(
     s: *mut ModifyState,
     query: *mut pg_sys::Query,
     value: *mut pg_sys::Expr,
-    anchor: *mut pg_sys::Const,
+    anchor_relid: pg_sys::Oid,
     local: Option<(*mut pg_sys::PlannedStmt, i64)>,
 ) -> Result<(), RemusError> {
     // SAFETY: the pointers this private function takes come from its callers in this module,
@@ -587,7 +746,6 @@ unsafe fn run_select(
     unsafe {
         let ps = &mut (*s).css.ss.ps;
         let estate = ps.state;
-        let anchor_relid = pg_sys::Oid::from((*anchor).constvalue.value() as u32);
         let table =
             super::placement::dist_table(anchor_relid)?.ok_or(RemusError::TableDisappeared)?;
         let all = super::placement::placements_for_key(anchor_relid)?;
@@ -683,14 +841,16 @@ unsafe fn same_node_for_every_table(
 ) -> Result<(), RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
-        for rte in list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable) {
-            if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION || (*rte).relid == anchor_relid {
+        let q = &*query;
+        if !q.hasSubLinks && q.cteList.is_null() && list_ptrs::<pg_sys::Node>(q.rtable).len() == 1 {
+            return Ok(());
+        }
+        for (_, other) in super::placement::shells_anywhere(query)? {
+            // A reference table is read from the owner's own copy.
+            if other.relid == anchor_relid || other.kind != 'h' {
                 continue;
             }
-            let Some(other) = super::placement::dist_table((*rte).relid)? else {
-                continue;
-            };
-            let all = super::placement::placements((*rte).relid)?;
+            let all = super::placement::placements(other.relid)?;
             let theirs = super::key::placement_for(&other, &all, value, value_type)?;
             if theirs.node_name != anchor.node_name {
                 return Err(RemusError::ColocatedShardsApart {

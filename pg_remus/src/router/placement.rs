@@ -245,6 +245,30 @@ pub(crate) unsafe fn shells_in(
     }
 }
 
+/// Shells referenced anywhere in a statement: its own range table, its WITH queries, FROM
+/// subqueries and sublinks (`pg::query_tree`), each with its range-table entry.
+///
+/// # Safety
+/// `parse` must be a valid Query, not yet planned.
+pub(crate) unsafe fn shells_anywhere(
+    parse: *mut pg_sys::Query,
+) -> Result<Vec<(*mut pg_sys::RangeTblEntry, DistTable)>, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let mut out = Vec::new();
+        for level in crate::pg::query_tree::levels(parse) {
+            for rte in list_ptrs::<pg_sys::RangeTblEntry>((*level.query).rtable) {
+                if (*rte).rtekind == pg_sys::RTEKind::RTE_RELATION {
+                    if let Some(t) = dist_table((*rte).relid)? {
+                        out.push((rte, t));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// The owner this transaction uses for `shard_id`: the pinned one, or `seen` (which becomes
 /// the pin).
 pub(crate) fn pinned_owner(shard_id: i64, seen: &str) -> String {

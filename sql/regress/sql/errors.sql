@@ -19,13 +19,13 @@ SELECT table_name, shard_key, hash_min, hash_max FROM remus_shards WHERE table_n
 INSERT INTO reg_t VALUES (1, 'a'), (2, 'b'), (3, 'c') RETURNING *;
 UPDATE reg_t SET id = 5 WHERE id = 1;
 \echo :LAST_ERROR_SQLSTATE
-INSERT INTO reg_t SELECT 9, 'x';
+INSERT INTO reg_t SELECT id + 100, v FROM reg_t;
 \echo :LAST_ERROR_SQLSTATE
 INSERT INTO reg_t (v) VALUES ('no key');
 \echo :LAST_ERROR_SQLSTATE
 SELECT * FROM reg_t WHERE id IN (1, 2) FOR UPDATE;
 \echo :LAST_ERROR_SQLSTATE
-WITH x AS (SELECT 1) UPDATE reg_t SET v = 'w' WHERE id = 1;
+WITH x AS (SELECT id FROM reg_t) UPDATE reg_t SET v = 'w' WHERE id = 1 AND id IN (SELECT id FROM x);
 \echo :LAST_ERROR_SQLSTATE
 UPDATE reg_t SET v = 'q' FROM reg_nopk WHERE reg_t.id = reg_nopk.id;
 \echo :LAST_ERROR_SQLSTATE

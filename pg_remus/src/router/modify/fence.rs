@@ -27,11 +27,12 @@ use crate::pg::sql::{quote_ident, quote_literal};
 use crate::router::{deparse, execute, key};
 
 /// The lock query for an UPDATE or DELETE: `SELECT 1 FROM <shell> WHERE <its WHERE> FOR SHARE`,
-/// with the statement's own parameters.
+/// with the statement's own parameters; with UPDATE … FROM or DELETE … USING, their tables
+/// join the FROM list and only the target's rows are locked (`FOR SHARE OF <target>`).
 ///
 /// # Safety
-/// `query` must be a valid rewritten UPDATE or DELETE of a distributed table's shell with no
-/// other range-table entry (what `modify::plan` admits).
+/// `query` must be a valid rewritten UPDATE or DELETE of a distributed table's shell (what
+/// `modify::plan` admits).
 pub(crate) unsafe fn rows_written_by(query: *mut pg_sys::Query) -> String {
     // SAFETY: the caller upholds this function's `# Safety` contract; the copy is ours to edit.
     unsafe {
@@ -52,9 +53,26 @@ pub(crate) unsafe fn rows_written_by(query: *mut pg_sys::Query) -> String {
             pg_sys::palloc0(std::mem::size_of::<pg_sys::RangeTblRef>()) as *mut pg_sys::RangeTblRef;
         (*from).type_ = pg_sys::NodeTag::T_RangeTblRef;
         (*from).rtindex = rt;
-        (*(*q).jointree).fromlist =
-            pg_sys::lappend(std::ptr::null_mut(), from as *mut std::ffi::c_void);
-        format!("{} FOR SHARE", deparse::deparse(q))
+        let mut fromlist = pg_sys::lappend(std::ptr::null_mut(), from as *mut std::ffi::c_void);
+        for item in list_ptrs::<pg_sys::Node>((*(*q).jointree).fromlist) {
+            let target = is_tag(item, pg_sys::NodeTag::T_RangeTblRef)
+                && (*(item as *mut pg_sys::RangeTblRef)).rtindex == rt;
+            if !target {
+                fromlist = pg_sys::lappend(fromlist, item as *mut std::ffi::c_void);
+            }
+        }
+        (*(*q).jointree).fromlist = fromlist;
+        if list_ptrs::<pg_sys::Node>((*q).rtable).len() == 1 {
+            return format!("{} FOR SHARE", deparse::deparse(q));
+        }
+        let mark = pg_sys::palloc0(std::mem::size_of::<pg_sys::RowMarkClause>())
+            as *mut pg_sys::RowMarkClause;
+        (*mark).type_ = pg_sys::NodeTag::T_RowMarkClause;
+        (*mark).rti = rt as pg_sys::Index;
+        (*mark).strength = pg_sys::LockClauseStrength::LCS_FORSHARE;
+        (*mark).waitPolicy = pg_sys::LockWaitPolicy::LockWaitBlock;
+        (*q).rowMarks = pg_sys::lappend(std::ptr::null_mut(), mark as *mut std::ffi::c_void);
+        deparse::deparse(q)
     }
 }
 
