@@ -214,6 +214,13 @@ pub fn node_name() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// Is `name` this node's name? (No copy of the setting, for the per-statement paths.)
+pub fn is_this_node(name: &str) -> bool {
+    NODE_NAME
+        .get()
+        .is_some_and(|c| !name.is_empty() && c.to_bytes() == name.as_bytes())
+}
+
 pub fn coordinator_address() -> Option<String> {
     COORDINATOR_ADDRESS
         .get()

@@ -28,6 +28,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use pgrx::prelude::*;
@@ -78,7 +79,7 @@ static READ_THROUGH_SET: PgLwLock<ReadThroughSet> =
     unsafe { PgLwLock::new(c"remus_map_read_through_set") };
 
 thread_local! {
-    static CACHE: RefCell<HashMap<u32, (u64, Vec<ShardPlacement>)>> = RefCell::new(HashMap::new());
+    static CACHE: RefCell<HashMap<u32, (u64, Rc<Vec<ShardPlacement>>)>> = RefCell::new(HashMap::new());
 }
 
 /// Reserves the shared memory; must run while the library is preloaded.
@@ -139,6 +140,11 @@ pub fn read_through() -> bool {
 }
 
 pub fn get(relid: u32) -> Option<Vec<ShardPlacement>> {
+    shared(relid).map(|p| (*p).clone())
+}
+
+/// [`get`] without a copy of the placements, for a caller that only looks.
+pub fn shared(relid: u32) -> Option<Rc<Vec<ShardPlacement>>> {
     if read_through() {
         return None;
     }
@@ -157,7 +163,7 @@ pub fn put(relid: u32, gen: u64, placements: Vec<ShardPlacement>) {
     if read_through() || !snapshot_sees_last_bump() {
         return;
     }
-    CACHE.with(|c| c.borrow_mut().insert(relid, (gen, placements)));
+    CACHE.with(|c| c.borrow_mut().insert(relid, (gen, Rc::new(placements))));
 }
 
 /// Was the active snapshot (the one the map was just read with) taken after the last bump's

@@ -22,6 +22,14 @@ pub(crate) struct Level {
 /// # Safety
 /// `top` must be a valid Query (parsed or rewritten, not yet planned).
 pub(crate) unsafe fn levels(top: *mut pg_sys::Query) -> Vec<Level> {
+    // SAFETY: `top` is a valid Query (the caller's contract).
+    if unsafe { flat(top) } {
+        // The common case, without a walk over every expression.
+        return vec![Level {
+            query: top,
+            parent: None,
+        }];
+    }
     let mut walk = Walk {
         levels: vec![Level {
             query: top,
@@ -35,6 +43,19 @@ pub(crate) unsafe fn levels(top: *mut pg_sys::Query) -> Vec<Level> {
         pg_sys::query_tree_walker(top, Some(visit), (&raw mut walk).cast::<c_void>(), 0);
     }
     walk.levels
+}
+
+/// Has `q` no nested Query: no WITH, no sublink, no subquery in FROM?
+unsafe fn flat(q: *mut pg_sys::Query) -> bool {
+    // SAFETY: `q` is a valid Query.
+    unsafe {
+        (*q).cteList.is_null()
+            && !(*q).hasSubLinks
+            && (*q).setOperations.is_null()
+            && crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)
+                .into_iter()
+                .all(|r| (*r).rtekind != pg_sys::RTEKind::RTE_SUBQUERY)
+    }
 }
 
 /// The index of the level `up` levels above `level` (`varlevelsup`), if there is one.

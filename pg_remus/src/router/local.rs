@@ -154,7 +154,7 @@ pub(crate) unsafe fn value_at_plan_time(
 /// else the cached map. None: not known without reading the catalog (a guess only; nothing is
 /// pinned or cached).
 fn expected_owner(table: &DistTable, index: usize) -> Option<(i64, String)> {
-    let cached = map_cache::get(table.relid.to_u32())?;
+    let cached = map_cache::shared(table.relid.to_u32())?;
     let p = cached.iter().find(|p| p.shard_index as usize == index)?;
     Some((
         p.shard_id,

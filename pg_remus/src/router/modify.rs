@@ -283,6 +283,10 @@ unsafe fn plan_group_write(
 
 /// The private data of a statement on one shard group: the Query, the value that picks the
 /// group, and the table it picks it for ([`group_of`] reads the last two back).
+///
+/// Not copies: the planner's Query is not changed after planning (only the local plan's copy is
+/// planned), it lives as long as the plan, and a cached plan is copied whole into its own
+/// context.
 unsafe fn group_private(
     parse: *mut pg_sys::Query,
     anchor: &DistTable,
@@ -290,14 +294,8 @@ unsafe fn group_private(
 ) -> *mut pg_sys::List {
     // SAFETY: `parse` and `value` are valid trees of the statement being planned.
     unsafe {
-        let mut private = pg_sys::lappend(
-            std::ptr::null_mut(),
-            pg_sys::copyObjectImpl(parse as *const std::ffi::c_void),
-        );
-        private = pg_sys::lappend(
-            private,
-            pg_sys::copyObjectImpl(value as *const std::ffi::c_void),
-        );
+        let mut private = pg_sys::lappend(std::ptr::null_mut(), parse as *mut std::ffi::c_void);
+        private = pg_sys::lappend(private, value as *mut std::ffi::c_void);
         let anchor_const = pg_sys::makeConst(
             pg_sys::OIDOID,
             -1,
@@ -598,7 +596,6 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
             let key_attno = super::key::key_attno(&table)?;
             targets(query, &table, key_attno, &all, ps)?
         };
-        let me = crate::guc::node_name().unwrap_or_default();
 
         let params = Params::from_list((*estate).es_param_list_info);
         let out_types: Vec<(pg_sys::Oid, i32)> =
@@ -622,7 +619,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         let local = if work.len() == 1
             && !reference
             && work[0].query == query
-            && work[0].placement.node_name == me
+            && crate::guc::is_this_node(&work[0].placement.node_name)
         {
             let p = &work[0].placement;
             match local.filter(|(_, shard)| *shard == p.shard_id) {
@@ -674,7 +671,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 Join::Transaction,
             )?;
             // A reference table's copies all change alike: report (and return) one of them.
-            if reference && w.placement.node_name != me {
+            if reference && !crate::guc::is_this_node(&w.placement.node_name) {
                 continue;
             }
             affected += r.affected;
@@ -768,7 +765,7 @@ unsafe fn run_select(
                 &types,
             )?;
         }
-        if placement.node_name == crate::guc::node_name().unwrap_or_default() {
+        if crate::guc::is_this_node(&placement.node_name) {
             let stmt = match local.filter(|(_, shard)| *shard == placement.shard_id) {
                 Some((stmt, _)) => Some(stmt),
                 None => super::local::local_plan_at_execution(

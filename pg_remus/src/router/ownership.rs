@@ -38,6 +38,12 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
         if stmt.is_null() {
             return Ok(());
         }
+        // A read that executes a routing decision has nothing left to check (the checks below
+        // that are not exempt for it are for writes): the local plan's nested statement.
+        if (*query_desc).operation == pg_sys::CmdType::CMD_SELECT && crate::router::local::decided()
+        {
+            return Ok(());
+        }
         let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
         if shard_nsp == pg_sys::InvalidOid {
             return Ok(());

@@ -169,12 +169,14 @@ fn read_placements(relid: pg_sys::Oid, defer: bool) -> Result<Vec<ShardPlacement
         }
         r = looking_up(|| with_latest_snapshot(|| catalog::placements(relid)))?;
     }
-    // A reference table's shard is on every node: there is no owner to pin.
+    // A reference table's shard is on every node: there is no owner to pin. A caller by key
+    // pins only the shard it chooses ([`settle`]): a transaction's owner is pinned per
+    // (transaction, shard) at first use, not for shards it never touched.
     if !reference {
         for p in &mut r {
             if let Some(d) = deferred.iter().find(|d| d.shard_id == p.shard_id) {
                 DEFERRED.with(|m| m.borrow_mut().insert(p.shard_id, *d));
-            } else {
+            } else if !defer {
                 p.node_name = pinned_owner(p.shard_id, &p.node_name);
             }
         }
@@ -182,11 +184,12 @@ fn read_placements(relid: pg_sys::Oid, defer: bool) -> Result<Vec<ShardPlacement
     Ok(r)
 }
 
-/// The placement a statement is about to use, chosen from [`placements_for_key`]: if its
-/// shard was left in doubt there, waits (bounded) for that Tm's decision on this node, reads
-/// the owner with a snapshot taken after it and pins it. Otherwise `p` as pinned.
+/// The placement a statement is about to use, chosen from [`placements_for_key`], pinned: if
+/// its shard was left in doubt there, first waits (bounded) for that Tm's decision on this
+/// node and reads the owner with a snapshot taken after it.
 pub(crate) fn settle(mut p: ShardPlacement) -> Result<ShardPlacement, RemusError> {
     let Some(d) = DEFERRED.with(|m| m.borrow_mut().remove(&p.shard_id)) else {
+        p.node_name = pinned_owner(p.shard_id, &p.node_name);
         return Ok(p);
     };
     if !is_pinned(p.shard_id) {
