@@ -29,7 +29,11 @@ fn rows(db: &mut postgres::Client, sql: &str) -> (Vec<(String, u32)>, Vec<Vec<St
 }
 
 fn plan_of(db: &mut postgres::Client, sql: &str) -> String {
-    db.simple_query(&format!("EXPLAIN (COSTS OFF) {sql}"))
+    explain(db, "COSTS OFF", sql)
+}
+
+fn explain(db: &mut postgres::Client, options: &str, sql: &str) -> String {
+    db.simple_query(&format!("EXPLAIN ({options}) {sql}"))
         .unwrap()
         .into_iter()
         .filter_map(|m| match m {
@@ -40,8 +44,9 @@ fn plan_of(db: &mut postgres::Client, sql: &str) -> String {
         .join("\n")
 }
 
-#[test]
-fn aggregates_over_every_shard_answer_as_postgresql_does() {
+/// A 3-node cluster with `kv` over 8 shards and `local_kv`, a plain table on n1, holding the
+/// same 500 rows.
+fn loaded() -> TestCluster {
     let c = TestCluster::start(3).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
     let schema = "(k bigint PRIMARY KEY, g int, n int, x float8, m numeric, t text)";
@@ -72,7 +77,12 @@ fn aggregates_over_every_shard_answer_as_postgresql_does() {
         "INSERT INTO kv VALUES {values}; INSERT INTO local_kv VALUES {values};"
     ))
     .unwrap();
+    c
+}
 
+#[test]
+fn aggregates_over_every_shard_answer_as_postgresql_does() {
+    let c = loaded();
     let pushed = [
         "SELECT count(*), sum(n), min(n), max(n), avg(n) FROM {t}",
         "SELECT count(n) AS c, sum(m), avg(x), sum(x), min(t), max(t), avg(m) FROM {t} WHERE n > 20",
@@ -105,6 +115,79 @@ fn aggregates_over_every_shard_answer_as_postgresql_does() {
                 per_shard,
                 "{on_kv} through {name}:\n{plan}"
             );
+        }
+    }
+}
+
+/// A scan of every shard ships the clauses a shard evaluates exactly as here (no mutable
+/// function, no parameter) and only the columns the plan reads; the answers are PostgreSQL's.
+#[test]
+fn scans_over_every_shard_ship_their_filter_and_the_columns_they_read() {
+    let c = loaded();
+    // (statement, the shipped filter or None, the shipped columns)
+    let cases = [
+        (
+            "SELECT k, t FROM {t} WHERE n > 90 AND t <> 't3' ORDER BY k",
+            Some("Shard Filter: (n > 90) AND (t <> 't3'::text)"),
+            "Shard Columns: 1, 3, 6",
+        ),
+        (
+            "SELECT k FROM {t} WHERE x > random() * 0 + 60 ORDER BY k",
+            None,
+            "Shard Columns: 1, 4",
+        ),
+        (
+            "SELECT r::text FROM {t} r WHERE n = 5 ORDER BY 1",
+            Some("Shard Filter: (n = 5)"),
+            "Shard Columns: all",
+        ),
+        (
+            "SELECT g, sum(n) FROM {t} GROUP BY g HAVING sum(n) > 3000 ORDER BY g",
+            None,
+            "Shard Columns: 2, 3",
+        ),
+    ];
+    for name in c.node_names() {
+        let mut db = c.connect(&name).unwrap();
+        let mut local = c.connect("n1").unwrap();
+        for (sql, filter, columns) in cases {
+            let on_kv = sql.replace("{t}", "kv");
+            // random() * 0 is 0 on every row: the answer is still exact.
+            assert_eq!(
+                rows(&mut db, &on_kv),
+                rows(&mut local, &sql.replace("{t}", "local_kv")),
+                "{on_kv} through {name}"
+            );
+            let plan = explain(&mut db, "VERBOSE, COSTS OFF", &on_kv);
+            assert!(plan.contains(columns), "{on_kv} through {name}:\n{plan}");
+            match filter {
+                Some(f) => assert!(plan.contains(f), "{on_kv} through {name}:\n{plan}"),
+                None => assert!(
+                    !plan.contains("Shard Filter"),
+                    "{on_kv} through {name}:\n{plan}"
+                ),
+            }
+        }
+        // A parameter is not shipped; a generic plan still answers right.
+        db.batch_execute("SET plan_cache_mode = force_generic_plan")
+            .unwrap();
+        let stmt = db
+            .prepare("SELECT k FROM kv WHERE n > $1 ORDER BY k")
+            .unwrap();
+        let want: Vec<i64> = local
+            .query("SELECT k FROM local_kv WHERE n > $1 ORDER BY k", &[&95i32])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for _ in 0..2 {
+            let got: Vec<i64> = db
+                .query(&stmt, &[&95i32])
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            assert_eq!(got, want, "prepared through {name}");
         }
     }
 }

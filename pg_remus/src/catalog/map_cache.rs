@@ -78,8 +78,11 @@ unsafe impl PGRXSharedMemory for ReadThroughSet {}
 static READ_THROUGH_SET: PgLwLock<ReadThroughSet> =
     unsafe { PgLwLock::new(c"remus_map_read_through_set") };
 
+/// A table's placements and the map generation they were read under.
+type CachedMap = (u64, Rc<Vec<ShardPlacement>>);
+
 thread_local! {
-    static CACHE: RefCell<HashMap<u32, (u64, Rc<Vec<ShardPlacement>>)>> = RefCell::new(HashMap::new());
+    static CACHE: RefCell<HashMap<u32, CachedMap>> = RefCell::new(HashMap::new());
 }
 
 /// Reserves the shared memory; must run while the library is preloaded.

@@ -115,6 +115,40 @@ pub fn with_connection<R>(
     f(guard.0.as_mut().expect("checked out above"))
 }
 
+/// Runs `f` with the cached connections to every node of `addrs` (distinct nodes), all checked
+/// out at once: for work that runs on several nodes concurrently.
+pub fn with_connections<R>(
+    addrs: &[NodeAddr],
+    f: impl FnOnce(&mut [&mut RemoteConnection]) -> Result<R, RemusError>,
+) -> Result<R, RemusError> {
+    fn nest<R, F>(
+        addrs: &[NodeAddr],
+        held: &mut Vec<*mut RemoteConnection>,
+        f: &mut Option<F>,
+    ) -> Result<R, RemusError>
+    where
+        F: FnOnce(&mut [&mut RemoteConnection]) -> Result<R, RemusError>,
+    {
+        match addrs.split_first() {
+            None => {
+                // SAFETY: each pointer is a distinct connection checked out by an enclosing
+                // `with_connection`, which keeps it alive (and unaliased) until it returns.
+                let mut conns: Vec<&mut RemoteConnection> =
+                    held.iter().map(|c| unsafe { &mut **c }).collect();
+                let f = f.take().expect("called once");
+                f(&mut conns)
+            }
+            Some((first, rest)) => with_connection(first, |c| {
+                held.push(c as *mut RemoteConnection);
+                let r = nest(rest, held, f);
+                held.pop();
+                r
+            }),
+        }
+    }
+    nest(addrs, &mut Vec::with_capacity(addrs.len()), &mut Some(f))
+}
+
 /// Runs `f` over every connection that has a remote transaction open.
 pub fn for_each_in_transaction(mut f: impl FnMut(&mut RemoteConnection)) {
     CONNECTIONS.with(|c| {
@@ -324,6 +358,23 @@ impl RemoteConnection {
                 pq::PQfreeCancel(cancel);
             }
         }
+    }
+
+    /// Sends one command without waiting for its results ([`receive`](Self::receive) collects
+    /// them), so that several participants run at once.
+    pub fn send(&mut self, sql: &str) -> Result<(), RemusError> {
+        let c = cstring(sql)?;
+        self.cancel_forwarded = false;
+        // SAFETY: live PGconn, NUL-terminated query.
+        if unsafe { pq::PQsendQuery(self.conn.as_ptr(), c.as_ptr()) } == 0 {
+            return Err(self.connection_error());
+        }
+        self.flush(Interrupts::Service)
+    }
+
+    /// The results of the command [`send`](Self::send) sent.
+    pub fn receive(&mut self) -> Result<RemoteResult, RemusError> {
+        self.collect(Interrupts::Service)
     }
 
     /// Sends one command (may hold several statements) and collects its results.

@@ -10,8 +10,35 @@ use pgrx::pg_sys;
 /// # Safety
 /// `query` must be a valid, rewritten Query.
 pub unsafe fn deparse(query: *mut pg_sys::Query) -> String {
-    // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
-    // and FFI operations below rely.
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    portable(|| unsafe { pg_sys::pg_get_querydef(query, false) })
+}
+
+/// Deparses `expr`, an expression over the columns of relation `relid` alone, as a shard of it
+/// reads it (`SELECT … FROM <shell> WHERE <expr>`): unqualified column names, otherwise as
+/// [`deparse`].
+///
+/// # Safety
+/// `expr` must be a valid expression whose Vars are all of range-table entry 1 (or of the
+/// relation's own entry: their varno is not printed when there is one relation).
+pub unsafe fn deparse_filter(
+    expr: *mut pg_sys::Node,
+    relid: pg_sys::Oid,
+    rel_name: &str,
+) -> String {
+    let name = std::ffi::CString::new(rel_name).unwrap_or_default();
+    // SAFETY: the caller upholds this function's `# Safety` contract; a one-relation deparse
+    // context for an existing relation.
+    portable(|| unsafe {
+        let cx = pg_sys::deparse_context_for(name.as_ptr(), relid);
+        pg_sys::deparse_expression(expr, cx, false, false)
+    })
+}
+
+/// Runs `f` (which returns palloc'd text) with the settings under which text reads the same on
+/// every node.
+fn portable(f: impl FnOnce() -> *mut std::ffi::c_char) -> String {
+    // SAFETY: GUCs set at a new nest level and restored right after, around `f`.
     unsafe {
         let nest = pg_sys::NewGUCNestLevel();
         for (name, value) in [
@@ -31,7 +58,7 @@ pub unsafe fn deparse(query: *mut pg_sys::Query) -> String {
                 false,
             );
         }
-        let text = pg_sys::pg_get_querydef(query, false);
+        let text = f();
         pg_sys::AtEOXact_GUC(true, nest);
         CStr::from_ptr(text).to_string_lossy().into_owned()
     }

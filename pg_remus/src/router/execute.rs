@@ -134,20 +134,35 @@ pub unsafe fn run_on_shard(
         } else {
             crate::twophase::exec_params_in_transaction(&addr, &sql, &vals, &types, writes)?
         };
-        let mut rows = Vec::with_capacity(r.rows.len());
-        for row in r.rows {
-            let mut out = Vec::with_capacity(out_types.len());
-            for (i, v) in row.into_iter().enumerate().take(out_types.len()) {
-                out.push(match v {
-                    None => None,
-                    Some(text) => {
-                        let (ty, typmod) = out_types[i];
+        Ok(ShardResult {
+            rows: datums_of(r.rows, out_types)?,
+            affected: r.affected,
+        })
+    }
+}
+
+/// A remote result's rows (text) as datums of `out_types`, in the current memory context.
+pub fn datums_of(
+    text_rows: Vec<Vec<Option<String>>>,
+    out_types: &[(pg_sys::Oid, i32)],
+) -> Result<Vec<Vec<Option<pg_sys::Datum>>>, RemusError> {
+    let mut rows = Vec::with_capacity(text_rows.len());
+    for row in text_rows {
+        let mut out = Vec::with_capacity(out_types.len());
+        for (i, v) in row.into_iter().enumerate().take(out_types.len()) {
+            out.push(match v {
+                None => None,
+                Some(text) => {
+                    let (ty, typmod) = out_types[i];
+                    let c = CString::new(text).map_err(|_| RemusError::NulIn {
+                        what: "remote value",
+                    })?;
+                    // SAFETY: a catalog lookup and the type's input function on a
+                    // NUL-terminated string; errors are raised as PostgreSQL ERRORs.
+                    unsafe {
                         let mut in_fn = pg_sys::InvalidOid;
                         let mut ioparam = pg_sys::InvalidOid;
                         pg_sys::getTypeInputInfo(ty, &mut in_fn, &mut ioparam);
-                        let c = CString::new(text).map_err(|_| RemusError::NulIn {
-                            what: "remote value",
-                        })?;
                         Some(pg_sys::OidInputFunctionCall(
                             in_fn,
                             c.as_ptr() as *mut _,
@@ -155,15 +170,12 @@ pub unsafe fn run_on_shard(
                             typmod,
                         ))
                     }
-                });
-            }
-            rows.push(out);
+                }
+            });
         }
-        Ok(ShardResult {
-            rows,
-            affected: r.affected,
-        })
+        rows.push(out);
     }
+    Ok(rows)
 }
 
 /// Is the statement of `estate`, a read-only `query`, its transaction's only work, so that a
@@ -230,7 +242,9 @@ unsafe fn run_local(
         let processed = pg_sys::SPI_processed;
         let mut rows = Vec::new();
         let tt = pg_sys::SPI_tuptable;
-        if !tt.is_null() && ncols > 0 {
+        // A statement with no output column (`SELECT NULL`-like scans of no column) still
+        // returns its rows, as the remote path does.
+        if !tt.is_null() {
             let desc = (*tt).tupdesc;
             for i in 0..processed as usize {
                 let tuple = *(*tt).vals.add(i);

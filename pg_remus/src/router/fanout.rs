@@ -417,16 +417,41 @@ unsafe fn fanout(fcinfo: pg_sys::FunctionCallInfo) -> Result<(), RemusError> {
         let store = pg_sys::tuplestore_begin_heap(true, false, pg_sys::work_mem);
         let tupdesc = pg_sys::CreateTupleDescCopy(desc);
         pg_sys::MemoryContextSwitchTo(old);
+        // The shards of other nodes are queried concurrently, one statement per shard, while
+        // this node's own run here.
+        let mut local = Vec::new();
+        let mut remote: Vec<(crate::cluster::remote::NodeAddr, Vec<String>)> = Vec::new();
         for p in super::placement::placements(relid)? {
-            let r = super::execute::run_on_shard(
-                &p,
-                &sql,
-                &Params::none(),
-                &types,
-                false,
-                Join::Transaction,
-            )?;
-            super::modify::store_rows(store, tupdesc, r.rows, natts);
+            if crate::guc::is_this_node(&p.node_name) {
+                local.push(p);
+                continue;
+            }
+            let statement = crate::cluster::shard_marker::marked(p.shard_id, &sql);
+            match remote.iter_mut().find(|(a, _)| a.name == p.node_name) {
+                Some((_, statements)) => statements.push(statement),
+                None => remote.push((
+                    crate::cluster::nodes::lookup(&p.node_name)?,
+                    vec![statement],
+                )),
+            }
+        }
+        let (remote_results, ()) = crate::twophase::read_on_nodes(&remote, || {
+            for p in &local {
+                let r = super::execute::run_on_shard(
+                    p,
+                    &sql,
+                    &Params::none(),
+                    &types,
+                    false,
+                    Join::Transaction,
+                )?;
+                super::modify::store_rows(store, tupdesc, r.rows, natts);
+            }
+            Ok(())
+        })?;
+        for r in remote_results.into_iter().flatten() {
+            let rows = super::execute::datums_of(r.rows, &types)?;
+            super::modify::store_rows(store, tupdesc, rows, natts);
         }
         (*rsinfo).returnMode = pg_sys::SetFunctionReturnMode::SFRM_Materialize;
         (*rsinfo).setResult = store;

@@ -1,12 +1,17 @@
 //! The statement router: distributed tables used as if they were local, from any node.
 //!
-//! - SELECT: every scan of a distributed table's shell becomes a [`scan`] CustomScan that
-//!   reads the shards it needs (one, when the query has `key = <value>`; all otherwise) and
-//!   hands their rows to PostgreSQL, which then does joins, aggregates, sorting and limits
-//!   itself. Results are therefore exactly PostgreSQL's own.
+//! - SELECT on one shard group (every distributed table tied to one key value, at any depth:
+//!   [`colocated`]): one statement there. Aggregates over one table: per shard and combined
+//!   ([`fanout`]). Otherwise every scan of a distributed table's shell becomes a [`scan`]
+//!   CustomScan that reads the shards it needs (one, when the query has `key = <value>`; all
+//!   otherwise), shipping the clauses a shard can evaluate and only the columns read, and hands
+//!   their rows to PostgreSQL, which then does joins, aggregates, sorting and limits itself.
+//!   Results are therefore exactly PostgreSQL's own.
 //! - INSERT / UPDATE / DELETE: [`modify`] replaces the plan with a CustomScan that sends the
 //!   statement to the shard(s) it touches: one shard for `key = <value>` or a single-row
-//!   INSERT, each row's shard for a multi-row INSERT, every shard otherwise.
+//!   INSERT, each row's shard for a multi-row INSERT, every shard otherwise; with WITH,
+//!   subqueries, `INSERT … SELECT`, `UPDATE … FROM` or `DELETE … USING`, only within one shard
+//!   group ([`colocated`]).
 //! - Shard work is always a statement on the shell's name carrying a `/*remus:shard=N*/`
 //!   marker. A node honours the marker only in a session opened by another node
 //!   (`remus.forwarded`) or in its own nested local execution, by planning the statement
@@ -22,7 +27,7 @@
 //! - [`planner`]: the planner hook's decision; [`marker`]: when the shard marker is honoured,
 //!   and the relid swap that executes it.
 //! - [`key`]: the shard-key value of a statement and the placement it maps to;
-//!   [`colocated`]: SELECTs over co-located tables that read one shard group.
+//!   [`colocated`]: statements whose distributed tables all read one shard group.
 //! - [`scan`] (`RemusShardScan`) and [`modify`] (`RemusRouter`): the two CustomScans.
 //! - [`local`]: the fast path, a statement on one shard group this node owns planned on the
 //!   local shard tables and run in a nested executor (no SPI, no deparse).

@@ -54,7 +54,7 @@ pub(crate) fn register_methods() {
                 exec,
                 end,
                 rescan,
-                explain: None,
+                explain: Some(explain),
             },
         );
     }
@@ -117,6 +117,7 @@ unsafe extern "C-unwind" fn plan_custom_path(
         (*cscan).methods = &raw const SCAN_METHODS;
         // Remember the routable `key = value` restriction, if any, as the scan's only custom expr.
         let rte = pg_sys::planner_rt_fetch((*rel).relid, _root);
+        (*cscan).custom_private = shipped((*rel).relid, (*rte).relid, rel, clauses);
         if let Ok(Some(table)) = super::placement::dist_table((*rte).relid) {
             if let Ok(attno) = super::key::key_attno(&table) {
                 for rinfo in list_ptrs::<pg_sys::RestrictInfo>(clauses) {
@@ -133,6 +134,125 @@ unsafe extern "C-unwind" fn plan_custom_path(
             }
         }
         cscan as *mut pg_sys::Plan
+    }
+}
+
+/// What the scan ships to each shard besides the key filter ([`fetch`]): its private list is
+/// `[filter, columns]`, the WHERE text of the clauses a shard can evaluate itself (a NULL
+/// Const when none), and the attribute numbers the plan above reads (`[0]`: all of them).
+///
+/// A clause is shipped when a shard evaluates it exactly as here: no mutable function, no
+/// parameter, no subplan, only this table's own columns. The clauses stay in the plan's qual
+/// as well (rechecked here, at the cost of evaluating them twice on the rows that pass).
+unsafe fn shipped(
+    rti: pg_sys::Index,
+    relid: pg_sys::Oid,
+    rel: *mut pg_sys::RelOptInfo,
+    clauses: *mut pg_sys::List,
+) -> *mut pg_sys::List {
+    // SAFETY: the planner's live RelOptInfo and its restriction clauses.
+    unsafe {
+        let rel_name = {
+            let n = pg_sys::get_rel_name(relid);
+            if n.is_null() {
+                String::new()
+            } else {
+                CStr::from_ptr(n).to_string_lossy().into_owned()
+            }
+        };
+        let mut filters = Vec::new();
+        for rinfo in list_ptrs::<pg_sys::RestrictInfo>(clauses) {
+            let clause = (*rinfo).clause as *mut pg_sys::Node;
+            if (*rinfo).pseudoconstant || !evaluable_on_shard(clause, rti) {
+                continue;
+            }
+            let copy =
+                pg_sys::copyObjectImpl(clause as *const std::ffi::c_void) as *mut pg_sys::Node;
+            pg_sys::ChangeVarNodes(copy, rti as i32, 1, 0);
+            // Printed fully parenthesized (not pretty): safe to join with AND.
+            filters.push(super::deparse::deparse_filter(copy, relid, &rel_name));
+        }
+        let filter = if filters.is_empty() {
+            pg_sys::makeNullConst(pg_sys::TEXTOID, -1, pg_sys::InvalidOid) as *mut pg_sys::Node
+        } else {
+            let text = std::ffi::CString::new(filters.join(" AND ")).unwrap_or_default();
+            pg_sys::makeConst(
+                pg_sys::TEXTOID,
+                -1,
+                pg_sys::InvalidOid,
+                -1,
+                pg_sys::Datum::from(pg_sys::cstring_to_text(text.as_ptr())),
+                false,
+                false,
+            ) as *mut pg_sys::Node
+        };
+        // The columns read above the scan or by its clauses; a whole-row reference reads all.
+        let mut used: *mut pg_sys::Bitmapset = std::ptr::null_mut();
+        pg_sys::pull_varattnos(
+            (*(*rel).reltarget).exprs as *mut pg_sys::Node,
+            rti,
+            &mut used,
+        );
+        let actual = pg_sys::extract_actual_clauses(clauses, false);
+        pg_sys::pull_varattnos(actual as *mut pg_sys::Node, rti, &mut used);
+        let pseudo = pg_sys::extract_actual_clauses(clauses, true);
+        pg_sys::pull_varattnos(pseudo as *mut pg_sys::Node, rti, &mut used);
+        let offset = pg_sys::FirstLowInvalidHeapAttributeNumber;
+        let mut columns: *mut pg_sys::List = std::ptr::null_mut();
+        let mut whole_row = false;
+        let mut member = -1;
+        loop {
+            member = pg_sys::bms_next_member(used, member);
+            if member < 0 {
+                break;
+            }
+            let attno = member + offset;
+            if attno == 0 {
+                whole_row = true;
+            } else if attno > 0 {
+                columns = pg_sys::lappend_int(columns, attno);
+            }
+        }
+        if whole_row {
+            // 0: every column.
+            columns = pg_sys::lappend_int(std::ptr::null_mut(), 0);
+        }
+        let mut private = pg_sys::lappend(std::ptr::null_mut(), filter as *mut std::ffi::c_void);
+        private = pg_sys::lappend(private, columns as *mut std::ffi::c_void);
+        private
+    }
+}
+
+/// Can a shard evaluate `clause` itself, with the same result? ([`shipped`])
+unsafe fn evaluable_on_shard(clause: *mut pg_sys::Node, rti: pg_sys::Index) -> bool {
+    #[pg_guard]
+    unsafe extern "C-unwind" fn foreign(
+        node: *mut pg_sys::Node,
+        rti: *mut std::ffi::c_void,
+    ) -> bool {
+        // SAFETY: called by expression_tree_walker with nodes of the clause it walks.
+        unsafe {
+            if node.is_null() {
+                return false;
+            }
+            use pg_sys::NodeTag::*;
+            match (*node).type_ {
+                T_Var => {
+                    let v = node as *mut pg_sys::Var;
+                    (*v).varno as usize != rti as usize
+                        || (*v).varlevelsup != 0
+                        || (*v).varattno <= 0
+                }
+                T_Param | T_SubLink | T_SubPlan | T_AlternativeSubPlan | T_Aggref
+                | T_WindowFunc | T_PlaceHolderVar | T_CurrentOfExpr | T_GroupingFunc => true,
+                _ => pg_sys::expression_tree_walker(node, Some(foreign), rti),
+            }
+        }
+    }
+    // SAFETY: a valid clause of the planner; the walker only reads it.
+    unsafe {
+        !pg_sys::contain_mutable_functions(clause)
+            && !foreign(clause, rti as usize as *mut std::ffi::c_void)
     }
 }
 
@@ -199,6 +319,32 @@ unsafe extern "C-unwind" fn next_tuple(ss: *mut pg_sys::ScanState) -> *mut pg_sy
     }
 }
 
+/// The filter text and the columns [`shipped`] put in the plan (None: no filter; all columns,
+/// also for a plan made before this was shipped).
+unsafe fn shipped_of(cscan: *mut pg_sys::CustomScan) -> (Option<String>, Option<Vec<i32>>) {
+    // SAFETY: `cscan` is this module's plan node; its private list is what `shipped` made.
+    unsafe {
+        let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
+        if private.len() < 2 {
+            return (None, None);
+        }
+        let c = private[0] as *mut pg_sys::Const;
+        let filter = (!(*c).constisnull).then(|| {
+            let t = pg_sys::text_to_cstring((*c).constvalue.cast_mut_ptr());
+            CStr::from_ptr(t).to_string_lossy().into_owned()
+        });
+        let columns = private[1] as *mut pg_sys::List;
+        let wanted: Vec<i32> = if columns.is_null() {
+            Vec::new()
+        } else {
+            (0..(*columns).length as usize)
+                .map(|i| (*(*columns).elements.add(i)).int_value)
+                .collect()
+        };
+        (filter, (!wanted.contains(&0)).then_some(wanted))
+    }
+}
+
 /// Reads the rows of every shard this scan needs into a tuplestore.
 unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
     // SAFETY: the pointers this private function takes come from its callers in this module,
@@ -252,13 +398,24 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
             )
         };
 
-        // Live columns of the shell, in order; dropped ones stay NULL in the scan tuple.
+        let (shipped_filter, wanted) = shipped_of(ss.ps.plan as *mut pg_sys::CustomScan);
+        let filter = match shipped_filter {
+            Some(f) if filter.is_empty() => format!(" WHERE {f}"),
+            Some(f) => format!("{filter} AND {f}"),
+            None => filter,
+        };
+        // The live columns of the shell the plan reads, in order; the others stay NULL in the
+        // scan tuple.
         let mut cols = Vec::new();
         let mut positions = Vec::new();
         let mut types = Vec::new();
         for i in 0..natts {
             let attr = (*desc).attrs.as_ptr().add(i);
-            if (*attr).attisdropped {
+            if (*attr).attisdropped
+                || wanted
+                    .as_ref()
+                    .is_some_and(|w| !w.contains(&((i + 1) as i32)))
+            {
                 continue;
             }
             let name = CStr::from_ptr((*attr).attname.data.as_ptr()).to_string_lossy();
@@ -298,6 +455,32 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
             }
         }
         Ok(())
+    }
+}
+
+/// EXPLAIN: what each shard is asked for, with VERBOSE.
+#[pg_guard]
+unsafe extern "C-unwind" fn explain(
+    node: *mut pg_sys::CustomScanState,
+    _ancestors: *mut pg_sys::List,
+    es: *mut pg_sys::ExplainState,
+) {
+    // SAFETY: PostgreSQL calls this hook with the scan's live state and its ExplainState.
+    unsafe {
+        if !(*es).verbose {
+            return;
+        }
+        let (filter, wanted) = shipped_of((*node).ss.ps.plan as *mut pg_sys::CustomScan);
+        if let Some(f) = filter {
+            let f = std::ffi::CString::new(f).unwrap_or_default();
+            pg_sys::ExplainPropertyText(c"Shard Filter".as_ptr(), f.as_ptr(), es);
+        }
+        let columns = match wanted {
+            None => "all".to_string(),
+            Some(w) => w.iter().map(i32::to_string).collect::<Vec<_>>().join(", "),
+        };
+        let columns = std::ffi::CString::new(columns).unwrap_or_default();
+        pg_sys::ExplainPropertyText(c"Shard Columns".as_ptr(), columns.as_ptr(), es);
     }
 }
 

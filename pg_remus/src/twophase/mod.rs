@@ -218,6 +218,42 @@ pub fn exec_params_alone(
     remote::with_connection(addr, |c| c.exec_params(sql, params, types))
 }
 
+/// Runs read-only statements on several nodes concurrently, in the local transaction: each
+/// node's statements one after another, the nodes at the same time, and `meanwhile` here while
+/// they run. Returns each node's results, in the order of `work`, and `meanwhile`'s.
+pub fn read_on_nodes<T>(
+    work: &[(remote::NodeAddr, Vec<String>)],
+    meanwhile: impl FnOnce() -> Result<T, RemusError>,
+) -> Result<(Vec<Vec<remote::RemoteResult>>, T), RemusError> {
+    let addrs: Vec<remote::NodeAddr> = work.iter().map(|(a, _)| a.clone()).collect();
+    remote::with_connections(&addrs, |conns| {
+        for (c, (_, statements)) in conns.iter_mut().zip(work) {
+            join_transaction(c)?;
+            if let Some(first) = statements.first() {
+                c.send(first)?;
+            }
+        }
+        let here = meanwhile()?;
+        let mut results: Vec<Vec<remote::RemoteResult>> = work
+            .iter()
+            .map(|(_, s)| Vec::with_capacity(s.len()))
+            .collect();
+        // In rounds, so that every node has its next statement as soon as it is done.
+        let rounds = work.iter().map(|(_, s)| s.len()).max().unwrap_or(0);
+        for round in 0..rounds {
+            for ((c, (_, statements)), mine) in conns.iter_mut().zip(work).zip(&mut results) {
+                if round < statements.len() {
+                    mine.push(c.receive()?);
+                    if let Some(next) = statements.get(round + 1) {
+                        c.send(next)?;
+                    }
+                }
+            }
+        }
+        Ok((results, here))
+    })
+}
+
 /// Opens, once per local transaction, the remote transaction on `c` at the local isolation
 /// level, with the savepoints the local transaction has open.
 fn join_transaction(c: &mut remote::RemoteConnection) -> Result<(), RemusError> {
