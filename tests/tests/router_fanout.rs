@@ -1,6 +1,8 @@
 //! Aggregates over every shard (`router::fanout`): computed per shard and combined, with the
 //! same answers, names and types as PostgreSQL's over the same rows in one local table, through
-//! every node; forms it does not handle keep the general path and the same answers.
+//! every node, in the simple protocol and as prepared statements (generic plans); forms it does
+//! not handle keep the general path and the same answers. Scans of every shard ship what a
+//! shard can evaluate (`router::scan`).
 
 use remus_test_support::cluster::TestCluster;
 
@@ -26,6 +28,45 @@ fn rows(db: &mut postgres::Client, sql: &str) -> (Vec<(String, u32)>, Vec<Vec<St
         })
         .collect();
     (cols, text)
+}
+
+/// A column value in its binary form, whatever its type: results compared byte for byte.
+#[derive(Debug, PartialEq)]
+struct Raw(Option<Vec<u8>>);
+
+impl<'a> postgres::types::FromSql<'a> for Raw {
+    fn from_sql(
+        _: &postgres::types::Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(Raw(Some(raw.to_vec())))
+    }
+
+    fn from_sql_null(
+        _: &postgres::types::Type,
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(Raw(None))
+    }
+
+    fn accepts(_: &postgres::types::Type) -> bool {
+        true
+    }
+}
+
+/// Every row of a result in the extended protocol (binary), from a prepared statement run
+/// twice: under `plan_cache_mode = force_generic_plan`, the second run uses the cached plan.
+fn prepared_rows(db: &mut postgres::Client, sql: &str) -> Vec<Vec<Raw>> {
+    let stmt = db.prepare(sql).unwrap();
+    let mut last = Vec::new();
+    for _ in 0..2 {
+        last = db
+            .query(&stmt, &[])
+            .unwrap()
+            .iter()
+            .map(|r| (0..r.len()).map(|i| r.get::<_, Raw>(i)).collect())
+            .collect();
+    }
+    last
 }
 
 fn plan_of(db: &mut postgres::Client, sql: &str) -> String {
@@ -106,9 +147,19 @@ fn aggregates_over_every_shard_answer_as_postgresql_does() {
             .chain(general.iter().map(|s| (s, false)))
         {
             let on_kv = sql.replace("{t}", "kv");
+            let on_local = sql.replace("{t}", "local_kv");
             let got = rows(&mut db, &on_kv);
-            let want = rows(&mut local, &sql.replace("{t}", "local_kv"));
+            let want = rows(&mut local, &on_local);
             assert_eq!(got, want, "{on_kv} through {name}");
+            // The extended protocol, a prepared statement and its generic plan: the same bytes.
+            db.batch_execute("SET plan_cache_mode = force_generic_plan")
+                .unwrap();
+            assert_eq!(
+                prepared_rows(&mut db, &on_kv),
+                prepared_rows(&mut local, &on_local),
+                "{on_kv} through {name}, prepared"
+            );
+            db.batch_execute("RESET plan_cache_mode").unwrap();
             let plan = plan_of(&mut db, &on_kv);
             assert_eq!(
                 plan.contains("Function Scan on fanout"),
