@@ -363,13 +363,7 @@ impl RemoteConnection {
     /// Sends one command without waiting for its results ([`receive`](Self::receive) collects
     /// them), so that several participants run at once.
     pub fn send(&mut self, sql: &str) -> Result<(), RemusError> {
-        let c = cstring(sql)?;
-        self.cancel_forwarded = false;
-        // SAFETY: live PGconn, NUL-terminated query.
-        if unsafe { pq::PQsendQuery(self.conn.as_ptr(), c.as_ptr()) } == 0 {
-            return Err(self.connection_error());
-        }
-        self.flush(Interrupts::Service)
+        self.send_inner(sql, Interrupts::Service)
     }
 
     /// The results of the command [`send`](Self::send) sent.
@@ -402,14 +396,18 @@ impl RemoteConnection {
         sql: &str,
         interrupts: Interrupts,
     ) -> Result<RemoteResult, RemusError> {
+        self.send_inner(sql, interrupts)?;
+        self.collect(interrupts)
+    }
+
+    fn send_inner(&mut self, sql: &str, interrupts: Interrupts) -> Result<(), RemusError> {
         let c = cstring(sql)?;
         self.cancel_forwarded = false;
         // SAFETY: live PGconn, NUL-terminated query.
         if unsafe { pq::PQsendQuery(self.conn.as_ptr(), c.as_ptr()) } == 0 {
             return Err(self.connection_error());
         }
-        self.flush(interrupts)?;
-        self.collect(interrupts)
+        self.flush(interrupts)
     }
 
     /// One statement with `$n` parameters in text form. `types[i]` is a built-in type OID, or

@@ -174,7 +174,8 @@ impl Ties {
     /// that conjunct selects nothing in the group, as it selects nothing anywhere).
     unsafe fn tied_to_first_value(&mut self) -> Option<(usize, *mut pg_sys::Expr)> {
         let (first, value) = *self.values.first()?;
-        for (i, v) in self.values.clone() {
+        for k in 0..self.values.len() {
+            let (i, v) = self.values[k];
             // SAFETY: both are valid expression trees of the statement.
             if unsafe { pg_sys::equal(v as *const _, value as *const _) } {
                 let r = self.find(i);
@@ -183,7 +184,8 @@ impl Ties {
         }
         loop {
             let mut more = false;
-            for (outer, inner) in self.directed.clone() {
+            for k in 0..self.directed.len() {
+                let (outer, inner) = self.directed[k];
                 let (ro, ri) = (self.find(outer), self.find(inner));
                 if self.tied[ro] && !self.tied[ri] {
                     self.tied[ri] = true;

@@ -124,7 +124,7 @@ pub unsafe fn run_on_shard(
     // and FFI operations below rely.
     unsafe {
         let sql = marked(placement.shard_id, sql);
-        if crate::guc::node_name().as_deref() == Some(placement.node_name.as_str()) {
+        if crate::guc::is_this_node(&placement.node_name) {
             return run_local(&sql, params, out_types.len(), !writes);
         }
         let addr = crate::cluster::nodes::lookup(&placement.node_name)?;

@@ -33,7 +33,9 @@ use pgrx::prelude::*;
 use crate::catalog::{map_cache, DistTable};
 use crate::error::RemusError;
 use crate::pg::list::{is_tag, list_ptrs};
-use crate::router::placement::{pinned, shard_ids, shells_anywhere};
+use crate::router::placement::{
+    lock_existing, lock_local_shard, pinned, shard_at, shells_anywhere,
+};
 
 /// The planner a local plan is made by: the next `planner_hook` of the chain, or PostgreSQL's.
 pub(crate) type NextPlanner = unsafe fn(
@@ -236,12 +238,10 @@ unsafe fn on_local_shards(
             return Ok(false);
         }
         for (rte, table) in shells_anywhere(query)? {
-            let shard = match table.kind {
-                'r' => shard_ids(table.relid)?.first().copied(),
-                _ if table.colocation_id != anchor.colocation_id => None,
-                _ => shard_ids(table.relid)?.get(index).copied(),
-            };
-            let Some(sid) = shard else {
+            if table.kind == 'h' && table.colocation_id != anchor.colocation_id {
+                return Ok(false);
+            }
+            let Some(sid) = shard_at(&table, index)? else {
                 return Ok(false);
             };
             let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, nsp, (*rte).rellockmode)
@@ -251,40 +251,6 @@ unsafe fn on_local_shards(
             (*rte).relid = shard_relid;
         }
         Ok(true)
-    }
-}
-
-/// Locks shard table `remus_shards.<rel_name>_<shard_id>` and returns its OID, if it is here.
-unsafe fn lock_local_shard(
-    rel_name: &str,
-    shard_id: i64,
-    nsp: pg_sys::Oid,
-    lockmode: c_int,
-) -> Option<pg_sys::Oid> {
-    // SAFETY: catalog lookups and a lock by OID; the caller is in a transaction.
-    unsafe {
-        let name = std::ffi::CString::new(format!("{rel_name}_{shard_id}")).ok()?;
-        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-        if relid == pg_sys::InvalidOid {
-            return None;
-        }
-        lock_existing(relid, lockmode).then_some(relid)
-    }
-}
-
-/// Takes `lockmode` on `relid`; false if the relation is gone once the lock is granted (a
-/// migration's cleanup dropped it meanwhile).
-unsafe fn lock_existing(relid: pg_sys::Oid, lockmode: c_int) -> bool {
-    // SAFETY: a lock by OID and a syscache probe; the caller is in a transaction.
-    unsafe {
-        pg_sys::LockRelationOid(relid, lockmode);
-        pg_sys::SearchSysCacheExists(
-            pg_sys::SysCacheIdentifier::RELOID as i32,
-            pg_sys::Datum::from(relid),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-        )
     }
 }
 

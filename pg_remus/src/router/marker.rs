@@ -5,12 +5,11 @@
 //! coordinating backend, and the executing node never routes again.
 
 use std::cell::Cell;
-use std::ffi::CString;
 
 use pgrx::pg_sys;
 
 use crate::error::RemusError;
-use crate::router::placement::{shard_ids, shells_anywhere};
+use crate::router::placement::{lock_local_shard, shard_at, shard_ids, shells_anywhere};
 
 thread_local! {
     /// Set while this backend runs a marked shard statement locally.
@@ -88,41 +87,21 @@ pub(crate) unsafe fn pin_to_local_shard(
         for (rte, table) in &shells {
             let sid = if single_table {
                 shard_id
-            } else if table.kind == 'r' {
-                shard_ids(table.relid)?.first().copied().unwrap_or(shard_id)
             } else {
-                shard_ids(table.relid)?
-                    .get(index)
-                    .copied()
-                    .unwrap_or(shard_id)
+                shard_at(table, index)?.unwrap_or(shard_id)
             };
-            let shard_name =
-                CString::new(format!("{}_{sid}", table.rel_name)).expect("no NUL in names");
-            let shard_relid = pg_sys::get_relname_relid(shard_name.as_ptr(), nsp);
-            if shard_relid == pg_sys::InvalidOid {
+            // The parser locked the shell, not the shard; the executor expects its relations
+            // locked. Not here (or dropped by a migration's cleanup once the lock was granted):
+            // this node does not own it.
+            let Some(shard_relid) =
+                lock_local_shard(&table.rel_name, sid, nsp, (**rte).rellockmode)
+            else {
                 return Err(RemusError::NotShardOwner {
                     shard_id: sid,
                     node: crate::guc::node_name().unwrap_or_default(),
                 });
-            }
-            let rte = *rte;
-            // The parser locked the shell, not the shard; the executor expects its relations locked.
-            pg_sys::LockRelationOid(shard_relid, (*rte).rellockmode);
-            // The lock may have been granted only because a migration's cleanup dropped the shard
-            // meanwhile: then it is not here any more.
-            if !pg_sys::SearchSysCacheExists(
-                pg_sys::SysCacheIdentifier::RELOID as i32,
-                pg_sys::Datum::from(shard_relid),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-            ) {
-                return Err(RemusError::NotShardOwner {
-                    shard_id: sid,
-                    node: crate::guc::node_name().unwrap_or_default(),
-                });
-            }
-            (*rte).relid = shard_relid;
+            };
+            (**rte).relid = shard_relid;
         }
         Ok(())
     }

@@ -838,10 +838,6 @@ unsafe fn same_node_for_every_table(
 ) -> Result<(), RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
-        let q = &*query;
-        if !q.hasSubLinks && q.cteList.is_null() && list_ptrs::<pg_sys::Node>(q.rtable).len() == 1 {
-            return Ok(());
-        }
         for (_, other) in super::placement::shells_anywhere(query)? {
             // A reference table is read from the owner's own copy.
             if other.relid == anchor_relid || other.kind != 'h' {

@@ -90,6 +90,58 @@ pub(crate) fn shard_ids(relid: pg_sys::Oid) -> Result<Rc<[i64]>, RemusError> {
     Ok(ids)
 }
 
+/// The shard of `table` a statement on shard index `index` of its co-location group uses: the
+/// one at that index, or for a reference table its only shard (every node holds it).
+pub(crate) fn shard_at(table: &DistTable, index: usize) -> Result<Option<i64>, RemusError> {
+    let ids = shard_ids(table.relid)?;
+    Ok(if table.kind == 'r' {
+        ids.first().copied()
+    } else {
+        ids.get(index).copied()
+    })
+}
+
+/// Locks shard table `remus_shards.<rel_name>_<shard_id>` (`nsp` is `remus_shards`) and
+/// returns its OID, if it is here.
+///
+/// # Safety
+/// Must run inside a transaction.
+pub(crate) unsafe fn lock_local_shard(
+    rel_name: &str,
+    shard_id: i64,
+    nsp: pg_sys::Oid,
+    lockmode: std::ffi::c_int,
+) -> Option<pg_sys::Oid> {
+    // SAFETY: catalog lookups and a lock by OID; the caller is in a transaction.
+    unsafe {
+        let name = std::ffi::CString::new(format!("{rel_name}_{shard_id}")).ok()?;
+        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+        if relid == pg_sys::InvalidOid {
+            return None;
+        }
+        lock_existing(relid, lockmode).then_some(relid)
+    }
+}
+
+/// Takes `lockmode` on `relid`; false if the relation is gone once the lock is granted (a
+/// migration's cleanup dropped it meanwhile).
+///
+/// # Safety
+/// Must run inside a transaction.
+pub(crate) unsafe fn lock_existing(relid: pg_sys::Oid, lockmode: std::ffi::c_int) -> bool {
+    // SAFETY: a lock by OID and a syscache probe; the caller is in a transaction.
+    unsafe {
+        pg_sys::LockRelationOid(relid, lockmode);
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            pg_sys::Datum::from(relid),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
 /// The distribution of `relid`, if it is the shell of a distributed table.
 pub(crate) fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
     if relid.to_u32() < pg_sys::FirstNormalObjectId

@@ -368,11 +368,12 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
         (*s).tstore = pg_sys::tuplestore_begin_heap(true, false, pg_sys::work_mem);
         pg_sys::MemoryContextSwitchTo(old);
 
-        let me = crate::guc::node_name().unwrap_or_default();
         let (targets, params, filter) = if table.kind == 'r' {
             // Every node holds the whole table: read the local copy.
             (
-                all.into_iter().filter(|p| p.node_name == me).collect(),
+                all.into_iter()
+                    .filter(|p| crate::guc::is_this_node(&p.node_name))
+                    .collect(),
                 Params::none(),
                 String::new(),
             )
