@@ -114,6 +114,12 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
                 && plan.contains("Ran: local plan"),
             "a key {name} owns, through {name}:\n{plan}"
         );
+        // Planned at plan time, the local plan is the statement's own (decision 0014): EXPLAIN
+        // shows the scan of the shard table under the router node.
+        assert!(
+            plan.contains(&format!(" on kv_{my_shard} (")),
+            "the spliced local plan, through {name}:\n{plan}"
+        );
         let plan = explain(&mut db, &format!("SELECT v, n FROM kv WHERE k = {theirs}"));
         assert!(
             !plan.contains("Local Plan For Shard") && plan.contains("Ran: routed"),

@@ -5,6 +5,8 @@
 //! map (`remus.shard_map`) is an ordinary table: MVCC makes it multiversioned, and a reader sees
 //! the owner its own snapshot sees.
 
+use std::rc::Rc;
+
 use pgrx::prelude::*;
 
 use crate::error::RemusError;
@@ -82,12 +84,16 @@ END $$;
     requires = ["catalog"]
 );
 
+/// A distributed or reference table's distribution. Cloned on every routing lookup, so its
+/// names are shared, not copied.
 #[derive(Debug, Clone)]
 pub struct DistTable {
     pub relid: pg_sys::Oid,
-    pub qualified_name: String,
-    pub rel_name: String,
-    pub shard_key: Option<String>,
+    pub qualified_name: Rc<str>,
+    pub rel_name: Rc<str>,
+    pub shard_key: Option<Rc<str>>,
+    /// The shard key's attribute number in the shell (0: the column is gone).
+    pub key_attno: i16,
     pub key_type: pg_sys::Oid,
     pub kind: char,
     pub shard_count: i32,
@@ -130,9 +136,16 @@ pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
             return Ok::<_, pgrx::spi::Error>(None);
         }
         let r = rows.first();
+        let shard_key = r.get::<String>(1)?;
+        let key_attno = match shard_key.as_deref().map(std::ffi::CString::new) {
+            // SAFETY: a catalog lookup of an attribute by name in an existing relation.
+            Some(Ok(c)) => unsafe { pg_sys::get_attnum(relid, c.as_ptr()) }.max(0),
+            _ => 0,
+        };
         Ok(Some(DistTable {
             relid,
-            shard_key: r.get::<String>(1)?,
+            shard_key: shard_key.map(Rc::from),
+            key_attno,
             key_type: r.get::<pg_sys::Oid>(2)?.unwrap_or(pg_sys::InvalidOid),
             kind: r
                 .get::<String>(3)?
@@ -140,8 +153,8 @@ pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
                 .unwrap_or('h'),
             shard_count: r.get::<i32>(4)?.unwrap_or(0),
             colocation_id: r.get::<i32>(5)?.unwrap_or(0),
-            qualified_name: r.get::<String>(6)?.unwrap_or_default(),
-            rel_name: r.get::<String>(7)?.unwrap_or_default(),
+            qualified_name: r.get::<String>(6)?.unwrap_or_default().into(),
+            rel_name: r.get::<String>(7)?.unwrap_or_default().into(),
         }))
     })
     .map_err(RemusError::from)

@@ -131,20 +131,20 @@ fn create(
                     .ok_or(RemusError::ColocateWithNotDistributed)?;
                 if other_t.kind != 'h' {
                     return Err(RemusError::ColocateWithReference {
-                        table: other_t.qualified_name,
+                        table: other_t.qualified_name.to_string(),
                     });
                 }
                 if other_t.key_type != info.key_type {
                     return Err(RemusError::ColocateKeyTypesDiffer {
                         table: info.qualified.clone(),
-                        other: other_t.qualified_name,
+                        other: other_t.qualified_name.to_string(),
                     });
                 }
                 if other_t.shard_count != shard_count {
                     return Err(RemusError::ColocateShardCountsDiffer {
                         table: info.qualified.clone(),
                         shard_count,
-                        other: other_t.qualified_name,
+                        other: other_t.qualified_name.to_string(),
                         other_shard_count: other_t.shard_count,
                     });
                 }
@@ -458,7 +458,7 @@ mod remus {
             };
             if t.kind != 'h' {
                 return Err(RemusError::ReferenceTableHasOneShard {
-                    table: t.qualified_name,
+                    table: t.qualified_name.to_string(),
                 });
             }
             // SAFETY: AnyElement carries a valid datum of its type; coercion goes through the

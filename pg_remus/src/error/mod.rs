@@ -87,8 +87,6 @@ pub enum RemusError {
     NulIn { what: &'static str },
     #[error("NUL byte in {text:?}")]
     NulByte { text: String },
-    #[error("bad key")]
-    BadKey,
     #[error("shard_count must be between 1 and {max}, not {shard_count}")]
     ShardCountOutOfRange { shard_count: i32, max: i32 },
     #[error("relation with oid {oid} does not exist")]
@@ -311,7 +309,6 @@ impl RemusError {
             | Self::LengthOutOfRange { .. }
             | Self::NulIn { .. }
             | Self::NulByte { .. }
-            | Self::BadKey
             | Self::ShardCountOutOfRange { .. }
             | Self::NoSuchRelation { .. }
             | Self::NotDistributed { .. }

@@ -126,8 +126,8 @@ unsafe fn combining_sql(
         if table.kind != 'h' {
             return Ok(None);
         }
-        let name = CString::new(table.rel_name.clone())
-            .map_err(|_| RemusError::NulIn { what: "table name" })?;
+        let name =
+            CString::new(&*table.rel_name).map_err(|_| RemusError::NulIn { what: "table name" })?;
         let dpcontext = pg_sys::deparse_context_for(name.as_ptr(), table.relid);
         let text_of = |node: *mut pg_sys::Node| -> String {
             let s = pg_sys::deparse_expression(node, dpcontext, false, false);

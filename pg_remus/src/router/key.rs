@@ -1,7 +1,7 @@
 //! The shard key of a statement: `key = value` clauses, routable values, and the placement a
 //! value maps to.
 
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 
 use pgrx::pg_sys;
 
@@ -29,11 +29,25 @@ pub(crate) unsafe fn placement_for(
             .cloned()
             .ok_or_else(|| RemusError::NoShardAtIndex {
                 index: idx,
-                table: table.qualified_name.clone(),
+                table: table.qualified_name.to_string(),
             })?;
         // The chosen shard's ownership change, if in doubt here, is waited for now (F5).
         super::placement::settle(p)
     }
+}
+
+/// The placement that a key value maps to, pinned ([`super::placement::placement_at_index`]).
+///
+/// # Safety
+/// `value` must be a valid datum of type `value_type`.
+pub(crate) unsafe fn placement_by_key(
+    table: &DistTable,
+    value: pg_sys::Datum,
+    value_type: pg_sys::Oid,
+) -> Result<ShardPlacement, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    let index = unsafe { shard_index_of(table, value, value_type)? };
+    super::placement::placement_at_index(table, index)
 }
 
 /// The index of the shard of `table` that a key value (of any type convertible to the key type)
@@ -129,15 +143,11 @@ pub(crate) unsafe fn key_equality_value(
 
 /// The key's attribute number in the shell.
 pub(crate) fn key_attno(table: &DistTable) -> Result<i16, RemusError> {
-    let key = table.shard_key.clone().unwrap_or_default();
-    let c = CString::new(key.clone()).map_err(|_| RemusError::BadKey)?;
-    // SAFETY: catalog lookup of an attribute by name in an existing relation.
-    let n = unsafe { pg_sys::get_attnum(table.relid, c.as_ptr()) };
-    if n <= 0 {
+    if table.key_attno <= 0 {
         return Err(RemusError::ShardKeyGone {
-            key: key.clone(),
-            table: table.qualified_name.clone(),
+            key: table.shard_key.as_deref().unwrap_or_default().to_string(),
+            table: table.qualified_name.to_string(),
         });
     }
-    Ok(n)
+    Ok(table.key_attno)
 }

@@ -13,11 +13,14 @@
 //!   run; otherwise (a migration moved the shard since, a cached plan outlived it, the table
 //!   was dropped and made again) the statement takes the general path, which deparses it and
 //!   runs it where the shard now lives.
-//! - A SELECT's local plan is started by a nested executor and its rows are handed up one by one
-//!   (no tuplestore); INSERT / UPDATE / DELETE run to completion in a nested executor, RETURNING
-//!   rows collected for the CustomScan to return. The nested `ExecutorStart` still runs the
-//!   handover's write checks; the RM001 ownership check is skipped for it (`decided`), since
-//!   the router's own decision is what it would check.
+//! - A SELECT's local plan made at plan time is spliced: it is the statement's own plan, under
+//!   the `RemusRouter` node, and runs in the statement's executor (`modify::build_spliced_stmt`,
+//!   decision 0014). Other local SELECT plans (made at execution, or locking rows) are started
+//!   by a nested executor and their rows handed up one by one (no tuplestore); INSERT / UPDATE /
+//!   DELETE run to completion in a nested executor, RETURNING rows collected for the CustomScan
+//!   to return. The nested `ExecutorStart` still runs the handover's write checks; the RM001
+//!   ownership check is skipped for it (`decided`) and for a spliced plan, since the router's
+//!   own decision is what it would check.
 //! - A statement whose plan carries no local plan for the shard execution chose here (a generic
 //!   plan, whose key is a parameter; a backend whose map cache was empty at plan time) gets one
 //!   made at execution, kept with the plan per shard ([`local_plan_at_execution`]): a prepared
@@ -34,7 +37,7 @@ use crate::catalog::{map_cache, DistTable};
 use crate::error::RemusError;
 use crate::pg::list::{is_tag, list_ptrs};
 use crate::router::placement::{
-    lock_existing, lock_local_shard, pinned, shard_at, shells_anywhere,
+    lock_existing, lock_local_shard, pinned_here, shard_at, shells_anywhere,
 };
 
 /// The planner a local plan is made by: the next `planner_hook` of the chain, or PostgreSQL's.
@@ -152,16 +155,14 @@ pub(crate) unsafe fn value_at_plan_time(
     }
 }
 
-/// The owner this backend expects for shard index `index` of `table`: this transaction's pin,
-/// else the cached map. None: not known without reading the catalog (a guess only; nothing is
-/// pinned or cached).
-fn expected_owner(table: &DistTable, index: usize) -> Option<(i64, String)> {
+/// The shard at index `index` of `table`, if this backend expects this node to own it: by this
+/// transaction's pin, else by the cached map. None: another node, or not known without reading
+/// the catalog (a guess only; nothing is pinned or cached).
+fn expected_here(table: &DistTable, index: usize) -> Option<i64> {
     let cached = map_cache::shared(table.relid.to_u32())?;
     let p = cached.iter().find(|p| p.shard_index as usize == index)?;
-    Some((
-        p.shard_id,
-        pinned(p.shard_id).unwrap_or_else(|| p.node_name.clone()),
-    ))
+    let here = pinned_here(p.shard_id).unwrap_or_else(|| crate::guc::is_this_node(&p.node_name));
+    here.then_some(p.shard_id)
 }
 
 /// If this node is expected to own the shard group that `value` (of type `value_type`) picks
@@ -183,22 +184,14 @@ pub(crate) unsafe fn plan_on_local_shards(
         if anchor.kind != 'h' {
             return Ok(None);
         }
-        let me = crate::guc::node_name().unwrap_or_default();
         let index = super::key::shard_index_of(anchor, value, value_type)?;
-        let Some((anchor_shard, owner)) = expected_owner(anchor, index) else {
+        let Some(anchor_shard) = expected_here(anchor, index) else {
             return Ok(None);
         };
-        if owner != me {
-            return Ok(None);
-        }
         for (_, table) in shells_anywhere(parse)? {
-            if table.kind == 'r' {
-                // Every node has a copy.
-                continue;
-            }
-            match expected_owner(&table, index) {
-                Some((_, o)) if o == me => {}
-                _ => return Ok(None),
+            // A reference table: every node has a copy.
+            if table.kind != 'r' && expected_here(&table, index).is_none() {
+                return Ok(None);
             }
         }
         let local = pg_sys::copyObjectImpl(parse as *const std::ffi::c_void) as *mut pg_sys::Query;
@@ -208,18 +201,28 @@ pub(crate) unsafe fn plan_on_local_shards(
         // No parallel plan: the nested executor does not enter parallel mode.
         let options = ctx.cursor_options & !(pg_sys::CURSOR_OPT_PARALLEL_OK as c_int);
         let stmt = (ctx.next)(local, ctx.query_string, options, ctx.bound_params);
-        let shard = pg_sys::makeConst(
+        let mut list = pg_sys::lappend(std::ptr::null_mut(), stmt as *mut std::ffi::c_void);
+        list = pg_sys::lappend(list, shard_const(anchor_shard) as *mut std::ffi::c_void);
+        Ok(Some(list))
+    }
+}
+
+/// A shard id as a plan node can carry it in its private data (an int8 Const).
+///
+/// # Safety
+/// Allocates in the current memory context.
+pub(crate) unsafe fn shard_const(shard: i64) -> *mut pg_sys::Const {
+    // SAFETY: a by-value int8 Const, palloc'd in the current context.
+    unsafe {
+        pg_sys::makeConst(
             pg_sys::INT8OID,
             -1,
             pg_sys::InvalidOid,
             8,
-            pg_sys::Datum::from(anchor_shard),
+            pg_sys::Datum::from(shard),
             false,
             true,
-        );
-        let mut list = pg_sys::lappend(std::ptr::null_mut(), stmt as *mut std::ffi::c_void);
-        list = pg_sys::lappend(list, shard as *mut std::ffi::c_void);
-        Ok(Some(list))
+        )
     }
 }
 
@@ -254,6 +257,22 @@ unsafe fn on_local_shards(
     }
 }
 
+/// The items of the list that ends a `RemusRouter`'s private data (a local plan and its shard,
+/// or a spliced plan's shard), if it ends in one.
+///
+/// # Safety
+/// `private` must be the CustomScan's private list as `modify` builds it.
+pub(crate) unsafe fn trailing_list(
+    private: &[*mut pg_sys::Node],
+) -> Option<Vec<*mut pg_sys::Node>> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let last = *private.last()?;
+        is_tag(last, pg_sys::NodeTag::T_List)
+            .then(|| list_ptrs::<pg_sys::Node>(last as *mut pg_sys::List))
+    }
+}
+
 /// The local plan in a `RemusRouter`'s private data, and the shard (of the anchor table) it was
 /// made for.
 ///
@@ -264,11 +283,7 @@ pub(crate) unsafe fn local_plan_of(
 ) -> Option<(*mut pg_sys::PlannedStmt, i64)> {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
-        let last = *private.last()?;
-        if !is_tag(last, pg_sys::NodeTag::T_List) {
-            return None;
-        }
-        let items = list_ptrs::<pg_sys::Node>(last as *mut pg_sys::List);
+        let items = trailing_list(private)?;
         if items.len() != 2 || !is_tag(items[0], pg_sys::NodeTag::T_PlannedStmt) {
             return None;
         }

@@ -30,7 +30,8 @@
 //!   [`colocated`]: statements whose distributed tables all read one shard group.
 //! - [`scan`] (`RemusShardScan`) and [`modify`] (`RemusRouter`): the two CustomScans.
 //! - [`local`]: the fast path, a statement on one shard group this node owns planned on the
-//!   local shard tables and run in a nested executor (no SPI, no deparse).
+//!   local shard tables and run in the statement's own executor (a SELECT planned so at plan
+//!   time) or a nested one (no SPI, no deparse).
 //! - [`fanout`]: count / sum / min / max / avg over every shard of a table, computed per shard
 //!   and combined.
 //! - [`execute`]: running one marked statement where its shard lives; [`deparse`]: the text

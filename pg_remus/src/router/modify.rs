@@ -38,6 +38,11 @@ struct ModifyState {
     done: bool,
     /// A SELECT's local plan, started ([`super::local`]); NULL: rows come from `tstore`.
     local: *mut pg_sys::QueryDesc,
+    /// A spliced SELECT's local plan, started in this executor ([`spliced_of`]); NULL: not
+    /// (yet) chosen.
+    child: *mut pg_sys::PlanState,
+    /// The executor flags this node was started with, for starting `child` later.
+    eflags: i32,
     /// How the statement ran, for EXPLAIN ANALYZE.
     ran: Ran,
 }
@@ -420,7 +425,152 @@ pub unsafe fn plan_single_shard_select(
         let relids = relids_anywhere(parse)?;
         let private = group_private(parse, anchor, value);
         let local = local_plan_for(parse, anchor, Some(value), ctx)?;
+        if let Some(local) = local {
+            if let Some(stmt) = build_spliced_stmt(parse, &relids, private, local) {
+                return Ok(stmt);
+            }
+        }
         Ok(build_stmt(parse, &outputs, &relids, private, local))
+    }
+}
+
+/// A single-shard-group SELECT whose local plan was made at plan time, spliced: the statement's
+/// own plan is the local plan (its range table names the local shard tables) under a
+/// `RemusRouter` node that decides at execution, as for every routed statement, whether the
+/// shard is still this node's. If it is, the local plan runs in this very executor, its rows
+/// passed through untouched: no second executor, no copy of a row. If not (the shard moved
+/// since planning), the node routes the statement as [`build_stmt`]'s plan would.
+///
+/// None (use [`build_stmt`]): the statement locks rows (the drain fence and the row-mark
+/// columns belong to the general path) or its target list has junk columns (the routed
+/// fallback returns the output columns only).
+unsafe fn build_spliced_stmt(
+    parse: *mut pg_sys::Query,
+    relids: &[pg_sys::Oid],
+    mut private: *mut pg_sys::List,
+    local: *mut pg_sys::List,
+) -> Option<*mut pg_sys::PlannedStmt> {
+    // SAFETY: `parse` is the planner's Query and `local` the list `plan_on_local_shards` made
+    // for it; every node built here is palloc'd in the planner's memory context.
+    unsafe {
+        let q = &*parse;
+        let (stmt, shard) = super::local::local_plan_of(&[local as *mut pg_sys::Node])?;
+        let child = (*stmt).planTree;
+        let outputs = list_ptrs::<pg_sys::TargetEntry>(q.targetList);
+        if !q.rowMarks.is_null()
+            || !(*stmt).rowMarks.is_null()
+            || outputs.iter().any(|te| (**te).resjunk)
+            || child.is_null()
+            || pg_sys::list_length((*child).targetlist) as usize != outputs.len()
+        {
+            return None;
+        }
+        let cscan =
+            pg_sys::palloc0(std::mem::size_of::<pg_sys::CustomScan>()) as *mut pg_sys::CustomScan;
+        (*cscan).scan.plan.type_ = pg_sys::NodeTag::T_CustomScan;
+        (*cscan).scan.plan.plan_rows = (*child).plan_rows;
+        (*cscan).scan.plan.plan_width = (*child).plan_width;
+        // As for every routed plan: the plan cache compares this cost with the generic plan's
+        // (which has no local plan), and must keep choosing the generic one.
+        (*cscan).scan.plan.total_cost = ROUTED_PLAN_COST;
+        (*cscan).scan.scanrelid = 0;
+        (*cscan).methods = &raw const SCAN_METHODS;
+        let (scan_tlist, tlist) = output_tlists(&outputs);
+        (*cscan).custom_scan_tlist = scan_tlist;
+        (*cscan).scan.plan.targetlist = tlist;
+        (*cscan).custom_plans =
+            pg_sys::lappend(std::ptr::null_mut(), child as *mut std::ffi::c_void);
+        let shard = super::local::shard_const(shard);
+        private = pg_sys::lappend(
+            private,
+            pg_sys::lappend(std::ptr::null_mut(), shard as *mut std::ffi::c_void)
+                as *mut std::ffi::c_void,
+        );
+        (*cscan).custom_private = private;
+        (*stmt).planTree = cscan as *mut pg_sys::Plan;
+        (*stmt).queryId = q.queryId;
+        (*stmt).canSetTag = q.canSetTag;
+        (*stmt).stmt_location = q.stmt_location;
+        (*stmt).stmt_len = q.stmt_len;
+        // A change to a shell (distribution, DDL) invalidates cached plans of this statement,
+        // as does one to a shard table (already in the local plan's list).
+        for relid in relids {
+            (*stmt).relationOids = pg_sys::lappend_oid((*stmt).relationOids, *relid);
+        }
+        Some(stmt)
+    }
+}
+
+/// The spliced local plan of a `RemusRouter` node ([`build_spliced_stmt`]) and the shard (of
+/// the anchor table) it was made for.
+///
+/// # Safety
+/// `cscan` must be a `RemusRouter` plan node.
+unsafe fn spliced_of(cscan: *mut pg_sys::CustomScan) -> Option<(*mut pg_sys::Plan, i64)> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let plans = list_ptrs::<pg_sys::Plan>((*cscan).custom_plans);
+        let child = *plans.first()?;
+        let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
+        let items = super::local::trailing_list(&private)?;
+        if items.len() != 1 || !is_tag(items[0], pg_sys::NodeTag::T_Const) {
+            return None;
+        }
+        Some((
+            child,
+            (*(items[0] as *mut pg_sys::Const)).constvalue.value() as i64,
+        ))
+    }
+}
+
+/// Is `stmt` a spliced single-shard-group SELECT ([`build_spliced_stmt`])? Its range table
+/// names shard tables, but whether they are this node's is the router's decision at execution,
+/// not the ownership check's.
+///
+/// # Safety
+/// `stmt` must be a valid PlannedStmt.
+pub(crate) unsafe fn is_spliced(stmt: *mut pg_sys::PlannedStmt) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let top = (*stmt).planTree as *mut pg_sys::Node;
+        !top.is_null()
+            && is_tag(top, pg_sys::NodeTag::T_CustomScan)
+            && std::ptr::eq(
+                (*(top as *mut pg_sys::CustomScan)).methods,
+                &raw const SCAN_METHODS,
+            )
+            && spliced_of(top as *mut pg_sys::CustomScan).is_some()
+    }
+}
+
+/// The scan target list (the output expressions, for EXPLAIN and the scan tuple's type) and
+/// the plan's target list (reading the scan tuple back by position, INDEX_VAR, so no
+/// projection happens) of a `RemusRouter` returning `outputs`.
+unsafe fn output_tlists(
+    outputs: &[*mut pg_sys::TargetEntry],
+) -> (*mut pg_sys::List, *mut pg_sys::List) {
+    // SAFETY: `outputs` are valid target entries of the statement being planned.
+    unsafe {
+        let mut scan_tlist: *mut pg_sys::List = std::ptr::null_mut();
+        let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
+        for (i, te) in outputs.iter().enumerate() {
+            let resno = (i + 1) as i16;
+            let expr = (**te).expr as *mut pg_sys::Node;
+            let st = pg_sys::makeTargetEntry((**te).expr, resno, (**te).resname, false);
+            scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
+            let var = pg_sys::makeVar(
+                pg_sys::INDEX_VAR,
+                resno,
+                pg_sys::exprType(expr),
+                pg_sys::exprTypmod(expr),
+                pg_sys::exprCollation(expr),
+                0,
+            );
+            let out =
+                pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (**te).resname, false);
+            tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
+        }
+        (scan_tlist, tlist)
     }
 }
 
@@ -445,25 +595,7 @@ unsafe fn build_stmt(
         (*cscan).methods = &raw const SCAN_METHODS;
         // The scan tuple has the output columns; the plan's target list reads them back by
         // position (INDEX_VAR), so no projection happens.
-        let mut scan_tlist: *mut pg_sys::List = std::ptr::null_mut();
-        let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
-        for (i, te) in outputs.iter().enumerate() {
-            let resno = (i + 1) as i16;
-            let expr = (**te).expr as *mut pg_sys::Node;
-            let st = pg_sys::makeTargetEntry((**te).expr, resno, (**te).resname, false);
-            scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
-            let var = pg_sys::makeVar(
-                pg_sys::INDEX_VAR,
-                resno,
-                pg_sys::exprType(expr),
-                pg_sys::exprTypmod(expr),
-                pg_sys::exprCollation(expr),
-                0,
-            );
-            let out =
-                pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (**te).resname, false);
-            tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
-        }
+        let (scan_tlist, tlist) = output_tlists(outputs);
         (*cscan).custom_scan_tlist = scan_tlist;
         (*cscan).scan.plan.targetlist = tlist;
         // The local plan rides last ([`super::local::local_plan_of`]); its shard tables join
@@ -515,7 +647,7 @@ unsafe extern "C-unwind" fn create_state(_cscan: *mut pg_sys::CustomScan) -> *mu
 unsafe extern "C-unwind" fn begin(
     node: *mut pg_sys::CustomScanState,
     estate: *mut pg_sys::EState,
-    _eflags: i32,
+    eflags: i32,
 ) {
     // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
     // duration of the call; the body passes them to pg_sys as that API documents.
@@ -524,6 +656,27 @@ unsafe extern "C-unwind" fn begin(
         let desc = (*(*node).ss.ss_ScanTupleSlot).tts_tupleDescriptor;
         (*s).store_slot =
             pg_sys::ExecInitExtraTupleSlot(estate, desc, &raw const pg_sys::TTSOpsMinimalTuple);
+        (*s).eflags = eflags;
+        // EXPLAIN without ANALYZE shows the spliced local plan; executing it is decided at
+        // the first row (`run_select`).
+        if eflags & pg_sys::EXEC_FLAG_EXPLAIN_ONLY as i32 != 0 {
+            if let Some((child, _)) = spliced_of((*node).ss.ps.plan as *mut pg_sys::CustomScan) {
+                start_child(s, child);
+            }
+        }
+    }
+}
+
+/// Starts the spliced local plan `child` in this node's executor.
+unsafe fn start_child(s: *mut ModifyState, child: *mut pg_sys::Plan) {
+    // SAFETY: `s` is a live node of an executing plan whose PlannedStmt holds `child`.
+    unsafe {
+        let estate = (*s).css.ss.ps.state;
+        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+        let ps = pg_sys::ExecInitNode(child, estate, (*s).eflags);
+        (*s).css.custom_ps = pg_sys::lappend(std::ptr::null_mut(), ps as *mut std::ffi::c_void);
+        pg_sys::MemoryContextSwitchTo(old);
+        (*s).child = ps;
     }
 }
 
@@ -540,6 +693,11 @@ unsafe extern "C-unwind" fn exec(
             if let Err(e) = run(s) {
                 e.raise();
             }
+        }
+        if !(*s).child.is_null() {
+            let child = (*s).child;
+            let exec = (*child).ExecProcNode.expect("an initialised plan node");
+            return exec(child);
         }
         if !(*s).local.is_null() {
             return super::local::next_row((*s).local, (*node).ss.ss_ScanTupleSlot);
@@ -592,9 +750,8 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 })
                 .collect()
         } else {
-            let all = super::placement::placements(shell)?;
             let key_attno = super::key::key_attno(&table)?;
-            targets(query, &table, key_attno, &all, ps)?
+            targets(query, &table, key_attno, ps)?
         };
 
         let params = Params::from_list((*estate).es_param_list_info);
@@ -695,7 +852,6 @@ unsafe fn group_target(
 ) -> Result<Option<ShardWork>, RemusError> {
     // SAFETY: the caller passes the plan's own Query and value and its live PlanState.
     unsafe {
-        let all = super::placement::placements_for_key(table.relid)?;
         let (v, isnull, ty) = super::execute::eval_expr(value, ps);
         if isnull {
             // An INSERT whose key is this NULL value has no shard; otherwise `key = NULL`
@@ -713,7 +869,7 @@ unsafe fn group_target(
             }
             return Ok(None);
         }
-        let placement = super::key::placement_for(table, &all, v, ty)?;
+        let placement = super::key::placement_by_key(table, v, ty)?;
         same_node_for_every_table(query, table.relid, &placement, v, ty)?;
         let fence = if !draining(&placement) {
             None
@@ -745,13 +901,12 @@ unsafe fn run_select(
         let estate = ps.state;
         let table =
             super::placement::dist_table(anchor_relid)?.ok_or(RemusError::TableDisappeared)?;
-        let all = super::placement::placements_for_key(anchor_relid)?;
         let (v, isnull, ty) = super::execute::eval_expr(value, ps);
         if isnull {
             // `key = NULL` selects nothing.
             return Ok(());
         }
-        let placement = super::key::placement_for(&table, &all, v, ty)?;
+        let placement = super::key::placement_by_key(&table, v, ty)?;
         same_node_for_every_table(query, anchor_relid, &placement, v, ty)?;
         // Row locks on a draining shard's new owner wait, like writes, for the older writers of
         // those rows on its source (the drain fence).
@@ -766,6 +921,13 @@ unsafe fn run_select(
             )?;
         }
         if crate::guc::is_this_node(&placement.node_name) {
+            if let Some((child, _)) = spliced_of(ps.plan as *mut pg_sys::CustomScan)
+                .filter(|(_, shard)| *shard == placement.shard_id)
+            {
+                start_child(s, child);
+                (*s).ran = Ran::LocalPlan;
+                return Ok(());
+            }
             let stmt = match local.filter(|(_, shard)| *shard == placement.shard_id) {
                 Some((stmt, _)) => Some(stmt),
                 None => super::local::local_plan_at_execution(
@@ -843,8 +1005,7 @@ unsafe fn same_node_for_every_table(
             if other.relid == anchor_relid || other.kind != 'h' {
                 continue;
             }
-            let all = super::placement::placements(other.relid)?;
-            let theirs = super::key::placement_for(&other, &all, value, value_type)?;
+            let theirs = super::key::placement_by_key(&other, value, value_type)?;
             if theirs.node_name != anchor.node_name {
                 return Err(RemusError::ColocatedShardsApart {
                     shard_id: anchor.shard_id,
@@ -895,7 +1056,6 @@ unsafe fn targets(
     query: *mut pg_sys::Query,
     table: &DistTable,
     key_attno: i16,
-    all: &[ShardPlacement],
     ps: *mut pg_sys::PlanState,
 ) -> Result<Vec<ShardWork>, RemusError> {
     // SAFETY: the pointers this private function takes come from its callers in this module,
@@ -904,28 +1064,31 @@ unsafe fn targets(
         let rt = (*query).resultRelation;
         if (*query).commandType != pg_sys::CmdType::CMD_INSERT {
             let conjuncts = top_level_conjuncts((*(*query).jointree).quals);
-            // The whole WHERE, not only its key conjunct: the fence waits for the holders of
-            // the rows the statement writes, on every moving shard it touches.
-            // Built only when a shard it goes to is draining: a deparse per statement otherwise.
-            let lock_rows = all
-                .iter()
-                .any(draining)
-                .then(|| fence::rows_written_by(query));
+            // The fence's lock query is the whole WHERE, not only its key conjunct: it waits
+            // for the holders of the rows the statement writes, on every moving shard it
+            // touches. Built only when a shard it goes to is draining: a deparse per statement
+            // otherwise.
             for c in conjuncts {
                 if let Some(v) = super::key::key_equality_value(c, rt, key_attno) {
                     let (value, isnull, ty) = super::execute::eval_expr(v, ps);
                     if isnull {
                         return Ok(vec![]);
                     }
-                    let p = super::key::placement_for(table, all, value, ty)?;
+                    // By key: only this shard is pinned, and waited for if in doubt (F5).
+                    let p = super::key::placement_by_key(table, value, ty)?;
                     return Ok(vec![ShardWork {
-                        fence: lock_rows.filter(|_| draining(&p)),
+                        fence: draining(&p).then(|| fence::rows_written_by(query)),
                         placement: p,
                         query,
                     }]);
                 }
             }
             // No key filter: every shard, in the same transaction.
+            let all = super::placement::placements(table.relid)?;
+            let lock_rows = all
+                .iter()
+                .any(draining)
+                .then(|| fence::rows_written_by(query));
             return Ok(all
                 .iter()
                 .map(|p| ShardWork {
@@ -952,14 +1115,14 @@ unsafe fn targets(
             None => {
                 if !super::key::is_routable_value(expr) {
                     return Err(RemusError::InsertKeyNotConstant {
-                        table: table.qualified_name.clone(),
+                        table: table.qualified_name.to_string(),
                     });
                 }
                 let (value, isnull, ty) = super::execute::eval_expr(expr as *mut pg_sys::Expr, ps);
                 if isnull {
                     return Err(null_key(table));
                 }
-                let p = super::key::placement_for(table, all, value, ty)?;
+                let p = super::key::placement_by_key(table, value, ty)?;
                 Ok(vec![ShardWork {
                     fence: if draining(&p) {
                         fence::rows_upserted(query, table, 0, &[], ps)
@@ -995,7 +1158,7 @@ unsafe fn targets(
                     if isnull {
                         return Err(null_key(table));
                     }
-                    let p = super::key::placement_for(table, all, value, ty)?;
+                    let p = super::key::placement_by_key(table, value, ty)?;
                     let entry =
                         groups
                             .entry(p.shard_id)
@@ -1049,8 +1212,8 @@ fn draining(p: &ShardPlacement) -> bool {
 
 fn null_key(table: &DistTable) -> RemusError {
     RemusError::NullShardKey {
-        column: table.shard_key.clone().unwrap_or_default(),
-        table: table.qualified_name.clone(),
+        column: table.shard_key.as_deref().unwrap_or_default().to_string(),
+        table: table.qualified_name.to_string(),
     }
 }
 
@@ -1067,7 +1230,10 @@ unsafe extern "C-unwind" fn explain(
         let s = node as *mut ModifyState;
         let cscan = (*node).ss.ps.plan as *mut pg_sys::CustomScan;
         let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
-        if let Some((_, shard)) = super::local::local_plan_of(&private) {
+        let shard = super::local::local_plan_of(&private)
+            .map(|(_, shard)| shard)
+            .or_else(|| spliced_of(cscan).map(|(_, shard)| shard));
+        if let Some(shard) = shard {
             pg_sys::ExplainPropertyInteger(
                 c"Local Plan For Shard".as_ptr(),
                 std::ptr::null(),
@@ -1092,6 +1258,10 @@ unsafe extern "C-unwind" fn end(node: *mut pg_sys::CustomScanState) {
     // duration of the call; the body passes them to pg_sys as that API documents.
     unsafe {
         let s = node as *mut ModifyState;
+        if !(*s).child.is_null() {
+            pg_sys::ExecEndNode((*s).child);
+            (*s).child = std::ptr::null_mut();
+        }
         if !(*s).local.is_null() {
             super::local::end((*s).local);
             (*s).local = std::ptr::null_mut();
@@ -1110,6 +1280,9 @@ unsafe extern "C-unwind" fn rescan(node: *mut pg_sys::CustomScanState) {
     unsafe {
         // Never re-run DML: rewind what it returned.
         let s = node as *mut ModifyState;
+        if !(*s).child.is_null() {
+            pg_sys::ExecReScan((*s).child);
+        }
         if !(*s).local.is_null() {
             super::local::rescan((*s).local);
         }

@@ -39,8 +39,10 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
             return Ok(());
         }
         // A read that executes a routing decision has nothing left to check (the checks below
-        // that are not exempt for it are for writes): the local plan's nested statement.
-        if (*query_desc).operation == pg_sys::CmdType::CMD_SELECT && crate::router::local::decided()
+        // that are not exempt for it are for writes): the local plan's nested statement, and a
+        // spliced local plan, whose `RemusRouter` makes that decision itself.
+        if (*query_desc).operation == pg_sys::CmdType::CMD_SELECT
+            && (crate::router::local::decided() || crate::router::modify::is_spliced(stmt))
         {
             return Ok(());
         }

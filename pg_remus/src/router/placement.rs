@@ -24,6 +24,10 @@ thread_local! {
     /// invalidation of the shell clears it: the marker's receiving side and the local fast
     /// path find shards with no catalog query.
     static SHARD_IDS: RefCell<HashMap<u32, Rc<[i64]>>> = RefCell::new(HashMap::new());
+    /// Shard id → the OID of its table here (`remus_shards.<table>_<shard_id>`), for the local
+    /// fast path; every relcache invalidation clears it (a shard table dropped or made again
+    /// sends one for itself, not for its shell).
+    static SHARD_RELIDS: RefCell<HashMap<i64, pg_sys::Oid>> = RefCell::new(HashMap::new());
     /// Set while the cache itself is being filled (its SPI queries are planned too).
     static IN_LOOKUP: Cell<bool> = const { Cell::new(false) };
     static PINS: RefCell<HashMap<i64, String>> = RefCell::new(HashMap::new());
@@ -61,6 +65,7 @@ impl Drop for Lookup {
 /// A relcache invalidation of `relid` (`InvalidOid`: of everything): its cached distribution and
 /// placements go.
 pub(crate) fn forget_relation(relid: pg_sys::Oid) {
+    SHARD_RELIDS.with(|s| s.borrow_mut().clear());
     DIST_CACHE.with(|c| {
         let mut c = c.borrow_mut();
         if relid == pg_sys::InvalidOid {
@@ -114,12 +119,21 @@ pub(crate) unsafe fn lock_local_shard(
 ) -> Option<pg_sys::Oid> {
     // SAFETY: catalog lookups and a lock by OID; the caller is in a transaction.
     unsafe {
+        let known = SHARD_RELIDS.with(|s| s.borrow().get(&shard_id).copied());
+        if let Some(relid) = known {
+            if lock_existing(relid, lockmode) {
+                return Some(relid);
+            }
+            // Dropped since (its invalidation not yet processed): look the name up again.
+            SHARD_RELIDS.with(|s| s.borrow_mut().remove(&shard_id));
+        }
         let name = std::ffi::CString::new(format!("{rel_name}_{shard_id}")).ok()?;
         let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-        if relid == pg_sys::InvalidOid {
+        if relid == pg_sys::InvalidOid || !lock_existing(relid, lockmode) {
             return None;
         }
-        lock_existing(relid, lockmode).then_some(relid)
+        SHARD_RELIDS.with(|s| s.borrow_mut().insert(shard_id, relid));
+        Some(relid)
     }
 }
 
@@ -172,6 +186,41 @@ pub(crate) fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, Remu
 /// does not wait for a migration it does not touch (review finding F5).
 pub(crate) fn placements_for_key(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
     read_placements(relid, true)
+}
+
+/// The placement of shard index `index` of hash-distributed `table`, as [`placements_for_key`]
+/// and [`settle`] give it, without copying every shard's placement when the cached map serves
+/// and no ownership change can be in doubt here (no read-through, the node settled after its
+/// start): the per-statement path of a single-shard statement.
+pub(crate) fn placement_at_index(
+    table: &DistTable,
+    index: usize,
+) -> Result<ShardPlacement, RemusError> {
+    if table.kind == 'h' && !map_cache::read_through() && looking_up(handover::restart::settled)? {
+        if let Some(cached) = map_cache::shared(table.relid.to_u32()) {
+            if let Some(p) = cached.iter().find(|p| p.shard_index as usize == index) {
+                return settle(p.clone());
+            }
+        }
+    }
+    let all = placements_for_key(table.relid)?;
+    let p = all
+        .into_iter()
+        .find(|p| p.shard_index as usize == index)
+        .ok_or_else(|| RemusError::NoShardAtIndex {
+            index: index as i32,
+            table: table.qualified_name.to_string(),
+        })?;
+    settle(p)
+}
+
+/// Is this node the owner this transaction has pinned for `shard_id`? None: not pinned yet.
+pub(crate) fn pinned_here(shard_id: i64) -> Option<bool> {
+    PINS.with(|p| {
+        p.borrow()
+            .get(&shard_id)
+            .map(|n| crate::guc::is_this_node(n))
+    })
 }
 
 fn read_placements(relid: pg_sys::Oid, defer: bool) -> Result<Vec<ShardPlacement>, RemusError> {
@@ -333,11 +382,6 @@ pub(crate) fn pinned_owner(shard_id: i64, seen: &str) -> String {
             .or_insert_with(|| seen.to_string())
             .clone()
     })
-}
-
-/// The owner this transaction has pinned for `shard_id`, if it has routed it already.
-pub(crate) fn pinned(shard_id: i64) -> Option<String> {
-    PINS.with(|p| p.borrow().get(&shard_id).cloned())
 }
 
 /// Has this transaction already routed `shard_id`?

@@ -78,7 +78,7 @@ pub(crate) unsafe fn intercept(
                 };
                 if !(*copy).is_from {
                     return Err(RemusError::CopyToUnsupported {
-                        table: table.qualified_name.clone(),
+                        table: table.qualified_name.to_string(),
                     });
                 }
                 if !(*copy).whereClause.is_null() {
@@ -126,7 +126,7 @@ pub(crate) unsafe fn intercept(
                 let a = stmt as *mut pg_sys::AlterTableStmt;
                 if let Some(d) = shell_of((*a).relation)? {
                     return Err(RemusError::AlterDistributedTable {
-                        table: d.qualified_name.clone(),
+                        table: d.qualified_name.to_string(),
                     });
                 }
                 Ok(false)
@@ -138,7 +138,7 @@ pub(crate) unsafe fn intercept(
                         let rv = pg_sys::makeRangeVarFromNameList(obj);
                         if let Some(t) = shell_of(rv)? {
                             return Err(RemusError::DropDistributedTable {
-                                table: t.qualified_name.clone(),
+                                table: t.qualified_name.to_string(),
                             });
                         }
                     }
@@ -265,7 +265,7 @@ unsafe fn relation_shards(
                     .iter()
                     .map(|p| p.shard_id)
                     .collect();
-                return Ok(Some((d.qualified_name.clone(), ids)));
+                return Ok(Some((d.qualified_name.to_string(), ids)));
             }
         }
         let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
@@ -374,8 +374,8 @@ unsafe fn copy_from(
             pgrx::check_for_interrupts!();
             if table.kind != 'r' && nulls[key_attno - 1] {
                 return Err(RemusError::NullShardKey {
-                    column: table.shard_key.clone().unwrap_or_default(),
-                    table: table.qualified_name.clone(),
+                    column: table.shard_key.as_deref().unwrap_or_default().to_string(),
+                    table: table.qualified_name.to_string(),
                 });
             }
             let mut line = Vec::new();
