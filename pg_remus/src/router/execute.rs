@@ -9,6 +9,7 @@ use crate::catalog::ShardPlacement;
 use crate::cluster::shard_marker::marked;
 use crate::error::RemusError;
 use crate::pg::datum::{copy_datum, datum_to_text};
+use crate::pg::list::is_tag;
 use crate::router::marker::LocalShard;
 
 /// Where a statement for one shard runs, and what it returns.
@@ -311,6 +312,28 @@ pub unsafe fn eval_expr(
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
     unsafe {
+        // A constant, or a parameter of the statement (as a prepared statement's key is): no
+        // expression state to build for every execution.
+        let node = expr as *mut pg_sys::Node;
+        if is_tag(node, pg_sys::NodeTag::T_Const) {
+            let c = node as *mut pg_sys::Const;
+            return ((*c).constvalue, (*c).constisnull, (*c).consttype);
+        }
+        if is_tag(node, pg_sys::NodeTag::T_Param) {
+            let p = node as *mut pg_sys::Param;
+            let params = (*(*ps).state).es_param_list_info;
+            if (*p).paramkind == pg_sys::ParamKind::PARAM_EXTERN
+                && !params.is_null()
+                && (*params).paramFetch.is_none()
+                && (*p).paramid >= 1
+                && (*p).paramid <= (*params).numParams
+            {
+                let prm = (*params).params.as_ptr().add((*p).paramid as usize - 1);
+                if (*prm).ptype == (*p).paramtype {
+                    return ((*prm).value, (*prm).isnull, (*p).paramtype);
+                }
+            }
+        }
         let state = pg_sys::ExecInitExpr(expr, ps);
         let mut isnull = false;
         let econtext = (*ps).ps_ExprContext;

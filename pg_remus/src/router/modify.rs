@@ -523,13 +523,13 @@ unsafe fn spliced_of(cscan: *mut pg_sys::CustomScan) -> Option<(*mut pg_sys::Pla
     }
 }
 
-/// Is `stmt` a spliced single-shard-group SELECT ([`build_spliced_stmt`])? Its range table
-/// names shard tables, but whether they are this node's is the router's decision at execution,
-/// not the ownership check's.
+/// Is `stmt` a `RemusRouter` plan? The ownership check has nothing to look at in one: its range
+/// table names the shells, or, spliced ([`build_spliced_stmt`]), shard tables whose ownership
+/// is the router's decision at execution, not the check's.
 ///
 /// # Safety
 /// `stmt` must be a valid PlannedStmt.
-pub(crate) unsafe fn is_spliced(stmt: *mut pg_sys::PlannedStmt) -> bool {
+pub(crate) unsafe fn is_router_plan(stmt: *mut pg_sys::PlannedStmt) -> bool {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
         let top = (*stmt).planTree as *mut pg_sys::Node;
@@ -539,7 +539,6 @@ pub(crate) unsafe fn is_spliced(stmt: *mut pg_sys::PlannedStmt) -> bool {
                 (*(top as *mut pg_sys::CustomScan)).methods,
                 &raw const SCAN_METHODS,
             )
-            && spliced_of(top as *mut pg_sys::CustomScan).is_some()
     }
 }
 
@@ -1000,6 +999,11 @@ unsafe fn same_node_for_every_table(
 ) -> Result<(), RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
+        // One relation and nothing nested: the anchor is the only table.
+        let q = &*query;
+        if pg_sys::list_length(q.rtable) == 1 && q.cteList.is_null() && !q.hasSubLinks {
+            return Ok(());
+        }
         for (_, other) in super::placement::shells_anywhere(query)? {
             // A reference table is read from the owner's own copy.
             if other.relid == anchor_relid || other.kind != 'h' {
