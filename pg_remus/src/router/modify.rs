@@ -425,7 +425,9 @@ pub unsafe fn plan_single_shard_select(
         let relids = relids_anywhere(parse)?;
         let private = group_private(parse, anchor, value);
         let local = local_plan_for(parse, anchor, Some(value), ctx)?;
-        if let Some(local) = local {
+        // A scrollable cursor keeps the general node (which does not scan backward either way).
+        let scroll = ctx.cursor_options & pg_sys::CURSOR_OPT_SCROLL as i32 != 0;
+        if let Some(local) = local.filter(|_| !scroll) {
             if let Some(stmt) = build_spliced_stmt(parse, &relids, private, local) {
                 return Ok(stmt);
             }
