@@ -1,0 +1,194 @@
+//! Issue 16 item 4 through every protocol: a routed statement keeps the semantics of a statement
+//! on one PostgreSQL whichever node it enters and however it is sent (simple query, extended
+//! protocol with an unnamed statement, a named prepared statement under a generic plan).
+//!
+//! - `statement_timeout` and a cancel of a single-shard statement stop it where it runs: on the
+//!   owner it is the entry's own local plan; through a non-owner the owner's statement is
+//!   cancelled too (it does not run on after the client got its error).
+//! - A statement on a shard table this node does not own in the statement's snapshot is refused
+//!   with RM001 in every protocol; on the owner it runs.
+
+use std::time::{Duration, Instant};
+
+use postgres::types::ToSql;
+use postgres::Client;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::{sqlstate, wait_until};
+
+#[derive(Clone, Copy, Debug)]
+enum Protocol {
+    Simple,
+    /// Parse / Bind / Execute of an unnamed statement: a custom plan with the key bound.
+    Extended,
+    /// A named prepared statement under `plan_cache_mode = force_generic_plan`: the shard is
+    /// chosen at execution.
+    Prepared,
+}
+
+const PROTOCOLS: [Protocol; 3] = [Protocol::Simple, Protocol::Extended, Protocol::Prepared];
+
+/// Runs `sql` (with `$1` = `key`) on `db` in `protocol`; Ok(number of rows) or the error.
+fn run(db: &mut Client, protocol: Protocol, sql: &str, key: i64) -> Result<usize, postgres::Error> {
+    match protocol {
+        Protocol::Simple => {
+            let literal = sql.replace("$1", &key.to_string());
+            db.simple_query(&literal).map(|m| {
+                m.iter()
+                    .filter(|m| matches!(m, postgres::SimpleQueryMessage::Row(_)))
+                    .count()
+            })
+        }
+        Protocol::Extended => {
+            let params: [&(dyn ToSql + Sync); 1] = [&key];
+            db.query(sql, &params).map(|r| r.len())
+        }
+        Protocol::Prepared => {
+            db.batch_execute("SET plan_cache_mode = force_generic_plan")?;
+            let stmt = db.prepare(sql)?;
+            let params: [&(dyn ToSql + Sync); 1] = [&key];
+            db.query(&stmt, &params).map(|r| r.len())
+        }
+    }
+}
+
+/// A 3-node cluster with `kv` over 4 shards holding rows 1..=200, and a key whose shard n1
+/// owns, with that shard's id.
+fn cluster_and_a_key_on_n1() -> (TestCluster, i64, i64) {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE kv (k bigint PRIMARY KEY, v text NOT NULL);
+         SELECT remus_create_distributed_table('kv', 'k', 4);",
+    )
+    .unwrap();
+    n1.batch_execute(&format!(
+        "INSERT INTO kv VALUES {}",
+        (1..=200)
+            .map(|k| format!("({k}, 'v{k}')"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+    .unwrap();
+    let r = n1
+        .query_one(
+            "SELECT k::bigint, s.shard_id FROM generate_series(1, 10000) k
+               JOIN remus_shards s ON s.shard_id = remus_shard_id_for('kv', k)
+              WHERE s.node_name = 'n1' ORDER BY k LIMIT 1",
+            &[],
+        )
+        .unwrap();
+    (c, r.get(0), r.get(1))
+}
+
+/// Sessions on `node` (other than the caller's) running a statement that contains `marker`.
+fn running(c: &TestCluster, node: &str, marker: &str) -> i64 {
+    c.connect(node)
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%' || $1 || '%'",
+            &[&marker],
+        )
+        .unwrap()
+        .get(0)
+}
+
+/// Waits until no session on `node` runs a statement containing `marker`.
+fn ends_on(c: &TestCluster, node: &str, marker: &str, what: &str) {
+    wait_until(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || running(c, node, marker) == 0,
+        || format!("{what}: the statement still runs on {node}"),
+    );
+}
+
+#[test]
+fn timeouts_and_cancels_stop_a_routed_statement_where_it_runs() {
+    let (c, key, _) = cluster_and_a_key_on_n1();
+    for entry in ["n1", "n2"] {
+        for protocol in PROTOCOLS {
+            let what = format!("through {entry}, {protocol:?}");
+            // A marker per case, so that a statement left running by an earlier case cannot
+            // pass for (or hide) this one's.
+            let tag = format!("{entry}_{protocol:?}").to_lowercase();
+            let sql = format!("SELECT pg_sleep(60) AS timeout_{tag} FROM kv WHERE k = $1");
+
+            // statement_timeout.
+            let mut db = c.connect(entry).unwrap();
+            db.batch_execute("SET statement_timeout = '300ms'").unwrap();
+            let t0 = Instant::now();
+            let e = run(&mut db, protocol, &sql, key).expect_err(&what);
+            assert_eq!(sqlstate(&e), "57014", "statement_timeout {what}: {e}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "statement_timeout {what} took {:?}",
+                t0.elapsed()
+            );
+            ends_on(
+                &c,
+                "n1",
+                &format!("timeout_{tag}"),
+                &format!("timeout {what}"),
+            );
+            // The session goes on.
+            db.batch_execute("RESET statement_timeout").unwrap();
+            assert_eq!(
+                run(&mut db, protocol, "SELECT v FROM kv WHERE k = $1", key).unwrap(),
+                1,
+                "the next statement {what}"
+            );
+
+            // A cancel, once the statement runs on the owner.
+            let sql = format!("SELECT pg_sleep(60) AS cancel_{tag} FROM kv WHERE k = $1");
+            let mut db = c.connect(entry).unwrap();
+            let pid: i32 = db.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+            let session = std::thread::spawn(move || run(&mut db, protocol, &sql, key));
+            let marker = format!("cancel_{tag}");
+            wait_until(
+                Duration::from_secs(30),
+                Duration::from_millis(20),
+                || running(&c, "n1", &marker) > 0,
+                || format!("cancel {what}: the statement never ran on n1"),
+            );
+            let cancelled: bool = c
+                .connect(entry)
+                .unwrap()
+                .query_one("SELECT pg_cancel_backend($1)", &[&pid])
+                .unwrap()
+                .get(0);
+            assert!(cancelled, "cancel {what}: no such backend");
+            let e = session.join().unwrap().expect_err(&what);
+            assert_eq!(sqlstate(&e), "57014", "cancel {what}: {e}");
+            ends_on(&c, "n1", &marker, &format!("cancel {what}"));
+        }
+    }
+}
+
+#[test]
+fn a_shard_table_is_refused_where_the_statement_sees_another_owner_in_every_protocol() {
+    let (c, key, shard) = cluster_and_a_key_on_n1();
+    let sql = format!("SELECT v FROM remus_shards.kv_{shard} WHERE k = $1");
+    for protocol in PROTOCOLS {
+        let mut db = c.connect("n1").unwrap();
+        assert_eq!(
+            run(&mut db, protocol, &sql, key).unwrap(),
+            1,
+            "the shard table on its owner, {protocol:?}"
+        );
+        // The statement's snapshot names n2 as the owner (an uncommitted change of the map, as
+        // a migration's flip would make it): the shard table here is a copy it must not use.
+        db.batch_execute(&format!(
+            "BEGIN; UPDATE remus.shard_map SET node_name = 'n2' WHERE shard_id = {shard}"
+        ))
+        .unwrap();
+        let e = run(&mut db, protocol, &sql, key).expect_err("a shard n2 owns, read on n1");
+        assert_eq!(sqlstate(&e), "RM001", "{protocol:?}: {e}");
+        db.batch_execute("ROLLBACK").unwrap();
+        assert_eq!(
+            run(&mut db, protocol, &sql, key).unwrap(),
+            1,
+            "after the rollback, {protocol:?}"
+        );
+    }
+}
