@@ -25,7 +25,7 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 use remus_proto::sqlstate::SqlState;
 
-use crate::cluster::remote;
+use crate::cluster::{remote, shard_marker};
 use crate::error::RemusError;
 use crate::pg::sql::quote_literal;
 
@@ -197,11 +197,25 @@ pub fn exec_params_in_transaction(
     writes: bool,
 ) -> Result<remote::RemoteResult, RemusError> {
     remote::with_connection(addr, |c| {
-        join_transaction(c)?;
+        let opening = transaction_opening(c);
         if writes {
             c.modified = true;
         }
-        c.exec_params(sql, params, types)
+        if opening.is_empty() {
+            return c.exec_params(sql, params, types);
+        }
+        if !params.is_empty() {
+            c.exec(&opening)?;
+            return c.exec_params(sql, params, types);
+        }
+        // One round trip: the remote transaction opens in the same simple query as its first
+        // statement (it runs in the block BEGIN opened, as if sent after it). A shard marker
+        // stays at the start of the text, where the remote looks for it.
+        let text = match shard_marker::split(sql) {
+            Some((marker, rest)) => format!("{marker}{opening}{rest}"),
+            None => format!("{opening}{sql}"),
+        };
+        c.exec(&text)
     })
 }
 
@@ -257,26 +271,38 @@ pub fn read_on_nodes<T>(
 /// Opens, once per local transaction, the remote transaction on `c` at the local isolation
 /// level, with the savepoints the local transaction has open.
 fn join_transaction(c: &mut remote::RemoteConnection) -> Result<(), RemusError> {
-    {
-        if !c.in_transaction {
-            // SAFETY: plain read of a backend global.
-            let iso = match unsafe { pg_sys::XactIsoLevel } as u32 {
-                pg_sys::XACT_SERIALIZABLE => "SERIALIZABLE",
-                pg_sys::XACT_REPEATABLE_READ => "REPEATABLE READ",
-                _ => "READ COMMITTED",
-            };
-            // Recorded before BEGIN is sent: an ERROR raised while it runs (a cancel here)
-            // leaves the abort path to cancel and roll back whatever it started there.
-            c.in_transaction = true;
-            c.exec(&format!("BEGIN ISOLATION LEVEL {iso}"))?;
-            // Joining inside subtransactions: recreate their savepoints here too.
-            let open = savepoints::open();
-            for subid in open {
-                c.exec(&format!("SAVEPOINT {}", savepoints::savepoint_name(subid)))?;
-            }
-        }
-        Ok(())
+    let opening = transaction_opening(c);
+    if !opening.is_empty() {
+        c.exec(&opening)?;
     }
+    Ok(())
+}
+
+/// The commands that open, once per local transaction, the remote transaction on `c` at the
+/// local isolation level, with the savepoints the local transaction has open (each followed by
+/// `; `), for the caller to send; empty when it is open already. The connection counts as in
+/// the transaction from here on: an ERROR raised while they run (a cancel) leaves the abort
+/// path to cancel and roll back whatever they started there.
+fn transaction_opening(c: &mut remote::RemoteConnection) -> String {
+    if c.in_transaction {
+        return String::new();
+    }
+    // SAFETY: plain read of a backend global.
+    let iso = match unsafe { pg_sys::XactIsoLevel } as u32 {
+        pg_sys::XACT_SERIALIZABLE => "SERIALIZABLE",
+        pg_sys::XACT_REPEATABLE_READ => "REPEATABLE READ",
+        _ => "READ COMMITTED",
+    };
+    c.in_transaction = true;
+    let mut opening = format!("BEGIN ISOLATION LEVEL {iso}; ");
+    // Joining inside subtransactions: recreate their savepoints there too.
+    for subid in savepoints::open() {
+        opening.push_str(&format!(
+            "SAVEPOINT {}; ",
+            savepoints::savepoint_name(subid)
+        ));
+    }
+    opening
 }
 
 /// Streams COPY text into `sql` (a `COPY … FROM STDIN`) on `addr`, as a writing participant of
