@@ -425,14 +425,53 @@ pub unsafe fn plan_single_shard_select(
         let relids = relids_anywhere(parse)?;
         let private = group_private(parse, anchor, value);
         let local = local_plan_for(parse, anchor, Some(value), ctx)?;
-        // A scrollable cursor keeps the general node (which does not scan backward either way).
         let scroll = ctx.cursor_options & pg_sys::CURSOR_OPT_SCROLL as i32 != 0;
         if let Some(local) = local.filter(|_| !scroll) {
             if let Some(stmt) = build_spliced_stmt(parse, &relids, private, local) {
                 return Ok(stmt);
             }
         }
-        Ok(build_stmt(parse, &outputs, &relids, private, local))
+        let stmt = build_stmt(parse, &outputs, &relids, private, local);
+        if scroll {
+            // The router node reads forward only: a scrollable cursor gets its rows through a
+            // Material node, as PostgreSQL's planner gives a plan that cannot scan backward.
+            (*stmt).planTree = materialized((*stmt).planTree);
+        }
+        Ok(stmt)
+    }
+}
+
+/// `plan` under a Material node whose target list reads `plan`'s output by position (so that
+/// EXPLAIN VERBOSE resolves it through the router node's own scan target list).
+unsafe fn materialized(plan: *mut pg_sys::Plan) -> *mut pg_sys::Plan {
+    // SAFETY: `plan` is a finished plan of the statement being planned; nodes palloc'd in the
+    // planner's memory context.
+    unsafe {
+        let mat = pg_sys::materialize_finished_plan(plan);
+        let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
+        for (i, te) in list_ptrs::<pg_sys::TargetEntry>((*plan).targetlist)
+            .into_iter()
+            .enumerate()
+        {
+            let expr = (*te).expr as *mut pg_sys::Node;
+            let var = pg_sys::makeVar(
+                pg_sys::OUTER_VAR,
+                (i + 1) as i16,
+                pg_sys::exprType(expr),
+                pg_sys::exprTypmod(expr),
+                pg_sys::exprCollation(expr),
+                0,
+            );
+            let out = pg_sys::makeTargetEntry(
+                var as *mut pg_sys::Expr,
+                (i + 1) as i16,
+                (*te).resname,
+                (*te).resjunk,
+            );
+            tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
+        }
+        (*mat).targetlist = tlist;
+        mat
     }
 }
 
