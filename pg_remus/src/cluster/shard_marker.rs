@@ -4,15 +4,18 @@
 
 use std::ffi::CStr;
 
+/// What a marker starts with; the shard id and `*/` follow.
+const PREFIX: &str = "/*remus:shard=";
+
 /// `sql` marked for shard `shard_id`.
 pub(crate) fn marked(shard_id: i64, sql: &str) -> String {
-    format!("/*remus:shard={shard_id}*/ {sql}")
+    format!("{PREFIX}{shard_id}*/ {sql}")
 }
 
 /// A marked text split after its marker (the marker with the space that follows it, the rest).
 pub(crate) fn split(sql: &str) -> Option<(&str, &str)> {
-    let body = sql.strip_prefix("/*remus:shard=")?;
-    let end = "/*remus:shard=".len() + body.find("*/")? + 2;
+    let body = sql.strip_prefix(PREFIX)?;
+    let end = PREFIX.len() + body.find("*/")? + 2;
     let end = if sql[end..].starts_with(' ') {
         end + 1
     } else {
@@ -28,7 +31,7 @@ pub(crate) fn parse(query_string: *const std::ffi::c_char) -> Option<i64> {
     }
     // SAFETY: the planner's query string is NUL-terminated.
     let s = unsafe { CStr::from_ptr(query_string) }.to_str().ok()?;
-    let rest = s.trim_start().strip_prefix("/*remus:shard=")?;
+    let rest = s.trim_start().strip_prefix(PREFIX)?;
     rest[..rest.find("*/")?].parse().ok()
 }
 

@@ -301,6 +301,40 @@ pub unsafe fn next_from_store(
     }
 }
 
+/// The value of external parameter `param` (`$n` of the statement) in `params`, as the executor
+/// reads it (through the list's fetch hook if it has one, PL/pgSQL's; `speculative` as that hook
+/// takes it), if it is there with the parameter's own type.
+///
+/// # Safety
+/// `params` must be NULL or a live parameter list; `param` a valid Param node.
+pub(crate) unsafe fn extern_param(
+    params: pg_sys::ParamListInfo,
+    param: *mut pg_sys::Param,
+    speculative: bool,
+) -> Option<pg_sys::ParamExternData> {
+    // SAFETY: the caller upholds this function's `# Safety` contract; the fetched entry is
+    // copied out before the workspace it may live in goes.
+    unsafe {
+        let id = (*param).paramid;
+        if (*param).paramkind != pg_sys::ParamKind::PARAM_EXTERN
+            || params.is_null()
+            || id < 1
+            || id > (*params).numParams
+        {
+            return None;
+        }
+        let mut workspace: pg_sys::ParamExternData = std::mem::zeroed();
+        let prm = match (*params).paramFetch {
+            Some(fetch) => fetch(params, id, speculative, &mut workspace),
+            None => (*params).params.as_mut_ptr().add(id as usize - 1),
+        };
+        if prm.is_null() || (*prm).ptype != (*param).paramtype {
+            return None;
+        }
+        Some(*prm)
+    }
+}
+
 /// Evaluates a Var-free expression (Const, Param, casts of those) in the node's context.
 ///
 /// # Safety
@@ -321,17 +355,8 @@ pub unsafe fn eval_expr(
         }
         if is_tag(node, pg_sys::NodeTag::T_Param) {
             let p = node as *mut pg_sys::Param;
-            let params = (*(*ps).state).es_param_list_info;
-            if (*p).paramkind == pg_sys::ParamKind::PARAM_EXTERN
-                && !params.is_null()
-                && (*params).paramFetch.is_none()
-                && (*p).paramid >= 1
-                && (*p).paramid <= (*params).numParams
-            {
-                let prm = (*params).params.as_ptr().add((*p).paramid as usize - 1);
-                if (*prm).ptype == (*p).paramtype {
-                    return ((*prm).value, (*prm).isnull, (*p).paramtype);
-                }
+            if let Some(prm) = extern_param((*(*ps).state).es_param_list_info, p, false) {
+                return (prm.value, prm.isnull, (*p).paramtype);
             }
         }
         let state = pg_sys::ExecInitExpr(expr, ps);

@@ -22,17 +22,8 @@ pub(crate) unsafe fn placement_for(
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
     unsafe {
-        let idx = shard_index_of(table, value, value_type)? as i32;
-        let p = placements
-            .iter()
-            .find(|p| p.shard_index == idx)
-            .cloned()
-            .ok_or_else(|| RemusError::NoShardAtIndex {
-                index: idx,
-                table: table.qualified_name.to_string(),
-            })?;
-        // The chosen shard's ownership change, if in doubt here, is waited for now (F5).
-        super::placement::settle(p)
+        let index = shard_index_of(table, value, value_type)?;
+        super::placement::placement_in(table, placements, index)
     }
 }
 

@@ -116,27 +116,11 @@ pub(crate) unsafe fn value_at_plan_time(
     unsafe {
         let node = expr as *mut pg_sys::Node;
         if is_tag(node, pg_sys::NodeTag::T_Param) {
-            let p = node as *mut pg_sys::Param;
-            if (*p).paramkind != pg_sys::ParamKind::PARAM_EXTERN || bound.is_null() {
+            let prm = super::execute::extern_param(bound, node as *mut pg_sys::Param, true)?;
+            if prm.isnull || prm.pflags & pg_sys::PARAM_FLAG_CONST as u16 == 0 {
                 return None;
             }
-            let id = (*p).paramid;
-            if id < 1 || id > (*bound).numParams {
-                return None;
-            }
-            let mut workspace: pg_sys::ParamExternData = std::mem::zeroed();
-            let prm = match (*bound).paramFetch {
-                Some(fetch) => fetch(bound, id, true, &mut workspace),
-                None => (*bound).params.as_mut_ptr().add(id as usize - 1),
-            };
-            if prm.is_null()
-                || (*prm).isnull
-                || (*prm).pflags & pg_sys::PARAM_FLAG_CONST as u16 == 0
-                || (*prm).ptype != (*p).paramtype
-            {
-                return None;
-            }
-            return Some(((*prm).value, (*prm).ptype));
+            return Some((prm.value, prm.ptype));
         }
         let folded = if is_tag(node, pg_sys::NodeTag::T_Const) {
             node

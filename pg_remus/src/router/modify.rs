@@ -448,29 +448,8 @@ unsafe fn materialized(plan: *mut pg_sys::Plan) -> *mut pg_sys::Plan {
     // planner's memory context.
     unsafe {
         let mat = pg_sys::materialize_finished_plan(plan);
-        let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
-        for (i, te) in list_ptrs::<pg_sys::TargetEntry>((*plan).targetlist)
-            .into_iter()
-            .enumerate()
-        {
-            let expr = (*te).expr as *mut pg_sys::Node;
-            let var = pg_sys::makeVar(
-                pg_sys::OUTER_VAR,
-                (i + 1) as i16,
-                pg_sys::exprType(expr),
-                pg_sys::exprTypmod(expr),
-                pg_sys::exprCollation(expr),
-                0,
-            );
-            let out = pg_sys::makeTargetEntry(
-                var as *mut pg_sys::Expr,
-                (i + 1) as i16,
-                (*te).resname,
-                (*te).resjunk,
-            );
-            tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
-        }
-        (*mat).targetlist = tlist;
+        let entries = list_ptrs::<pg_sys::TargetEntry>((*plan).targetlist);
+        (*mat).targetlist = by_position(&entries, pg_sys::OUTER_VAR);
         mat
     }
 }
@@ -592,25 +571,41 @@ unsafe fn output_tlists(
     // SAFETY: `outputs` are valid target entries of the statement being planned.
     unsafe {
         let mut scan_tlist: *mut pg_sys::List = std::ptr::null_mut();
-        let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
         for (i, te) in outputs.iter().enumerate() {
+            let st = pg_sys::makeTargetEntry((**te).expr, (i + 1) as i16, (**te).resname, false);
+            scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
+        }
+        (scan_tlist, by_position(outputs, pg_sys::INDEX_VAR))
+    }
+}
+
+/// A target list that reads `entries`' columns back by position from tuple `varno` (INDEX_VAR:
+/// the node's scan tuple, OUTER_VAR: its child's output), keeping their names, types and junk
+/// marks.
+unsafe fn by_position(entries: &[*mut pg_sys::TargetEntry], varno: i32) -> *mut pg_sys::List {
+    // SAFETY: `entries` are valid target entries of the statement being planned.
+    unsafe {
+        let mut tlist: *mut pg_sys::List = std::ptr::null_mut();
+        for (i, te) in entries.iter().enumerate() {
             let resno = (i + 1) as i16;
             let expr = (**te).expr as *mut pg_sys::Node;
-            let st = pg_sys::makeTargetEntry((**te).expr, resno, (**te).resname, false);
-            scan_tlist = pg_sys::lappend(scan_tlist, st as *mut std::ffi::c_void);
             let var = pg_sys::makeVar(
-                pg_sys::INDEX_VAR,
+                varno,
                 resno,
                 pg_sys::exprType(expr),
                 pg_sys::exprTypmod(expr),
                 pg_sys::exprCollation(expr),
                 0,
             );
-            let out =
-                pg_sys::makeTargetEntry(var as *mut pg_sys::Expr, resno, (**te).resname, false);
+            let out = pg_sys::makeTargetEntry(
+                var as *mut pg_sys::Expr,
+                resno,
+                (**te).resname,
+                (**te).resjunk,
+            );
             tlist = pg_sys::lappend(tlist, out as *mut std::ffi::c_void);
         }
-        (scan_tlist, tlist)
+        tlist
     }
 }
 

@@ -203,14 +203,25 @@ pub(crate) fn placement_at_index(
             }
         }
     }
-    let all = placements_for_key(table.relid)?;
-    let p = all
-        .into_iter()
+    placement_in(table, &placements_for_key(table.relid)?, index)
+}
+
+/// The placement of shard index `index` among `placements` of `table` (from
+/// [`placements_for_key`]), pinned ([`settle`]).
+pub(crate) fn placement_in(
+    table: &DistTable,
+    placements: &[ShardPlacement],
+    index: usize,
+) -> Result<ShardPlacement, RemusError> {
+    let p = placements
+        .iter()
         .find(|p| p.shard_index as usize == index)
+        .cloned()
         .ok_or_else(|| RemusError::NoShardAtIndex {
             index: index as i32,
             table: table.qualified_name.to_string(),
         })?;
+    // The chosen shard's ownership change, if in doubt here, is waited for now (F5).
     settle(p)
 }
 

@@ -201,21 +201,20 @@ pub fn exec_params_in_transaction(
         if writes {
             c.modified = true;
         }
-        if opening.is_empty() {
-            return c.exec_params(sql, params, types);
+        if !opening.is_empty() && params.is_empty() {
+            // One round trip: the remote transaction opens in the same simple query as its
+            // first statement (it runs in the block BEGIN opened, as if sent after it). A shard
+            // marker stays at the start of the text, where the remote looks for it.
+            let text = match shard_marker::split(sql) {
+                Some((marker, rest)) => format!("{marker}{opening}{rest}"),
+                None => format!("{opening}{sql}"),
+            };
+            return c.exec(&text);
         }
-        if !params.is_empty() {
+        if !opening.is_empty() {
             c.exec(&opening)?;
-            return c.exec_params(sql, params, types);
         }
-        // One round trip: the remote transaction opens in the same simple query as its first
-        // statement (it runs in the block BEGIN opened, as if sent after it). A shard marker
-        // stays at the start of the text, where the remote looks for it.
-        let text = match shard_marker::split(sql) {
-            Some((marker, rest)) => format!("{marker}{opening}{rest}"),
-            None => format!("{opening}{sql}"),
-        };
-        c.exec(&text)
+        c.exec_params(sql, params, types)
     })
 }
 
