@@ -5,11 +5,19 @@
 //! - `statement_timeout` and a cancel of a single-shard statement stop it where it runs: on the
 //!   owner it is the entry's own local plan; through a non-owner the owner's statement is
 //!   cancelled too (it does not run on after the client got its error).
+//! - A client that disappears (SIGKILL: no cancel request, no Terminate) while its statement
+//!   runs, while it runs in a transaction that wrote the row on the owner, or between two
+//!   statements of that transaction, leaves nothing behind: with the client's
+//!   `client_connection_check_interval` set (as one PostgreSQL needs to stop a running statement
+//!   of a lost client) the entry's backend ends, so does the owner's session that ran the
+//!   statement for it, and the row is unlocked with its write rolled back.
 //! - A statement on a shard table this node does not own in the statement's snapshot is refused
 //!   with RM001 in every protocol; on the owner it runs.
 //! - A scrollable cursor over a statement on one shard group fetches backward (a Material node
 //!   over the router node, which reads forward only).
 
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use postgres::types::ToSql;
@@ -82,17 +90,24 @@ fn cluster_and_a_key_on_n1() -> (TestCluster, i64, i64) {
     (c, r.get(0), r.get(1))
 }
 
-/// Sessions on `node` (other than the caller's) running a statement that contains `marker`.
-fn running(c: &TestCluster, node: &str, marker: &str) -> i64 {
+/// Sessions on `node` (other than the caller's) whose last statement contains `marker`, in
+/// `state` (`active`: running it), or in any state.
+fn sessions(c: &TestCluster, node: &str, marker: &str, state: Option<&str>) -> i64 {
     c.connect(node)
         .unwrap()
         .query_one(
             "SELECT count(*) FROM pg_stat_activity
-              WHERE state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%' || $1 || '%'",
-            &[&marker],
+              WHERE ($2::text IS NULL OR state = $2) AND pid <> pg_backend_pid()
+                AND query LIKE '%' || $1 || '%'",
+            &[&marker, &state],
         )
         .unwrap()
         .get(0)
+}
+
+/// Sessions on `node` (other than the caller's) running a statement that contains `marker`.
+fn running(c: &TestCluster, node: &str, marker: &str) -> i64 {
+    sessions(c, node, marker, Some("active"))
 }
 
 /// Waits until no session on `node` runs a statement containing `marker`.
@@ -254,5 +269,101 @@ fn a_scrollable_cursor_on_one_shard_group_fetches_backward() {
             .collect();
         let plan = plan.join("\n");
         assert!(plan.contains("Materialize"), "through {entry}:\n{plan}");
+    }
+}
+
+/// A `psql` client of `node` reading `sql` from its stdin, which stays open: killed with
+/// SIGKILL, it leaves without a cancel request or a Terminate message, as a client whose
+/// process or machine dies.
+fn psql(c: &TestCluster, node: &str, sql: &str) -> Child {
+    let state = c.state().unwrap();
+    let conninfo = state
+        .node(node)
+        .unwrap()
+        .conninfo(&state.password().unwrap());
+    let mut child = Command::new(remusctl::cluster::pg_bindir().join("psql"))
+        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", &conninfo])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn psql");
+    let stdin = child.stdin.as_mut().expect("psql stdin");
+    stdin.write_all(sql.as_bytes()).unwrap();
+    stdin.flush().unwrap();
+    child
+}
+
+#[test]
+fn a_lost_client_stops_the_statement_on_every_participant() {
+    let (c, key, _) = cluster_and_a_key_on_n1();
+    // What the client is doing when it disappears: running a statement, running one in a
+    // transaction that already wrote the row on the owner (which holds its lock), or waiting
+    // between statements of such a transaction.
+    let cases = [
+        ("running", false, true),
+        ("running_in_transaction", true, true),
+        ("idle_in_transaction", true, false),
+    ];
+    for entry in ["n1", "n2"] {
+        for (case, in_transaction, running_one) in cases {
+            let what = format!("through {entry}, {case}");
+            let marker = format!("lost_{entry}_{case}");
+            // The client asks for its connection to be checked while a statement runs, as it
+            // must on one PostgreSQL for a lost client to stop a running statement: with the
+            // default 0 the loss is noticed at the next write to the client.
+            let mut sql = "SET client_connection_check_interval = '100ms';\n".to_string();
+            if in_transaction {
+                sql += &format!("BEGIN;\nUPDATE kv SET v = '{marker}' WHERE k = {key};\n");
+            }
+            if running_one {
+                sql += &format!("SELECT pg_sleep(60) AS {marker} FROM kv WHERE k = {key};\n");
+            }
+            let state = if running_one {
+                "active"
+            } else {
+                "idle in transaction"
+            };
+            let mut client = psql(&c, entry, &sql);
+            wait_until(
+                Duration::from_secs(30),
+                Duration::from_millis(20),
+                || {
+                    sessions(&c, "n1", &marker, Some(state)) > 0
+                        && sessions(&c, entry, &marker, Some(state)) > 0
+                },
+                || format!("{what}: the client's statement never reached n1"),
+            );
+            client.kill().unwrap();
+            client.wait().unwrap();
+
+            // The entry's backend, and the owner's that ran the statement for it, are gone.
+            for node in ["n1", entry] {
+                wait_until(
+                    Duration::from_secs(30),
+                    Duration::from_millis(50),
+                    || sessions(&c, node, &marker, None) == 0,
+                    || format!("{what}: a session that ran the statement is still on {node}"),
+                );
+            }
+            // The row is not locked (lock_timeout turns a wait into an error), and the lost
+            // transaction's write is rolled back.
+            let mut n1 = c.connect("n1").unwrap();
+            n1.batch_execute("SET lock_timeout = '100ms'").unwrap();
+            wait_until(
+                Duration::from_secs(30),
+                Duration::from_millis(50),
+                || {
+                    n1.execute("UPDATE kv SET v = v WHERE k = $1", &[&key])
+                        .is_ok()
+                },
+                || format!("{what}: the row stays locked on n1"),
+            );
+            let v: String = n1
+                .query_one("SELECT v FROM kv WHERE k = $1", &[&key])
+                .unwrap()
+                .get(0);
+            assert_eq!(v, format!("v{key}"), "{what}");
+        }
     }
 }

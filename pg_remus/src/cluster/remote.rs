@@ -221,6 +221,11 @@ impl RemoteConnection {
                     None => "pg_remus".into(),
                 },
             ),
+            // client_connection_check_interval: an entry backend that exits while its
+            // statement runs here (its client was lost, or it was terminated) gets no chance to
+            // cancel it (the connection is checked out, out of the abort callback's sight); the
+            // peer notices the closed connection within a second and rolls back, instead of
+            // running the statement to its end with its locks held.
             ("options", "-c remus.forwarded=on -c client_connection_check_interval=1000 -c standard_conforming_strings=on -c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3".into()),
             ("client_encoding", "UTF8".into()),
             ("connect_timeout", "10".into()),
