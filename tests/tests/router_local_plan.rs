@@ -126,12 +126,17 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
             "a key {name} does not own, through {name}:\n{plan}"
         );
 
-        // Writes: UPDATE … RETURNING, DELETE, INSERT, ON CONFLICT, each a local plan.
+        // Writes: UPDATE … RETURNING, DELETE, INSERT, ON CONFLICT, each a local plan (decision
+        // 0014's amendment: spliced, the write's ModifyTable under the router node).
         let plan = explain(
             &mut db,
             &format!("UPDATE kv SET n = n + 5 WHERE k = {mine} RETURNING n"),
         );
-        assert!(plan.contains("Ran: local plan"), "UPDATE:\n{plan}");
+        // Spliced too: the shard table's ModifyTable runs under the router node.
+        assert!(
+            plan.contains("Ran: local plan") && plan.contains(&format!("Update on kv_{my_shard}")),
+            "UPDATE:\n{plan}"
+        );
         let n: i32 = db
             .query_one("UPDATE kv SET n = n + 1 WHERE k = $1 RETURNING n", &[&mine])
             .unwrap()
@@ -148,7 +153,10 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
             &mut db,
             &format!("INSERT INTO kv_log VALUES ({mine}, 2, 'two') ON CONFLICT (k, id) DO UPDATE SET note = 'again'"),
         );
-        assert!(plan.contains("Ran: local plan"), "INSERT:\n{plan}");
+        assert!(
+            plan.contains("Ran: local plan") && plan.contains("Insert on kv_log_"),
+            "INSERT:\n{plan}"
+        );
         assert_eq!(
             db.execute("DELETE FROM kv_log WHERE k = $1 AND id = 2", &[&mine])
                 .unwrap(),

@@ -13,14 +13,15 @@
 //!   run; otherwise (a migration moved the shard since, a cached plan outlived it, the table
 //!   was dropped and made again) the statement takes the general path, which deparses it and
 //!   runs it where the shard now lives.
-//! - A SELECT's local plan made at plan time is spliced: it is the statement's own plan, under
-//!   the `RemusRouter` node, and runs in the statement's executor (`modify::build_spliced_stmt`,
-//!   decision 0014). Other local SELECT plans (made at execution, or locking rows) are started
-//!   by a nested executor and their rows handed up one by one (no tuplestore); INSERT / UPDATE /
-//!   DELETE run to completion in a nested executor, RETURNING rows collected for the CustomScan
-//!   to return. The nested `ExecutorStart` still runs the handover's write checks; the RM001
-//!   ownership check is skipped for it (`decided`) and for a spliced plan, since the router's
-//!   own decision is what it would check.
+//! - A local plan made at plan time for a SELECT or a single-shard write is spliced: it is the
+//!   statement's own plan, under the `RemusRouter` node, and runs in the statement's executor
+//!   (`modify::build_spliced_stmt`, decision 0014). Other local SELECT plans (made at
+//!   execution, or locking rows) are started by a nested executor and their rows handed up one
+//!   by one (no tuplestore); other writes run to completion in a nested executor, RETURNING rows
+//!   collected for the CustomScan to return. The nested `ExecutorStart` runs the handover's
+//!   write checks (a spliced write runs them before it starts); the RM001 ownership check is
+//!   skipped for it (`decided`) and for a spliced plan, since the router's own decision is what
+//!   it would check.
 //! - A statement whose plan carries no local plan for the shard execution chose here (a generic
 //!   plan, whose key is a parameter; a backend whose map cache was empty at plan time) gets one
 //!   made at execution, kept with the plan per shard ([`local_plan_at_execution`]): a prepared

@@ -5,6 +5,9 @@
 //! finds the shard(s) the statement touches, deparses the statement (the full original text:
 //! RETURNING, ON CONFLICT, defaults already expanded by the rewriter), and runs it per shard
 //! where the shard lives, inside the current transaction. Remote writers join two-phase commit.
+//! A statement on one shard whose local plan was made at plan time has that plan under the
+//! node instead, run in this executor when execution decides the shard is here
+//! ([`build_spliced_stmt`], decision 0014).
 
 use std::collections::BTreeMap;
 use std::ffi::CStr;
@@ -38,8 +41,8 @@ struct ModifyState {
     done: bool,
     /// A SELECT's local plan, started ([`super::local`]); NULL: rows come from `tstore`.
     local: *mut pg_sys::QueryDesc,
-    /// A spliced SELECT's local plan, started in this executor ([`spliced_of`]); NULL: not
-    /// (yet) chosen.
+    /// A spliced local plan (a SELECT's or a write's), started in this executor
+    /// ([`spliced_of`]); NULL: not (yet) chosen.
     child: *mut pg_sys::PlanState,
     /// The executor flags this node was started with, for starting `child` later.
     eflags: i32,
@@ -195,6 +198,13 @@ pub unsafe fn plan(
             single_shard_key(parse, key_attno)
         };
         let local = local_plan_for(parse, table, key, ctx)?;
+        if let Some(local) = local {
+            if let Some(stmt) =
+                build_spliced_stmt(parse, &returning, &[table.relid], private, local)
+            {
+                return Ok(stmt);
+            }
+        }
         Ok(build_stmt(
             parse,
             &returning,
@@ -427,7 +437,8 @@ pub unsafe fn plan_single_shard_select(
         let local = local_plan_for(parse, anchor, Some(value), ctx)?;
         let scroll = ctx.cursor_options & pg_sys::CURSOR_OPT_SCROLL as i32 != 0;
         if let Some(local) = local.filter(|_| !scroll) {
-            if let Some(stmt) = build_spliced_stmt(parse, &relids, private, local) {
+            let all = list_ptrs::<pg_sys::TargetEntry>(q.targetList);
+            if let Some(stmt) = build_spliced_stmt(parse, &all, &relids, private, local) {
                 return Ok(stmt);
             }
         }
@@ -454,18 +465,21 @@ unsafe fn materialized(plan: *mut pg_sys::Plan) -> *mut pg_sys::Plan {
     }
 }
 
-/// A single-shard-group SELECT whose local plan was made at plan time, spliced: the statement's
+/// A single-shard statement whose local plan was made at plan time, spliced: the statement's
 /// own plan is the local plan (its range table names the local shard tables) under a
 /// `RemusRouter` node that decides at execution, as for every routed statement, whether the
 /// shard is still this node's. If it is, the local plan runs in this very executor, its rows
-/// passed through untouched: no second executor, no copy of a row. If not (the shard moved
-/// since planning), the node routes the statement as [`build_stmt`]'s plan would.
+/// (a SELECT's, or a write's RETURNING rows) passed through untouched: no second executor, no
+/// copy of a row. If not (the shard moved since planning), the node routes the statement as
+/// [`build_stmt`]'s plan would. `outputs`: what the statement returns (a SELECT's target list,
+/// a write's RETURNING list).
 ///
 /// None (use [`build_stmt`]): the statement locks rows (the drain fence and the row-mark
 /// columns belong to the general path) or its target list has junk columns (the routed
 /// fallback returns the output columns only).
 unsafe fn build_spliced_stmt(
     parse: *mut pg_sys::Query,
+    outputs: &[*mut pg_sys::TargetEntry],
     relids: &[pg_sys::Oid],
     mut private: *mut pg_sys::List,
     local: *mut pg_sys::List,
@@ -476,7 +490,6 @@ unsafe fn build_spliced_stmt(
         let q = &*parse;
         let (stmt, shard) = super::local::local_plan_of(&[local as *mut pg_sys::Node])?;
         let child = (*stmt).planTree;
-        let outputs = list_ptrs::<pg_sys::TargetEntry>(q.targetList);
         if !q.rowMarks.is_null()
             || !(*stmt).rowMarks.is_null()
             || outputs.iter().any(|te| (**te).resjunk)
@@ -495,7 +508,7 @@ unsafe fn build_spliced_stmt(
         (*cscan).scan.plan.total_cost = ROUTED_PLAN_COST;
         (*cscan).scan.scanrelid = 0;
         (*cscan).methods = &raw const SCAN_METHODS;
-        let (scan_tlist, tlist) = output_tlists(&outputs);
+        let (scan_tlist, tlist) = output_tlists(outputs);
         (*cscan).custom_scan_tlist = scan_tlist;
         (*cscan).scan.plan.targetlist = tlist;
         (*cscan).custom_plans =
@@ -790,6 +803,27 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         };
 
         let params = Params::from_list((*estate).es_param_list_info);
+        let mut text_params = None;
+        // The spliced local plan runs in this executor when execution chose its very shard,
+        // on this node; the executor then counts what it changes and returns its RETURNING rows.
+        if let [w] = work.as_slice() {
+            if let Some((child, shard)) = spliced_of(cscan).filter(|(_, shard)| {
+                w.query == query
+                    && !reference
+                    && *shard == w.placement.shard_id
+                    && crate::guc::is_this_node(&w.placement.node_name)
+            }) {
+                wait_for_the_fence(&table, w, &params, &mut text_params)?;
+                // The handover's checks that ExecutorStart runs for a nested write (the
+                // ownership check leaves a router plan to the router): the fence of a moved
+                // shard, and the guard of a copy a migration lost in a restart moves away.
+                crate::migration::handover::lock_abort::check_write(&[shard])?;
+                crate::migration::handover::restart::check_write(&[shard])?;
+                start_child(s, child);
+                (*s).ran = Ran::LocalPlan;
+                return Ok(());
+            }
+        }
         let out_types: Vec<(pg_sys::Oid, i32)> =
             list_ptrs::<pg_sys::TargetEntry>((*query).returningList)
                 .into_iter()
@@ -805,7 +839,6 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
             pg_sys::MemoryContextSwitchTo(old);
         }
         let mut affected = 0u64;
-        let mut text_params = None;
         // A local plan serves only the one shard it was made for, decided here to be this
         // node's (`super::local`); without one made at plan time, one is made now.
         let local = if work.len() == 1
@@ -829,16 +862,7 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
             None
         };
         for w in work {
-            if let Some(lock_rows) = &w.fence {
-                let (values, types) = text_params.get_or_insert_with(|| params.as_text());
-                crate::migration::handover::remus::wait_for_older_writers(
-                    &table,
-                    &w.placement,
-                    lock_rows,
-                    values,
-                    types,
-                )?;
-            }
+            wait_for_the_fence(&table, &w, &params, &mut text_params)?;
             if let Some(stmt) = local {
                 if let Some(changed) = super::local::run_modify(stmt, estate, (*s).tstore) {
                     affected += changed;
@@ -873,6 +897,32 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         (*estate).es_processed += affected;
         Ok(())
     }
+}
+
+/// A write on a draining shard's new owner waits for the older writers of its rows on the
+/// source (the drain fence); `text_params`: the statement's parameters as the fence sends
+/// them, made at the first wait.
+///
+/// # Safety
+/// `params` must be the executing statement's parameters.
+unsafe fn wait_for_the_fence(
+    table: &DistTable,
+    w: &ShardWork,
+    params: &Params,
+    text_params: &mut Option<(Vec<Option<String>>, Vec<u32>)>,
+) -> Result<(), RemusError> {
+    let Some(lock_rows) = &w.fence else {
+        return Ok(());
+    };
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    let (values, types) = text_params.get_or_insert_with(|| unsafe { params.as_text() });
+    crate::migration::handover::remus::wait_for_older_writers(
+        table,
+        &w.placement,
+        lock_rows,
+        values,
+        types,
+    )
 }
 
 /// The one shard of a write within a shard group (`plan_group_write`): the target's shard the

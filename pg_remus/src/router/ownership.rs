@@ -41,8 +41,9 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
         // A read that executes a routing decision has nothing left to check (the checks below
         // that are not exempt for it are for writes): the local plan's nested statement. A
         // `RemusRouter` plan makes the decision itself: its range table names the shells (no
-        // shard table to check), or, for a spliced SELECT, the shard tables it guessed at plan
-        // time and runs only if execution decides they are this node's.
+        // shard table to check), or, for a spliced local plan, the shard tables it guessed at
+        // plan time and runs only if execution decides they are this node's (and, for a
+        // write, after the handover's write checks below, which the router runs itself).
         if ((*query_desc).operation == pg_sys::CmdType::CMD_SELECT
             && crate::router::local::decided())
             || crate::router::modify::is_router_plan(stmt)
