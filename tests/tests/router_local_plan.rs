@@ -191,16 +191,19 @@ fn statements_on_owned_shards_run_their_local_plan_and_the_rest_is_routed() {
         }
 
         // Parameters: a prepared statement's generic plan (from the sixth execution on) makes
-        // its local plan at execution, once per shard; a key elsewhere is routed.
+        // its local plan at execution, once per shard, and runs it in its own executor; a key
+        // elsewhere is routed.
         db.batch_execute("PREPARE get(bigint) AS SELECT n FROM kv WHERE k = $1")
             .unwrap();
         for _ in 0..7 {
             db.batch_execute(&format!("EXECUTE get({mine}); EXECUTE get({theirs})"))
                 .unwrap();
         }
+        // It runs in the statement's own executor (decision 0014): EXPLAIN shows its scan of
+        // the shard's index under the router node.
         let plan = explain(&mut db, &format!("EXECUTE get({mine})"));
         assert!(
-            plan.contains("Ran: local plan"),
+            plan.contains("Ran: local plan") && plan.contains(&format!("kv_{my_shard}_pkey")),
             "EXECUTE, owned key:\n{plan}"
         );
         let plan = explain(&mut db, &format!("EXECUTE get({theirs})"));

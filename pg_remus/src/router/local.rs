@@ -15,8 +15,10 @@
 //!   runs it where the shard now lives.
 //! - A local plan made at plan time for a SELECT or a single-shard write is spliced: it is the
 //!   statement's own plan, under the `RemusRouter` node, and runs in the statement's executor
-//!   (`modify::build_spliced_stmt`, decision 0014). Other local SELECT plans (made at
-//!   execution, or locking rows) are started by a nested executor and their rows handed up one
+//!   (`modify::build_spliced_stmt`, decision 0014). So is a SELECT's local plan made at
+//!   execution whose range table matches the statement's entry for entry
+//!   ([`spliced_at_execution`]). Other local SELECT plans (made at execution, or locking
+//!   rows) are started by a nested executor and their rows handed up one
 //!   by one (no tuplestore); other writes run to completion in a nested executor, RETURNING rows
 //!   collected for the CustomScan to return. The nested `ExecutorStart` runs the handover's
 //!   write checks (a spliced write runs them before it starts); the RM001 ownership check is
@@ -290,6 +292,70 @@ unsafe fn relations_here(stmt: *mut pg_sys::PlannedStmt) -> bool {
             }
         }
         true
+    }
+}
+
+/// A local SELECT plan made at execution, readied to run in the statement's own executor
+/// instead of a nested one (decision 0014): its plan tree, once the executor's range table is
+/// the local plan's (the same entries, with the shard tables, locked and checked to exist, in
+/// the shells' places). None, the executor untouched: the plan needs what the
+/// statement's executor was not started with (subplans, executor parameters, row marks, a
+/// range table that is not the statement's one for one) or returns other columns than the
+/// `outputs` of the statement, or a shard table is gone; start it nested
+/// ([`start_select`]).
+///
+/// The statement's permissions were checked on the shells by its own `ExecutorStart`; the
+/// swap happens after that, for this execution's state only (the cached plans are not
+/// changed). EXPLAIN names the plan's relations from the statement's range table: the shells.
+///
+/// # Safety
+/// `stmt` must be a local plan made at execution for this statement, which has not started a
+/// plan node yet; `estate` the statement's live EState.
+pub(crate) unsafe fn spliced_at_execution(
+    stmt: *mut pg_sys::PlannedStmt,
+    estate: *mut pg_sys::EState,
+    outputs: usize,
+) -> Option<*mut pg_sys::Plan> {
+    // SAFETY: the caller upholds this function's `# Safety` contract; the executor's range
+    // table array has `es_range_table_size` entries (ExecInitRangeTable).
+    unsafe {
+        let plan = (*stmt).planTree;
+        if plan.is_null()
+            || !(*stmt).subplans.is_null()
+            || !(*stmt).paramExecTypes.is_null()
+            || !(*stmt).rowMarks.is_null()
+            || (*stmt).parallelModeNeeded
+            || pg_sys::list_length((*plan).targetlist) as usize != outputs
+            || list_ptrs::<pg_sys::TargetEntry>((*plan).targetlist)
+                .iter()
+                .any(|te| (**te).resjunk)
+        {
+            return None;
+        }
+        let mine = list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable);
+        let size = (*estate).es_range_table_size as usize;
+        if mine.len() != size || size == 0 {
+            return None;
+        }
+        let theirs = list_ptrs::<pg_sys::RangeTblEntry>((*estate).es_range_table);
+        let opened = std::slice::from_raw_parts((*estate).es_relations, size);
+        // Entry for entry the statement's range table (the planner appends what it pulls up,
+        // so an equal length means nothing was), none of it opened yet.
+        if theirs.len() != size
+            || mine
+                .iter()
+                .zip(theirs.iter())
+                .zip(opened)
+                .any(|((m, t), rel)| (**m).rtekind != (**t).rtekind || !rel.is_null())
+        {
+            return None;
+        }
+        if !relations_here(stmt) {
+            return None;
+        }
+        // The executor reads its range table through this list (exec_rt_fetch).
+        (*estate).es_range_table = (*stmt).rtable;
+        Some(plan)
     }
 }
 

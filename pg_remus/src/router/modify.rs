@@ -1024,6 +1024,14 @@ unsafe fn run_select(
                     (*estate).es_sourceText,
                 )?,
             };
+            let outputs = pg_sys::list_length((*ps.plan).targetlist) as usize;
+            if let Some(child) =
+                stmt.and_then(|stmt| super::local::spliced_at_execution(stmt, estate, outputs))
+            {
+                start_child(s, child);
+                (*s).ran = Ran::LocalPlan;
+                return Ok(());
+            }
             if let Some(qd) = stmt.and_then(|stmt| super::local::start_select(stmt, estate)) {
                 (*s).local = qd;
                 (*s).ran = Ran::LocalPlan;
