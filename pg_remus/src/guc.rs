@@ -214,11 +214,16 @@ pub fn node_name() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
-/// Is `name` this node's name? (No copy of the setting, for the per-statement paths.)
+/// Is `name` this node's name? (No copy of the setting, for the per-statement paths: the
+/// setting's own string is compared where PostgreSQL keeps it.)
 pub fn is_this_node(name: &str) -> bool {
-    NODE_NAME
-        .get()
-        .is_some_and(|c| !name.is_empty() && c.to_bytes() == name.as_bytes())
+    // SAFETY: the GUC's storage holds NULL or a NUL-terminated string PostgreSQL owns, which a
+    // backend's own statement cannot free while it compares (only SET does, between them).
+    let raw = unsafe { *NODE_NAME.as_ptr() };
+    !raw.is_null()
+        && !name.is_empty()
+        // SAFETY: as above, a valid NUL-terminated string.
+        && unsafe { std::ffi::CStr::from_ptr(raw) }.to_bytes() == name.as_bytes()
 }
 
 pub fn coordinator_address() -> Option<String> {

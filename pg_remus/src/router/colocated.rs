@@ -41,6 +41,9 @@ pub(crate) unsafe fn colocated_anchor(
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
     unsafe {
+        if let Some(found) = one_table_anchor(parse)? {
+            return Ok(found);
+        }
         let levels = levels(parse);
         let Some(tables) = appearances(&levels)? else {
             return Ok(None);
@@ -86,6 +89,49 @@ pub(crate) unsafe fn colocated_anchor(
             }
         };
         Ok(Some((tables[picked].table.clone(), value)))
+    }
+}
+
+/// [`colocated_anchor`] of the commonest statement, a SELECT of one table with no subquery,
+/// WITH or set operation (a point query), without walking levels or tying tables: its table,
+/// if distributed, and the value its key equals in a conjunct of the WHERE. None: not that
+/// shape (or its table's key is gone), ask the general walk.
+///
+/// # Safety
+/// `parse` must be a valid rewritten Query, not yet planned.
+unsafe fn one_table_anchor(
+    parse: *mut pg_sys::Query,
+) -> Result<Option<Option<(DistTable, *mut pg_sys::Expr)>>, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let q = &*parse;
+        if q.commandType != pg_sys::CmdType::CMD_SELECT
+            || pg_sys::list_length(q.rtable) != 1
+            || q.hasSubLinks
+            || !q.cteList.is_null()
+            || !q.setOperations.is_null()
+            || q.jointree.is_null()
+        {
+            return Ok(None);
+        }
+        let rte = list_ptrs::<pg_sys::RangeTblEntry>(q.rtable)[0];
+        if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION {
+            return Ok(None);
+        }
+        let table = match dist_table((*rte).relid)? {
+            Some(t) if t.kind == 'h' => t,
+            // A local table, or a reference table alone: no shard group.
+            _ => return Ok(Some(None)),
+        };
+        if table.key_attno <= 0 {
+            return Ok(None);
+        }
+        let mut quals = Vec::new();
+        filtering_conjuncts(q.jointree as *mut pg_sys::Node, &mut quals);
+        let value = quals
+            .into_iter()
+            .find_map(|c| crate::router::key::key_equality_value(c, 1, table.key_attno));
+        Ok(Some(value.map(|v| (table, v))))
     }
 }
 
