@@ -4,5 +4,6 @@
 pub mod consistency;
 pub mod migrations;
 pub mod pgbench;
+pub mod protocol;
 pub mod shards;
 pub mod tpcc;

@@ -4,6 +4,7 @@
 //! not handle keep the general path and the same answers. Scans of every shard ship what a
 //! shard can evaluate (`router::scan`).
 
+use integration::protocol::{explain, Raw};
 use remus_test_support::cluster::TestCluster;
 
 /// Every row of a result as text (NULL as "NULL"), with the column names and type OIDs.
@@ -30,29 +31,6 @@ fn rows(db: &mut postgres::Client, sql: &str) -> (Vec<(String, u32)>, Vec<Vec<St
     (cols, text)
 }
 
-/// A column value in its binary form, whatever its type: results compared byte for byte.
-#[derive(Debug, PartialEq)]
-struct Raw(Option<Vec<u8>>);
-
-impl<'a> postgres::types::FromSql<'a> for Raw {
-    fn from_sql(
-        _: &postgres::types::Type,
-        raw: &'a [u8],
-    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
-        Ok(Raw(Some(raw.to_vec())))
-    }
-
-    fn from_sql_null(
-        _: &postgres::types::Type,
-    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
-        Ok(Raw(None))
-    }
-
-    fn accepts(_: &postgres::types::Type) -> bool {
-        true
-    }
-}
-
 /// Every row of a result in the extended protocol (binary), from a prepared statement run
 /// twice: under `plan_cache_mode = force_generic_plan`, the second run uses the cached plan.
 fn prepared_rows(db: &mut postgres::Client, sql: &str) -> Vec<Vec<Raw>> {
@@ -71,18 +49,6 @@ fn prepared_rows(db: &mut postgres::Client, sql: &str) -> Vec<Vec<Raw>> {
 
 fn plan_of(db: &mut postgres::Client, sql: &str) -> String {
     explain(db, "COSTS OFF", sql)
-}
-
-fn explain(db: &mut postgres::Client, options: &str, sql: &str) -> String {
-    db.simple_query(&format!("EXPLAIN ({options}) {sql}"))
-        .unwrap()
-        .into_iter()
-        .filter_map(|m| match m {
-            postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
-            _ => None,
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// A 3-node cluster with `kv` over 8 shards and `local_kv`, a plain table on n1, holding the

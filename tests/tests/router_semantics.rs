@@ -20,45 +20,14 @@ use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use postgres::types::ToSql;
+use integration::protocol::{query, Protocol, PROTOCOLS};
 use postgres::Client;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::{sqlstate, wait_until};
 
-#[derive(Clone, Copy, Debug)]
-enum Protocol {
-    Simple,
-    /// Parse / Bind / Execute of an unnamed statement: a custom plan with the key bound.
-    Extended,
-    /// A named prepared statement under `plan_cache_mode = force_generic_plan`: the shard is
-    /// chosen at execution.
-    Prepared,
-}
-
-const PROTOCOLS: [Protocol; 3] = [Protocol::Simple, Protocol::Extended, Protocol::Prepared];
-
 /// Runs `sql` (with `$1` = `key`) on `db` in `protocol`; Ok(number of rows) or the error.
 fn run(db: &mut Client, protocol: Protocol, sql: &str, key: i64) -> Result<usize, postgres::Error> {
-    match protocol {
-        Protocol::Simple => {
-            let literal = sql.replace("$1", &key.to_string());
-            db.simple_query(&literal).map(|m| {
-                m.iter()
-                    .filter(|m| matches!(m, postgres::SimpleQueryMessage::Row(_)))
-                    .count()
-            })
-        }
-        Protocol::Extended => {
-            let params: [&(dyn ToSql + Sync); 1] = [&key];
-            db.query(sql, &params).map(|r| r.len())
-        }
-        Protocol::Prepared => {
-            db.batch_execute("SET plan_cache_mode = force_generic_plan")?;
-            let stmt = db.prepare(sql)?;
-            let params: [&(dyn ToSql + Sync); 1] = [&key];
-            db.query(&stmt, &params).map(|r| r.len())
-        }
-    }
+    query(db, protocol, sql, &[key]).map(|rows| rows.len())
 }
 
 /// A 3-node cluster with `kv` over 4 shards holding rows 1..=200, and a key whose shard n1
