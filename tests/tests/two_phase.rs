@@ -10,6 +10,21 @@ fn count(db: &mut postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).unwrap().get(0)
 }
 
+/// A trigger function for a deferred constraint trigger that sleeps at COMMIT: on a cancel it
+/// lets the COMMIT fail, or, once `swallow.on_cancel` is set, survives it (the COMMIT then
+/// completes).
+const SLOW_COMMIT: &str = "CREATE TABLE public.swallow (on_cancel bool);
+     INSERT INTO public.swallow VALUES (false);
+     CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+     BEGIN
+         BEGIN
+             PERFORM pg_sleep(30);
+         EXCEPTION WHEN query_canceled THEN
+             IF NOT (SELECT on_cancel FROM public.swallow) THEN RAISE; END IF;
+         END;
+         RETURN NULL;
+     END $$;";
+
 /// Runs `sql` in a new session on n1, cancels that session once `under_way` (a count on n2)
 /// finds a row, and returns how `sql` ended.
 fn cancel_once_under_way(
@@ -415,22 +430,12 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
         .unwrap();
     // n2's COMMIT runs a deferred trigger that sleeps; `swallow` decides whether it survives
     // the cancel (then the COMMIT completes) or lets it abort the COMMIT.
-    n2.batch_execute(
+    n2.batch_execute(&format!(
         "CREATE TABLE t (id int PRIMARY KEY);
-         CREATE TABLE swallow (on_cancel bool);
-         INSERT INTO swallow VALUES (false);
-         CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             BEGIN
-                 PERFORM pg_sleep(30);
-             EXCEPTION WHEN query_canceled THEN
-                 IF NOT (SELECT on_cancel FROM swallow) THEN RAISE; END IF;
-             END;
-             RETURN NULL;
-         END $$;
+         {SLOW_COMMIT}
          CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON t DEFERRABLE INITIALLY DEFERRED
-             FOR EACH ROW EXECUTE FUNCTION slow_commit();",
-    )
+             FOR EACH ROW EXECUTE FUNCTION slow_commit();"
+    ))
     .unwrap();
 
     let commit_cancelled = |id: i32| {
@@ -454,6 +459,72 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
     assert_eq!(count(&mut n2, "SELECT count(*) FROM t WHERE id = 2"), 1);
     assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);
     assert_eq!(count(&mut n1, "SELECT count(*) FROM t"), 0);
+}
+
+/// An autocommit write through a node that does not own its shard is the owner's transaction
+/// of its own (one round trip: no remote BEGIN, no COMMIT). A cancel that reaches the entry
+/// while it runs is forwarded, and the client hears what the owner did: the cancel when the
+/// owner rolled the write back, success when the owner committed it anyway (its commit was
+/// under way). The owner's shard table has a deferred trigger that sleeps at commit and
+/// either survives a cancel or not.
+#[test]
+fn a_cancelled_autocommit_write_through_a_non_owner_reports_what_the_owner_did() {
+    let c = TestCluster::start(2).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    let rows: Vec<String> = (1..=20).map(|id| format!("({id}, 0)")).collect();
+    n1.batch_execute(&format!(
+        "CREATE TABLE w (id int PRIMARY KEY, v int);
+         SELECT remus_create_distributed_table('w', 'id', 2);
+         INSERT INTO w VALUES {};",
+        rows.join(", ")
+    ))
+    .unwrap();
+    let r = n1
+        .query_one(
+            "SELECT g, s.shard_id FROM generate_series(1, 20) g
+               JOIN remus_shards s ON s.shard_id = remus_shard_id_for('w', g)
+              WHERE s.node_name = 'n2' ORDER BY g LIMIT 1",
+            &[],
+        )
+        .unwrap();
+    let (id, shard): (i32, i64) = (r.get(0), r.get(1));
+    n2.batch_execute(&format!(
+        "{SLOW_COMMIT}
+         CREATE CONSTRAINT TRIGGER slow AFTER UPDATE ON remus_shards.w_{shard}
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();"
+    ))
+    .unwrap();
+    let value = |n2: &mut postgres::Client| {
+        n2.query_one(
+            &format!("SELECT v FROM remus_shards.w_{shard} WHERE id = $1"),
+            &[&id],
+        )
+        .unwrap()
+        .get::<_, i32>(0)
+    };
+    let update_cancelled = || {
+        cancel_once_under_way(
+            &c,
+            &format!("UPDATE w SET v = v + 1 WHERE id = {id}"),
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%UPDATE%' AND wait_event = 'PgSleep'",
+            "the owner never reached the write's commit",
+        )
+    };
+
+    // The owner's commit fails on the cancel: the client gets the cancel, nothing is kept.
+    let err = update_cancelled().expect_err("the write was cancelled on its owner");
+    assert_eq!(sqlstate(&err), "57014", "{err:?}");
+    assert_eq!(value(&mut n2), 0, "the cancelled write was rolled back");
+
+    // The owner's commit survives the cancel: the client is told the write succeeded.
+    n2.batch_execute("UPDATE swallow SET on_cancel = true")
+        .unwrap();
+    update_cancelled().expect("the owner committed, so the client must hear the write succeed");
+    assert_eq!(value(&mut n2), 1, "the write the owner committed");
+    // The entry's session goes on: the cancel was spent on the write.
+    assert_eq!(count(&mut n1, "SELECT count(*) FROM w WHERE v = 1"), 1);
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM pg_prepared_xacts"), 0);
 }
 
 /// A participant prepared for a transaction its coordinator never assigned: after a crash that

@@ -423,8 +423,33 @@ impl RemoteConnection {
         params: &[Option<String>],
         types: &[u32],
     ) -> Result<RemoteResult, RemusError> {
+        self.exec_params_inner(sql, params, types, Interrupts::Service)
+    }
+
+    /// [`exec_params`](Self::exec_params) for a statement whose outcome is the local
+    /// transaction's (an autocommit write sent as a transaction of its own): a cancel,
+    /// statement_timeout or terminate arriving meanwhile is forwarded to the participant, as
+    /// for [`exec_forwarding_cancel`](Self::exec_forwarding_cancel), and its answer returned,
+    /// with whether a cancel was forwarded.
+    pub fn exec_params_forwarding_cancel(
+        &mut self,
+        sql: &str,
+        params: &[Option<String>],
+        types: &[u32],
+    ) -> Result<(RemoteResult, bool), RemusError> {
+        let r = self.exec_params_inner(sql, params, types, Interrupts::Forward)?;
+        Ok((r, self.cancel_forwarded))
+    }
+
+    fn exec_params_inner(
+        &mut self,
+        sql: &str,
+        params: &[Option<String>],
+        types: &[u32],
+        interrupts: Interrupts,
+    ) -> Result<RemoteResult, RemusError> {
         if params.is_empty() {
-            return self.exec(sql);
+            return self.exec_inner(sql, interrupts);
         }
         let name = self.prepared_statement(sql, types)?;
         let values: Vec<Option<CString>> = params
@@ -450,8 +475,9 @@ impl RemoteConnection {
         if sent == 0 {
             return Err(self.connection_error());
         }
-        self.flush(Interrupts::Service)?;
-        self.collect(Interrupts::Service)
+        self.cancel_forwarded = false;
+        self.flush(interrupts)?;
+        self.collect(interrupts)
     }
 
     /// The name of `sql` (with parameter types `types`) prepared on this session, preparing it

@@ -9,7 +9,7 @@ use crate::catalog::ShardPlacement;
 use crate::cluster::shard_marker::marked;
 use crate::error::RemusError;
 use crate::pg::datum::{copy_datum, datum_to_text};
-use crate::pg::list::is_tag;
+use crate::pg::list::{is_tag, list_ptrs};
 use crate::router::marker::LocalShard;
 
 /// Where a statement for one shard runs, and what it returns.
@@ -104,7 +104,8 @@ impl Params {
 pub enum Join {
     /// In the distributed transaction (a remote transaction block; a writer joins 2PC).
     Transaction,
-    /// As the whole transaction, read-only: a remote autocommit statement ([`whole_transaction`]).
+    /// As the whole transaction: a remote autocommit statement ([`whole_transaction`]); a
+    /// write's outcome is then the participant's answer (`twophase::exec_write_alone`).
     Alone,
 }
 
@@ -132,6 +133,8 @@ pub unsafe fn run_on_shard(
         let (vals, types) = params.as_text();
         let r = if join == Join::Alone && !writes {
             crate::twophase::exec_params_alone(&addr, &sql, &vals, &types)?
+        } else if join == Join::Alone {
+            crate::twophase::exec_write_alone(&addr, &sql, &vals, &types)?
         } else {
             crate::twophase::exec_params_in_transaction(&addr, &sql, &vals, &types, writes)?
         };
@@ -140,6 +143,51 @@ pub unsafe fn run_on_shard(
             affected: r.affected,
         })
     }
+}
+
+/// Runs the read-only `sql` on every shard of `placements` (marked for each), in the local
+/// transaction, the shards of other nodes concurrently (one statement per shard, each node's
+/// one after another) while this node's own run here, and hands each shard's rows, as datums
+/// of `out_types`, to `rows` (this node's first).
+///
+/// # Safety
+/// Inside a transaction with an active snapshot.
+pub unsafe fn read_every_shard(
+    placements: &[ShardPlacement],
+    sql: &str,
+    out_types: &[(pg_sys::Oid, i32)],
+    mut rows: impl FnMut(Vec<Vec<Option<pg_sys::Datum>>>) -> Result<(), RemusError>,
+) -> Result<(), RemusError> {
+    let mut local = Vec::new();
+    let mut remote: Vec<(crate::cluster::remote::NodeAddr, Vec<String>)> = Vec::new();
+    for p in placements {
+        if crate::guc::is_this_node(&p.node_name) {
+            local.push(p);
+            continue;
+        }
+        let statement = marked(p.shard_id, sql);
+        match remote.iter_mut().find(|(a, _)| a.name == p.node_name) {
+            Some((_, statements)) => statements.push(statement),
+            None => remote.push((
+                crate::cluster::nodes::lookup(&p.node_name)?,
+                vec![statement],
+            )),
+        }
+    }
+    let (remote_results, ()) = crate::twophase::read_on_nodes(&remote, || {
+        for p in &local {
+            // SAFETY: the caller upholds this function's `# Safety` contract.
+            let r = unsafe {
+                run_on_shard(p, sql, &Params::none(), out_types, false, Join::Transaction)?
+            };
+            rows(r.rows)?;
+        }
+        Ok(())
+    })?;
+    for r in remote_results.into_iter().flatten() {
+        rows(datums_of(r.rows, out_types)?)?;
+    }
+    Ok(())
 }
 
 /// A remote result's rows (text) as datums of `out_types`, in the current memory context.
@@ -179,11 +227,12 @@ pub fn datums_of(
     Ok(rows)
 }
 
-/// Is the statement of `estate`, a read-only `query`, its transaction's only work, so that a
-/// remote owner may run it as a transaction of its own? Only for a top-level SELECT (the
-/// active portal's own query) outside a transaction block, under READ COMMITTED (whose
-/// statements each take their own snapshot anyway), with no remote transaction open yet, and
-/// with no volatile function (which could write there).
+/// Is the statement of `estate`, `query`, its transaction's only work, so that a remote owner
+/// may run it as a transaction of its own? Only for a top-level statement (the active
+/// portal's own query) outside a transaction block, under READ COMMITTED (whose statements
+/// each take their own snapshot anyway), with no remote transaction open yet, and with no
+/// volatile function (which could write there, or elsewhere through that node). For a
+/// write, the caller also checks that it goes to one node and writes nothing here.
 ///
 /// # Safety
 /// `estate` must be the executing statement's EState; `query` its Query.
@@ -192,11 +241,14 @@ pub unsafe fn whole_transaction(estate: *mut pg_sys::EState, query: *mut pg_sys:
     // QueryDesc are live while they are active.
     unsafe {
         let portal = pg_sys::ActivePortal;
+        // The portal's one statement is this very plan: not a statement of a function or a
+        // rule's companion (a SELECT's portal keeps its QueryDesc; a write's runs through
+        // ProcessQuery, whose QueryDesc the portal does not keep, on the same plan).
         pg_sys::XactIsoLevel as u32 <= pg_sys::XACT_READ_COMMITTED
             && !pg_sys::IsTransactionBlock()
             && !portal.is_null()
-            && !(*portal).queryDesc.is_null()
-            && (*(*portal).queryDesc).estate == estate
+            && pg_sys::list_length((*portal).stmts) == 1
+            && list_ptrs::<pg_sys::PlannedStmt>((*portal).stmts)[0] == (*estate).es_plannedstmt
             && !crate::cluster::remote::any_in_transaction()
             && !pg_sys::contain_volatile_functions(query as *mut pg_sys::Node)
     }

@@ -27,7 +27,6 @@ use crate::catalog::DistTable;
 use crate::error::RemusError;
 use crate::pg::list::{is_tag, list_ptrs};
 use crate::pg::sql::{quote_ident, quote_literal};
-use crate::router::execute::{Join, Params};
 use crate::router::local::PlanContext;
 use crate::router::placement::dist_table;
 
@@ -419,40 +418,11 @@ unsafe fn fanout(fcinfo: pg_sys::FunctionCallInfo) -> Result<(), RemusError> {
         pg_sys::MemoryContextSwitchTo(old);
         // The shards of other nodes are queried concurrently, one statement per shard, while
         // this node's own run here.
-        let mut local = Vec::new();
-        let mut remote: Vec<(crate::cluster::remote::NodeAddr, Vec<String>)> = Vec::new();
-        for p in super::placement::placements(relid)? {
-            if crate::guc::is_this_node(&p.node_name) {
-                local.push(p);
-                continue;
-            }
-            let statement = crate::cluster::shard_marker::marked(p.shard_id, &sql);
-            match remote.iter_mut().find(|(a, _)| a.name == p.node_name) {
-                Some((_, statements)) => statements.push(statement),
-                None => remote.push((
-                    crate::cluster::nodes::lookup(&p.node_name)?,
-                    vec![statement],
-                )),
-            }
-        }
-        let (remote_results, ()) = crate::twophase::read_on_nodes(&remote, || {
-            for p in &local {
-                let r = super::execute::run_on_shard(
-                    p,
-                    &sql,
-                    &Params::none(),
-                    &types,
-                    false,
-                    Join::Transaction,
-                )?;
-                super::modify::store_rows(store, tupdesc, r.rows, natts);
-            }
+        let placements = super::placement::placements(relid)?;
+        super::execute::read_every_shard(&placements, &sql, &types, |rows| {
+            super::modify::store_rows(store, tupdesc, rows, natts);
             Ok(())
         })?;
-        for r in remote_results.into_iter().flatten() {
-            let rows = super::execute::datums_of(r.rows, &types)?;
-            super::modify::store_rows(store, tupdesc, rows, natts);
-        }
         (*rsinfo).returnMode = pg_sys::SetFunctionReturnMode::SFRM_Materialize;
         (*rsinfo).setResult = store;
         (*rsinfo).setDesc = tupdesc;

@@ -861,6 +861,18 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         } else {
             None
         };
+        // An autocommit write on one other node is that node's transaction of its own: one
+        // round trip, no BEGIN or COMMIT (its outcome is the participant's answer).
+        let join = if work.len() == 1
+            && !reference
+            && !crate::guc::is_this_node(&work[0].placement.node_name)
+            && super::execute::whole_transaction(estate, query)
+            && pg_sys::GetTopTransactionIdIfAny() == pg_sys::InvalidTransactionId
+        {
+            Join::Alone
+        } else {
+            Join::Transaction
+        };
         for w in work {
             wait_for_the_fence(&table, &w, &params, &mut text_params)?;
             if let Some(stmt) = local {
@@ -878,14 +890,8 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 w.query,
                 !params.values.is_empty() && w.query == query,
             );
-            let r = super::execute::run_on_shard(
-                &w.placement,
-                &sql,
-                &params,
-                &out_types,
-                true,
-                Join::Transaction,
-            )?;
+            let r =
+                super::execute::run_on_shard(&w.placement, &sql, &params, &out_types, true, join)?;
             // A reference table's copies all change alike: report (and return) one of them.
             if reference && !crate::guc::is_this_node(&w.placement.node_name) {
                 continue;

@@ -83,8 +83,14 @@ pub(crate) unsafe fn add_path(rel: *mut pg_sys::RelOptInfo, rte: *mut pg_sys::Ra
     // SAFETY: the caller upholds this function's `# Safety` contract, on which the pointer
     // and FFI operations below rely.
     unsafe {
+        // A base relation, or a member of an append relation: the branches of a UNION ALL
+        // that PostgreSQL flattened into one Append are member relations, and each shell
+        // there is read from its shards like any other (its own heap is empty).
         if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
-            || (*rel).reloptkind != pg_sys::RelOptKind::RELOPT_BASEREL
+            || !matches!(
+                (*rel).reloptkind,
+                pg_sys::RelOptKind::RELOPT_BASEREL | pg_sys::RelOptKind::RELOPT_OTHER_MEMBER_REL
+            )
         {
             return;
         }
@@ -756,10 +762,9 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
 
         let mut values = vec![pg_sys::Datum::from(0usize); natts];
         let mut nulls = vec![true; natts];
-        for p in &targets {
-            let r =
-                super::execute::run_on_shard(p, &sql, &params, &types, false, Join::Transaction)?;
-            for row in r.rows {
+        let tstore = (*s).tstore;
+        let mut store = |rows: Vec<Vec<Option<pg_sys::Datum>>>| {
+            for row in rows {
                 for (j, v) in row.into_iter().enumerate().take(positions.len()) {
                     let pos = positions[j];
                     match v {
@@ -770,13 +775,19 @@ unsafe fn fetch(s: *mut ShardScanState) -> Result<(), RemusError> {
                         None => nulls[pos] = true,
                     }
                 }
-                pg_sys::tuplestore_putvalues(
-                    (*s).tstore,
-                    desc,
-                    values.as_mut_ptr(),
-                    nulls.as_mut_ptr(),
-                );
+                // A tuplestore of this scan, `desc` its tuple's type, `natts` values each.
+                pg_sys::tuplestore_putvalues(tstore, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
             }
+            Ok(())
+        };
+        if params.values.is_empty() && targets.len() > 1 {
+            // Every shard: those of other nodes queried concurrently (item 6 of issue 16).
+            return super::execute::read_every_shard(&targets, &sql, &types, store);
+        }
+        for p in &targets {
+            let r =
+                super::execute::run_on_shard(p, &sql, &params, &types, false, Join::Transaction)?;
+            store(r.rows)?;
         }
         Ok(())
     }

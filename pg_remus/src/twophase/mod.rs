@@ -13,6 +13,11 @@
 //!   a failure is a WARNING, and recovery commits it later from the recorded decision.
 //! - ABORT: cancel what is running remotely, then ROLLBACK / ROLLBACK PREPARED.
 //!
+//! An autocommit statement that is its transaction's only work and runs on one other node is
+//! that node's transaction of its own, with no remote BEGIN or COMMIT: a read
+//! ([`exec_params_alone`]) or a write ([`exec_write_alone`], whose participant's answer is the
+//! outcome, as for a lone writer's COMMIT).
+//!
 //! The decision row commits atomically with the local transaction, so "a record exists" means
 //! "commit", and "no record and the local transaction is over" means "roll back" (as Citus's
 //! pg_dist_transaction).
@@ -229,6 +234,30 @@ pub fn exec_params_alone(
     types: &[u32],
 ) -> Result<remote::RemoteResult, RemusError> {
     remote::with_connection(addr, |c| c.exec_params(sql, params, types))
+}
+
+/// Runs one write on `addr` as a transaction of its own there (autocommit: one round trip, no
+/// remote BEGIN, no COMMIT), for a local autocommit statement whose only work it is (the
+/// router decides that, `router::modify`). Its outcome is the local transaction's, so a
+/// cancel, statement_timeout or terminate arriving while it runs is forwarded to the
+/// participant and its answer is what the client hears: its error (the write rolled back
+/// there), or its success (the write committed before the cancel could stop it), in which
+/// case the cancel is spent here too, as PostgreSQL completes a statement whose cancel
+/// arrives while it commits.
+pub fn exec_write_alone(
+    addr: &remote::NodeAddr,
+    sql: &str,
+    params: &[Option<String>],
+    types: &[u32],
+) -> Result<remote::RemoteResult, RemusError> {
+    let (r, forwarded) = remote::with_connection(addr, |c| {
+        c.exec_params_forwarding_cancel(sql, params, types)
+    })?;
+    if forwarded {
+        // SAFETY: this backend's own flag; ProcessInterrupts finds nothing left to do.
+        unsafe { pg_sys::QueryCancelPending = 0 };
+    }
+    Ok(r)
 }
 
 /// Runs read-only statements on several nodes concurrently, in the local transaction: each
