@@ -6,18 +6,9 @@
 
 use remus_test_support::cluster::TestCluster;
 
+/// EXPLAIN ANALYZE of `sql` on `db`, without costs or timings.
 fn explain(db: &mut postgres::Client, sql: &str) -> String {
-    db.simple_query(&format!(
-        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) {sql}"
-    ))
-    .unwrap()
-    .iter()
-    .filter_map(|m| match m {
-        postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
-        _ => None,
-    })
-    .collect::<Vec<_>>()
-    .join("\n")
+    integration::protocol::explain(db, "ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF", sql)
 }
 
 /// A key of `kv` whose shard `node` owns (`owned`) or does not own.

@@ -20,7 +20,7 @@ use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use integration::protocol::{query, Protocol, PROTOCOLS};
+use integration::protocol::{explain, query, Protocol, PROTOCOLS};
 use postgres::Client;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::{sqlstate, wait_until};
@@ -225,18 +225,11 @@ fn a_scrollable_cursor_on_one_shard_group_fetches_backward() {
             db.batch_execute("COMMIT").unwrap();
         }
         // EXPLAIN VERBOSE resolves the Material node's columns.
-        let plan: Vec<String> = db
-            .simple_query(&format!(
-                "EXPLAIN (VERBOSE, COSTS OFF) DECLARE c SCROLL CURSOR FOR SELECT id FROM kv_log WHERE k = {key}"
-            ))
-            .unwrap()
-            .into_iter()
-            .filter_map(|m| match m {
-                postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
-                _ => None,
-            })
-            .collect();
-        let plan = plan.join("\n");
+        let plan = explain(
+            &mut db,
+            "VERBOSE, COSTS OFF",
+            &format!("DECLARE c SCROLL CURSOR FOR SELECT id FROM kv_log WHERE k = {key}"),
+        );
         assert!(plan.contains("Materialize"), "through {entry}:\n{plan}");
     }
 }

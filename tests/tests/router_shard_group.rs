@@ -211,18 +211,9 @@ fn run(db: &mut Client, protocol: Protocol, sql: &str, w: i32, x: i32) -> Vec<Ve
     }
 }
 
+/// EXPLAIN ANALYZE of `sql` on `db`, without costs or timings.
 fn explain(db: &mut Client, sql: &str) -> String {
-    db.simple_query(&format!(
-        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) {sql}"
-    ))
-    .unwrap()
-    .iter()
-    .filter_map(|m| match m {
-        SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
-        _ => None,
-    })
-    .collect::<Vec<_>>()
-    .join("\n")
+    integration::protocol::explain(db, "ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF", sql)
 }
 
 /// A whole table's rows, in order, as one text: the distributed one through `db`, or the plain

@@ -804,15 +804,23 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
 
         let params = Params::from_list((*estate).es_param_list_info);
         let mut text_params = None;
-        // The spliced local plan runs in this executor when execution chose its very shard,
-        // on this node; the executor then counts what it changes and returns its RETURNING rows.
-        if let [w] = work.as_slice() {
-            if let Some((child, shard)) = spliced_of(cscan).filter(|(_, shard)| {
-                w.query == query
-                    && !reference
-                    && *shard == w.placement.shard_id
-                    && crate::guc::is_this_node(&w.placement.node_name)
-            }) {
+        // The statement's one shard, when execution chose this node's: a local plan (spliced,
+        // made at plan time, or made now) serves it.
+        let mine = match work.as_slice() {
+            [w] if w.query == query
+                && !reference
+                && crate::guc::is_this_node(&w.placement.node_name) =>
+            {
+                Some(w)
+            }
+            _ => None,
+        };
+        // The spliced local plan runs in this executor when execution chose its very shard;
+        // the executor then counts what it changes and returns its RETURNING rows.
+        if let Some(w) = mine {
+            if let Some((child, shard)) =
+                spliced_of(cscan).filter(|(_, shard)| *shard == w.placement.shard_id)
+            {
                 wait_for_the_fence(&table, w, &params, &mut text_params)?;
                 // The handover's checks that ExecutorStart runs for a nested write (the
                 // ownership check leaves a router plan to the router): the fence of a moved
@@ -841,12 +849,8 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         let mut affected = 0u64;
         // A local plan serves only the one shard it was made for, decided here to be this
         // node's (`super::local`); without one made at plan time, one is made now.
-        let local = if work.len() == 1
-            && !reference
-            && work[0].query == query
-            && crate::guc::is_this_node(&work[0].placement.node_name)
-        {
-            let p = &work[0].placement;
+        let local = if let Some(w) = mine {
+            let p = &w.placement;
             match local.filter(|(_, shard)| *shard == p.shard_id) {
                 Some((stmt, _)) => Some(stmt),
                 None => super::local::local_plan_at_execution(
