@@ -44,6 +44,7 @@ pub extern "C-unwind" fn _PG_init() {
         pgrx::error!("pg_remus must be loaded via shared_preload_libraries (it installs hooks, shared memory and a background worker)");
     }
     guc::register();
+    cluster::forwarded_role::register();
     hooks::install();
     catalog::map_cache::init_shmem();
     migration::init_shmem();

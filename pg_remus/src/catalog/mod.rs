@@ -121,7 +121,7 @@ pub fn shard_table_name(rel_name: &str, shard_id: i64) -> String {
 }
 
 pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
-    Spi::connect(|c| {
+    crate::pg::spi::connect(|c| {
         let rows = c.select(
             "SELECT d.shard_key, d.key_type::oid, d.kind::text, d.shard_count, d.colocation_id,
                     format('%I.%I', n.nspname, cl.relname), cl.relname::text
@@ -162,7 +162,7 @@ pub fn dist_table(relid: pg_sys::Oid) -> Result<Option<DistTable>, RemusError> {
 
 /// Shards of a table with their owners, as this transaction's snapshot sees them.
 pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError> {
-    Spi::connect(|c| {
+    crate::pg::spi::connect(|c| {
         c.select(
             "SELECT s.shard_id, s.shard_index, s.hash_min, s.hash_max, m.node_name
                FROM remus.shards s JOIN remus.shard_map m USING (shard_id)
@@ -186,7 +186,7 @@ pub fn placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, RemusError>
 
 /// Shard indexes and ids of a table (immutable while it stays distributed).
 pub fn shard_ids(relid: pg_sys::Oid) -> Result<Vec<(i32, i64)>, RemusError> {
-    Spi::connect(|c| {
+    crate::pg::spi::connect(|c| {
         c.select(
             "SELECT shard_index, shard_id FROM remus.shards WHERE logicalrelid = $1",
             None,

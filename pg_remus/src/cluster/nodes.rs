@@ -71,7 +71,7 @@ pub(crate) fn add_node(name: &str, host: &str, port: i32) -> Result<bool, RemusE
 
 /// Every node in this node's catalog.
 pub fn all_nodes() -> Result<Vec<NodeAddr>, RemusError> {
-    Spi::connect(|c| {
+    crate::pg::spi::connect(|c| {
         c.select(
             "SELECT name, host, port FROM remus.nodes ORDER BY name",
             None,

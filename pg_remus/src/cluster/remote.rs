@@ -53,6 +53,9 @@ pub struct RemoteConnection {
     /// Statements prepared on this session, by text and parameter types: a routed statement
     /// with parameters (a prepared statement's, usually) is parsed and planned there once.
     prepared: HashMap<(String, Vec<u32>), CString>,
+    /// The role the peer session runs this backend's statements as (`remus.forwarded_role`
+    /// there, see `cluster::forwarded_role`); None: the node user it authenticated as.
+    role: Option<String>,
 }
 
 /// Most statements kept prepared per connection; past it they are all deallocated.
@@ -203,7 +206,10 @@ impl RemoteConnection {
             });
         }
         let dbname = current_database();
-        let user = current_user();
+        // Every node-to-node session authenticates as the node user; the calling role is set
+        // on it afterwards ([`RemoteConnection::act_as_caller`]), so nodes need no credentials
+        // of application roles.
+        let user = node_user();
         let port = addr.port.to_string();
         // The peer must know it was reached by a node, not a client: it then executes locally
         // and never forwards again (no loops between nodes).
@@ -262,6 +268,7 @@ impl RemoteConnection {
             close_at_transaction_end: false,
             cancel_forwarded: false,
             prepared: HashMap::new(),
+            role: None,
         };
         // SAFETY: conn is a live PGconn owned by `me`.
         if unsafe { pq::PQstatus(me.conn.as_ptr()) } == pq::ConnStatusType::CONNECTION_BAD {
@@ -281,6 +288,34 @@ impl RemoteConnection {
         // SAFETY: as above; non-blocking mode so sends never block outside our latch wait.
         unsafe { pq::PQsetnonblocking(me.conn.as_ptr(), 1) };
         Ok(me)
+    }
+
+    /// Makes the peer run what follows as the role running this statement here (the current
+    /// user), as `cluster::forwarded_role` describes: privileges are checked, and functions
+    /// run, as that role there too. A change of role is one statement outside any remote
+    /// transaction, so only the first use by a role pays it; inside a remote transaction
+    /// opened as another role it is refused (0A000), since the peer switches role per
+    /// transaction.
+    pub fn act_as_caller(&mut self) -> Result<(), RemusError> {
+        let caller = caller_role();
+        if self.role == caller {
+            return Ok(());
+        }
+        if self.in_transaction {
+            return Err(RemusError::Unsupported(
+                "a transaction whose statements on another node run as different roles (SET ROLE or a SECURITY DEFINER function after that node joined the transaction)",
+            ));
+        }
+        let sql = match &caller {
+            Some(role) => format!(
+                "SET remus.forwarded_role = {}",
+                crate::pg::sql::quote_literal(role)
+            ),
+            None => "RESET remus.forwarded_role".to_string(),
+        };
+        self.exec(&sql)?;
+        self.role = caller;
+        Ok(())
     }
 
     /// The pid of the backend serving this connection on the peer.
@@ -760,11 +795,24 @@ fn current_database() -> String {
     }
 }
 
-fn current_user() -> String {
-    // SAFETY: GetUserId is valid inside a transaction; GetUserNameFromId errors on a dropped role.
+fn role_name(role: pg_sys::Oid) -> String {
+    // SAFETY: a syscache lookup inside a transaction; errors on a dropped role.
     unsafe {
-        CStr::from_ptr(pg_sys::GetUserNameFromId(pg_sys::GetUserId(), false))
+        CStr::from_ptr(pg_sys::GetUserNameFromId(role, false))
             .to_string_lossy()
             .into_owned()
     }
+}
+
+/// The role node-to-node sessions authenticate as: the bootstrap superuser (`postgres` on a
+/// cluster made by initdb as postgres), whose credentials every node has.
+fn node_user() -> String {
+    role_name(pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID))
+}
+
+/// The role a peer must run this statement's work as: None for the node user itself.
+fn caller_role() -> Option<String> {
+    // SAFETY: reads a backend global.
+    let user = unsafe { pg_sys::GetUserId() };
+    (user != pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID)).then(|| role_name(user))
 }

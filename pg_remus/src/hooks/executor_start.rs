@@ -19,6 +19,7 @@ unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, e
     // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
     // duration of the call; the body passes them to pg_sys as that API documents.
     unsafe {
+        crate::cluster::forwarded_role::enter();
         if let Err(e) = crate::router::ownership::check(query_desc) {
             e.raise();
         }

@@ -23,6 +23,7 @@ unsafe extern "C-unwind" fn remus_planner(
     // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
     // duration of the call; the body passes them to pg_sys as that API documents.
     unsafe {
+        crate::cluster::forwarded_role::enter();
         // A gated transaction waits before its statement is routed, so that the routing decision
         // is taken after the gate opens.
         if let Err(e) = crate::migration::handover::admit_statement() {

@@ -31,6 +31,19 @@ unsafe extern "C-unwind" fn process_utility(
     // SAFETY: PostgreSQL calls this hook with the arguments its API defines, valid for the
     // duration of the call; the body passes them to pg_sys as that API documents.
     unsafe {
+        // Not for transaction control (COMMIT PREPARED is the node user's) nor SET (how the
+        // entry node sets the role): neither runs the role's code.
+        let stmt = (*pstmt).utilityStmt;
+        if !stmt.is_null()
+            && !matches!(
+                (*stmt).type_,
+                pg_sys::NodeTag::T_TransactionStmt
+                    | pg_sys::NodeTag::T_VariableSetStmt
+                    | pg_sys::NodeTag::T_VariableShowStmt
+            )
+        {
+            crate::cluster::forwarded_role::enter();
+        }
         match crate::router::utility::intercept(pstmt, query_string, qc) {
             Ok(true) => return,
             Ok(false) => {}

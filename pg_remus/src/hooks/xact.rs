@@ -50,6 +50,9 @@ unsafe extern "C-unwind" fn xact_callback(
     _arg: *mut std::ffi::c_void,
 ) {
     use pg_sys::XactEvent::*;
+    // A node-to-node session's transaction ran as the entry node's role: its commit work and
+    // whatever follows are the node user's again.
+    crate::cluster::forwarded_role::leave();
     // Dual execution first: a write set refused by the destination fails the transaction
     // before any remote participant is prepared.
     match event {

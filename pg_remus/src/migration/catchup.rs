@@ -144,9 +144,10 @@ fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
     // STORED generated columns are left out, as pgoutput and COPY leave them out: the
     // destination computes them, and an INSERT or UPDATE naming one fails there (428C9), which
     // would refuse every write of such a table in dual execution (review finding F8).
-    let rows: Vec<(String, String, String, i16, bool, pg_sys::Oid)> = Spi::connect(|c| {
-        c.select(
-            "SELECT n.nspname::text, cl.relname::text, a.attname::text, a.attnum,
+    let rows: Vec<(String, String, String, i16, bool, pg_sys::Oid)> =
+        crate::pg::spi::connect(|c| {
+            c.select(
+                "SELECT n.nspname::text, cl.relname::text, a.attname::text, a.attnum,
                     coalesce(a.attnum = ANY(i.indkey::int2[]), false), a.atttypid
                FROM pg_class cl
                JOIN pg_namespace n ON n.oid = cl.relnamespace
@@ -155,21 +156,21 @@ fn rel_meta(rel: pg_sys::Relation) -> Result<Rc<RelMeta>, RemusError> {
                LEFT JOIN pg_index i ON i.indrelid = cl.oid AND i.indisprimary
               WHERE cl.oid = $1
               ORDER BY a.attnum",
-            None,
-            &[relid.into()],
-        )?
-        .map(|r| {
-            Ok((
-                r.get::<String>(1)?.unwrap_or_default(),
-                r.get::<String>(2)?.unwrap_or_default(),
-                r.get::<String>(3)?.unwrap_or_default(),
-                r.get::<i16>(4)?.unwrap_or_default(),
-                r.get::<bool>(5)?.unwrap_or_default(),
-                r.get::<pg_sys::Oid>(6)?.unwrap_or(pg_sys::InvalidOid),
-            ))
-        })
-        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
-    })?;
+                None,
+                &[relid.into()],
+            )?
+            .map(|r| {
+                Ok((
+                    r.get::<String>(1)?.unwrap_or_default(),
+                    r.get::<String>(2)?.unwrap_or_default(),
+                    r.get::<String>(3)?.unwrap_or_default(),
+                    r.get::<i16>(4)?.unwrap_or_default(),
+                    r.get::<bool>(5)?.unwrap_or_default(),
+                    r.get::<pg_sys::Oid>(6)?.unwrap_or(pg_sys::InvalidOid),
+                ))
+            })
+            .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+        })?;
     let Some((schema, table, ..)) = rows.first().cloned() else {
         return Err(RemusError::NoColumns { relid });
     };

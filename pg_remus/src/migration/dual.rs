@@ -403,10 +403,12 @@ fn prepared_xid(gid: &str) -> Option<u32> {
             true
         }
     };
-    let xid = Spi::get_one_with_args::<i64>(
-        "SELECT transaction::text::bigint FROM pg_catalog.pg_prepared_xacts WHERE gid = $1",
-        &[gid.into()],
-    );
+    let xid = crate::pg::spi::as_extension_owner(|| {
+        Spi::get_one_with_args::<i64>(
+            "SELECT transaction::text::bigint FROM pg_catalog.pg_prepared_xacts WHERE gid = $1",
+            &[gid.into()],
+        )
+    });
     if pushed {
         // SAFETY: pairs the push above (the query cannot leave another snapshot pushed).
         unsafe { pg_sys::PopActiveSnapshot() };

@@ -20,6 +20,23 @@ pub unsafe fn list_ptrs<T>(list: *mut pg_sys::List) -> Vec<*mut T> {
     }
 }
 
+/// The values of a PostgreSQL integer `List`.
+///
+/// # Safety
+/// `list` must be NIL or a valid integer List.
+pub(crate) unsafe fn list_ints(list: *mut pg_sys::List) -> Vec<i32> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        if list.is_null() {
+            return Vec::new();
+        }
+        let n = (*list).length as usize;
+        (0..n)
+            .map(|i| (*(*list).elements.add(i)).int_value)
+            .collect()
+    }
+}
+
 /// Is `node` a non-NULL node of type `tag`?
 ///
 /// # Safety

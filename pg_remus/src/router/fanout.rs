@@ -66,13 +66,19 @@ pub(crate) unsafe fn plan(
         if raw.len() != 1 {
             return Ok(None);
         }
-        let queries = list_ptrs::<pg_sys::Query>(pg_sys::pg_analyze_and_rewrite_fixedparams(
-            raw[0],
-            text.as_ptr(),
-            std::ptr::null_mut(),
-            0,
-            std::ptr::null_mut(),
-        ));
+        // Analysed as the extension owner: the text is ours, and it names `remus.fanout`, in a
+        // schema application roles have no USAGE on (they cannot call it themselves). What it
+        // runs on the shards is checked as the calling role: the shell's entry kept below, and
+        // each shard's statement (`router::privileges`).
+        let queries = list_ptrs::<pg_sys::Query>(crate::pg::spi::as_extension_owner(|| {
+            pg_sys::pg_analyze_and_rewrite_fixedparams(
+                raw[0],
+                text.as_ptr(),
+                std::ptr::null_mut(),
+                0,
+                std::ptr::null_mut(),
+            )
+        }));
         let [q] = queries[..] else {
             return Ok(None);
         };

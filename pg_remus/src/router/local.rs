@@ -42,6 +42,7 @@ use crate::pg::list::{is_tag, list_ptrs};
 use crate::router::placement::{
     lock_existing, lock_local_shard, pinned_here, shard_at, shells_anywhere,
 };
+use crate::router::privileges::{move_to_shell, Check};
 
 /// The planner a local plan is made by: the next `planner_hook` of the chain, or PostgreSQL's.
 pub(crate) type NextPlanner = unsafe fn(
@@ -182,7 +183,7 @@ pub(crate) unsafe fn plan_on_local_shards(
             }
         }
         let local = pg_sys::copyObjectImpl(parse as *const std::ffi::c_void) as *mut pg_sys::Query;
-        if !on_local_shards(local, anchor, index)? {
+        if !on_local_shards(local, anchor, index, Check::OnShell)? {
             return Ok(None);
         }
         // No parallel plan: the nested executor does not enter parallel mode.
@@ -220,6 +221,7 @@ unsafe fn on_local_shards(
     query: *mut pg_sys::Query,
     anchor: &DistTable,
     index: usize,
+    check: Check,
 ) -> Result<bool, RemusError> {
     // SAFETY: `query` is a valid Query of our own; catalog lookups and locks by OID.
     unsafe {
@@ -238,6 +240,7 @@ unsafe fn on_local_shards(
             else {
                 return Ok(false);
             };
+            move_to_shell(query, rte, check);
             (*rte).relid = shard_relid;
         }
         Ok(true)
@@ -560,7 +563,7 @@ pub(crate) unsafe fn local_plan_at_execution(
         let cxt = node_cache(cscan);
         let old = pg_sys::MemoryContextSwitchTo(cxt);
         let local = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
-        let here = on_local_shards(local, anchor, index);
+        let here = on_local_shards(local, anchor, index, Check::Done);
         let plan = match here {
             Ok(true) => Some(pg_sys::planner(local, source_text, 0, std::ptr::null_mut())),
             _ => None,

@@ -10,6 +10,7 @@ use pgrx::pg_sys;
 
 use crate::error::RemusError;
 use crate::router::placement::{lock_local_shard, shard_at, shard_ids, shells_anywhere};
+use crate::router::privileges::{move_to_shell, Check};
 
 thread_local! {
     /// Set while this backend runs a marked shard statement locally.
@@ -101,6 +102,7 @@ pub(crate) unsafe fn pin_to_local_shard(
                     node: crate::guc::node_name().unwrap_or_default(),
                 });
             };
+            move_to_shell(parse, *rte, Check::OnShell);
             (**rte).relid = shard_relid;
         }
         Ok(())

@@ -37,7 +37,8 @@
 //! - [`execute`]: running one marked statement where its shard lives; [`deparse`]: the text
 //!   sent there.
 //! - [`utility`]: COPY FROM, TRUNCATE and the refused utility statements.
-//! - [`ownership`]: the RM001 check of statements on shard tables.
+//! - [`ownership`]: the RM001 check of statements on shard tables; [`privileges`]: the shell's
+//!   privileges checked for a plan on shard tables.
 
 pub(crate) mod colocated;
 pub(crate) mod deparse;
@@ -50,5 +51,6 @@ pub(crate) mod modify;
 pub(crate) mod ownership;
 pub(crate) mod placement;
 pub(crate) mod planner;
+pub(crate) mod privileges;
 pub(crate) mod scan;
 pub(crate) mod utility;

@@ -86,6 +86,17 @@ pub(crate) unsafe fn intercept(
                         "COPY … FROM … WHERE on a distributed table",
                     ));
                 }
+                // A node's COPY into one of this node's shards (`flush`): rows into the
+                // shard table, privileges checked on the shell.
+                if super::marker::marker_honoured() {
+                    if let Some(shard_id) = crate::cluster::shard_marker::parse(query_string) {
+                        let n = copy_into_shard(&table, shard_id, (*copy).attlist, None)?;
+                        if !qc.is_null() {
+                            pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_COPY, n);
+                        }
+                        return Ok(true);
+                    }
+                }
                 let n = copy_from(copy, &table, query_string)?;
                 if !qc.is_null() {
                     pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_COPY, n);
@@ -319,6 +330,7 @@ unsafe fn copy_from(
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
     unsafe {
         let rel = pg_sys::table_open(table.relid, pg_sys::RowExclusiveLock as i32);
+        check_copy_from(copy, rel)?;
         let desc = (*rel).rd_att;
         let natts = (*desc).natts as usize;
         let key_attno = if table.kind == 'r' {
@@ -439,25 +451,17 @@ unsafe fn flush(
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
     unsafe {
-        let shard = shard_table_name(&table.rel_name, p.shard_id);
         if crate::guc::node_name().as_deref() != Some(p.node_name.as_str()) {
+            // The shell's name and a marker, as every statement on a shard: the owner copies
+            // into its shard table as this role, checking the shell's privileges.
             let addr = crate::cluster::nodes::lookup(&p.node_name)?;
-            let sql = format!("COPY {shard} ({cols}) FROM STDIN");
+            let sql = crate::cluster::shard_marker::marked(
+                p.shard_id,
+                &format!("COPY {} ({cols}) FROM STDIN", table.qualified_name),
+            );
             return crate::twophase::copy_in_transaction(&addr, &sql, data);
         }
         // Local shard: PostgreSQL's own COPY into the shard table, fed from memory.
-        let name =
-            CString::new(format!("{}_{}", table.rel_name, p.shard_id)).expect("no NUL in names");
-        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
-        let shard_relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-        if shard_relid == pg_sys::InvalidOid {
-            return Err(RemusError::NotShardOwner {
-                shard_id: p.shard_id,
-                node: p.node_name.clone(),
-            });
-        }
-        LOCAL_COPY.with(|b| *b.borrow_mut() = (data.to_vec(), 0));
-        let rel = pg_sys::table_open(shard_relid, pg_sys::RowExclusiveLock as i32);
         let mut attlist: *mut pg_sys::List = std::ptr::null_mut();
         for c in cols.split(", ") {
             let c =
@@ -467,9 +471,103 @@ unsafe fn flush(
                 pg_sys::makeString(pg_sys::pstrdup(c.as_ptr())) as *mut std::ffi::c_void,
             );
         }
+        LOCAL_COPY.with(|b| *b.borrow_mut() = (data.to_vec(), 0));
+        let copied = copy_into_shard(table, p.shard_id, attlist, Some(local_source));
+        LOCAL_COPY.with(|b| *b.borrow_mut() = (Vec::new(), 0));
+        copied.map(|_| ())
+    }
+}
+
+/// What PostgreSQL's COPY FROM checks before it reads rows into `rel` (the shell), as the
+/// calling role: reading a server file or running a program needs the role that allows it,
+/// and the table (or each column copied) needs INSERT. The shard tables it then writes carry
+/// no grants of their own (`router::privileges`).
+unsafe fn check_copy_from(
+    copy: *mut pg_sys::CopyStmt,
+    rel: pg_sys::Relation,
+) -> Result<(), RemusError> {
+    // SAFETY: `copy` is the statement being run and `rel` the shell it names, open.
+    unsafe {
+        let user = pg_sys::GetUserId();
+        if !(*copy).filename.is_null() {
+            let (role, what) = if (*copy).is_program {
+                (
+                    pg_sys::ROLE_PG_EXECUTE_SERVER_PROGRAM,
+                    "pg_execute_server_program role to COPY to or from an external program",
+                )
+            } else {
+                (
+                    pg_sys::ROLE_PG_READ_SERVER_FILES,
+                    "pg_read_server_files role to COPY from a file",
+                )
+            };
+            if !pg_sys::has_privs_of_role(user, pg_sys::Oid::from(role)) {
+                pgrx::ereport!(
+                    ERROR,
+                    PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                    format!("must be superuser or have privileges of the {what}")
+                );
+            }
+        }
+        check_insert_on_shell(rel, (*copy).attlist);
+        Ok(())
+    }
+}
+
+/// INSERT on the shell `rel` for the columns of `attlist` (all when NULL), checked as
+/// PostgreSQL checks a COPY FROM (an ERROR 42501 if missing).
+unsafe fn check_insert_on_shell(rel: pg_sys::Relation, attlist: *mut pg_sys::List) {
+    // SAFETY: `rel` is open; the entry and bitmap are palloc'd in the current context.
+    unsafe {
+        let rte = pg_sys::palloc0(std::mem::size_of::<pg_sys::RangeTblEntry>())
+            as *mut pg_sys::RangeTblEntry;
+        (*rte).type_ = pg_sys::NodeTag::T_RangeTblEntry;
+        (*rte).rtekind = pg_sys::RTEKind::RTE_RELATION;
+        (*rte).relid = (*rel).rd_id;
+        (*rte).relkind = (*(*rel).rd_rel).relkind;
+        (*rte).rellockmode = pg_sys::RowExclusiveLock as i32;
+        (*rte).requiredPerms = pg_sys::ACL_INSERT;
+        for attno in crate::pg::list::list_ints(pg_sys::CopyGetAttnums((*rel).rd_att, rel, attlist)) {
+            (*rte).insertedCols = pg_sys::bms_add_member(
+                (*rte).insertedCols,
+                attno - pg_sys::FirstLowInvalidHeapAttributeNumber,
+            );
+        }
+        pg_sys::ExecCheckRTPerms(
+            pg_sys::lappend(std::ptr::null_mut(), rte as *mut std::ffi::c_void),
+            true,
+        );
+    }
+}
+
+/// COPY into this node's shard `shard_id` of `table`: from `source` (rows in memory), or from
+/// the client (a node streaming a shard's rows, `flush`). INSERT on the shell is checked first.
+unsafe fn copy_into_shard(
+    table: &DistTable,
+    shard_id: i64,
+    attlist: *mut pg_sys::List,
+    source: pg_sys::copy_data_source_cb,
+) -> Result<u64, RemusError> {
+    // SAFETY: catalog lookups by name and OID, relations opened and closed here.
+    unsafe {
+        let name =
+            CString::new(format!("{}_{}", table.rel_name, shard_id)).expect("no NUL in names");
+        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
+        let shard_relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+        if shard_relid == pg_sys::InvalidOid {
+            return Err(RemusError::NotShardOwner {
+                shard_id,
+                node: crate::guc::node_name().unwrap_or_default(),
+            });
+        }
+        let shell = pg_sys::table_open(table.relid, pg_sys::AccessShareLock as i32);
+        check_insert_on_shell(shell, attlist);
+        pg_sys::table_close(shell, pg_sys::NoLock as i32);
+        let rel = pg_sys::table_open(shard_relid, pg_sys::RowExclusiveLock as i32);
         let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
-        // CopyFrom finds its target through the parse state's range table, as for a COPY command.
-        let nsitem = pg_sys::addRangeTableEntryForRelation(
+        // CopyFrom finds its target through the parse state's range table, as for a COPY
+        // command; the permission check was the shell's, above.
+        pg_sys::addRangeTableEntryForRelation(
             pstate,
             rel,
             pg_sys::RowExclusiveLock as i32,
@@ -477,22 +575,20 @@ unsafe fn flush(
             false,
             false,
         );
-        (*(*nsitem).p_rte).requiredPerms = pg_sys::ACL_INSERT;
         let cstate = pg_sys::BeginCopyFrom(
             pstate,
             rel,
             std::ptr::null_mut(),
             std::ptr::null(),
             false,
-            Some(local_source),
+            source,
             attlist,
             std::ptr::null_mut(),
         );
-        pg_sys::CopyFrom(cstate);
+        let n = pg_sys::CopyFrom(cstate);
         pg_sys::EndCopyFrom(cstate);
         pg_sys::table_close(rel, pg_sys::NoLock as i32);
-        LOCAL_COPY.with(|b| *b.borrow_mut() = (Vec::new(), 0));
-        Ok(())
+        Ok(n)
     }
 }
 

@@ -108,10 +108,12 @@ fn pre_commit() -> Result<(), RemusError> {
     unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
     for w in &writers {
         let gid = format!("remus_{me}_{xid}_{}", w.name);
-        Spi::run_with_args(
-            "INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, $2)",
-            &[gid.as_str().into(), w.name.as_str().into()],
-        )?;
+        crate::pg::spi::as_extension_owner(|| {
+            Spi::run_with_args(
+                "INSERT INTO remus.commit_decisions (gid, participant) VALUES ($1, $2)",
+                &[gid.as_str().into(), w.name.as_str().into()],
+            )
+        })?;
     }
     // SAFETY: pairs the push above.
     unsafe { pg_sys::PopActiveSnapshot() };
@@ -202,6 +204,7 @@ pub fn exec_params_in_transaction(
     writes: bool,
 ) -> Result<remote::RemoteResult, RemusError> {
     remote::with_connection(addr, |c| {
+        c.act_as_caller()?;
         let opening = transaction_opening(c);
         if writes {
             c.modified = true;
@@ -233,7 +236,10 @@ pub fn exec_params_alone(
     params: &[Option<String>],
     types: &[u32],
 ) -> Result<remote::RemoteResult, RemusError> {
-    remote::with_connection(addr, |c| c.exec_params(sql, params, types))
+    remote::with_connection(addr, |c| {
+        c.act_as_caller()?;
+        c.exec_params(sql, params, types)
+    })
 }
 
 /// Runs one write on `addr` as a transaction of its own there (autocommit: one round trip, no
@@ -251,6 +257,7 @@ pub fn exec_write_alone(
     types: &[u32],
 ) -> Result<remote::RemoteResult, RemusError> {
     let (r, forwarded) = remote::with_connection(addr, |c| {
+        c.act_as_caller()?;
         c.exec_params_forwarding_cancel(sql, params, types)
     })?;
     if forwarded {
@@ -270,6 +277,7 @@ pub fn read_on_nodes<T>(
     let addrs: Vec<remote::NodeAddr> = work.iter().map(|(a, _)| a.clone()).collect();
     remote::with_connections(&addrs, |conns| {
         for (c, (_, statements)) in conns.iter_mut().zip(work) {
+            c.act_as_caller()?;
             join_transaction(c)?;
             if let Some(first) = statements.first() {
                 c.send(first)?;

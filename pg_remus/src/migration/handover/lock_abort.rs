@@ -177,7 +177,7 @@ mod remus {
     #[pg_extern(volatile, parallel_unsafe)]
     fn abort_shard_writers(migration_id: i64, relids: Vec<pg_sys::Oid>) -> i32 {
         require_superuser("remus.abort_shard_writers");
-        let holders: Vec<(i32, i32, u32)> = Spi::connect(|c| {
+        let holders: Vec<(i32, i32, u32)> = crate::pg::spi::connect(|c| {
             c.select(
                 // Client backends only: a prepared transaction has no pid, and autovacuum's
                 // ShareUpdateExclusiveLock is no client's write.

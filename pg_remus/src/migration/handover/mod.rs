@@ -21,7 +21,6 @@
 //! that decision ([`wait_decided`]).
 
 use pgrx::pg_sys;
-use pgrx::prelude::*;
 
 use crate::error::RemusError;
 use crate::migration::state::{active, exempt};
@@ -63,7 +62,7 @@ pub(crate) fn in_doubt(
     relid: Option<pg_sys::Oid>,
     shard_ids: Option<&[i64]>,
 ) -> Result<Vec<InDoubt>, RemusError> {
-    let rows = Spi::connect(|c| {
+    let rows = crate::pg::spi::connect(|c| {
         c.select(
             "SELECT m.shard_id, m.xmax::text::bigint,
                     split_part(p.gid, ':', 2)::bigint

@@ -90,7 +90,7 @@ pub(crate) fn settled() -> Result<bool, RemusError> {
     let me = crate::guc::node_name().unwrap_or_default();
     let mut exposed: Vec<i64> = with_latest_snapshot(|| -> Result<Vec<i64>, RemusError> {
         let mut ids: Vec<i64> = in_doubt(None, None)?.iter().map(|d| d.shard_id).collect();
-        let foreign = Spi::connect(|c| {
+        let foreign = crate::pg::spi::connect(|c| {
             c.select(
                 "SELECT m.shard_id
                    FROM remus.shard_map m
