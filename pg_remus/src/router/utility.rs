@@ -121,11 +121,25 @@ pub(crate) unsafe fn intercept(
                     ));
                 }
                 for d in &shells {
-                    for p in super::placement::placements(d.relid)? {
-                        run_on_owner(
-                            &p,
-                            &format!("TRUNCATE {}", shard_table_name(&d.rel_name, p.shard_id)),
-                        )?;
+                    check_truncate_on_shell(d);
+                }
+                // A node's TRUNCATE of one of this node's shards (below).
+                let marked = super::marker::marker_honoured()
+                    .then(|| crate::cluster::shard_marker::parse(query_string))
+                    .flatten();
+                match (marked, &shells[..]) {
+                    (Some(shard_id), [d]) => truncate_local_shard(d, shard_id)?,
+                    (Some(_), _) => {
+                        return Err(RemusError::Unsupported(
+                            "a marked TRUNCATE of more than one table",
+                        ))
+                    }
+                    (None, _) => {
+                        for d in &shells {
+                            for p in super::placement::placements(d.relid)? {
+                                truncate_shard(d, &p)?;
+                            }
+                        }
                     }
                 }
                 if !qc.is_null() {
@@ -296,14 +310,43 @@ unsafe fn relation_shards(
     }
 }
 
-/// Runs a utility command on the shard's owner, inside the current transaction.
-unsafe fn run_on_owner(p: &ShardPlacement, sql: &str) -> Result<(), RemusError> {
-    if crate::guc::node_name().as_deref() == Some(p.node_name.as_str()) {
-        Spi::run(sql)?;
-    } else {
-        let addr = crate::cluster::nodes::lookup(&p.node_name)?;
-        crate::twophase::exec_in_transaction(&addr, sql, true)?;
+/// TRUNCATE privilege on the shell, as PostgreSQL checks it (an ERROR 42501 if missing): the
+/// shard tables carry no grants of their own (`router::privileges`).
+unsafe fn check_truncate_on_shell(table: &DistTable) {
+    // SAFETY: an ACL check of an existing relation; the name outlives the call.
+    unsafe {
+        let acl = pg_sys::pg_class_aclcheck(table.relid, pg_sys::GetUserId(), pg_sys::ACL_TRUNCATE);
+        if acl != pg_sys::AclResult::ACLCHECK_OK {
+            let name = CString::new(table.rel_name.as_ref()).expect("no NUL in names");
+            pg_sys::aclcheck_error(acl, pg_sys::ObjectType::OBJECT_TABLE, name.as_ptr());
+        }
     }
+}
+
+/// Empties one shard of `table` where it lives, inside the current transaction: here, or on
+/// its owner as the marked `TRUNCATE <shell>` that [`truncate_local_shard`] runs there.
+unsafe fn truncate_shard(table: &DistTable, p: &ShardPlacement) -> Result<(), RemusError> {
+    // SAFETY: see `truncate_local_shard`.
+    unsafe {
+        if crate::guc::is_this_node(&p.node_name) {
+            return truncate_local_shard(table, p.shard_id);
+        }
+        let addr = crate::cluster::nodes::lookup(&p.node_name)?;
+        let sql = crate::cluster::shard_marker::marked(
+            p.shard_id,
+            &format!("TRUNCATE {}", table.qualified_name),
+        );
+        crate::twophase::exec_in_transaction(&addr, &sql, true)?;
+        Ok(())
+    }
+}
+
+/// Empties this node's shard `shard_id` of `table`, whose TRUNCATE privilege the caller checked
+/// on the shell. The shard table is the extension's: truncated as its owner (no user code runs:
+/// shard tables have no TRUNCATE triggers).
+unsafe fn truncate_local_shard(table: &DistTable, shard_id: i64) -> Result<(), RemusError> {
+    let sql = format!("TRUNCATE {}", shard_table_name(&table.rel_name, shard_id));
+    crate::pg::spi::as_extension_owner(|| Spi::run(&sql))?;
     Ok(())
 }
 
@@ -527,7 +570,8 @@ unsafe fn check_insert_on_shell(rel: pg_sys::Relation, attlist: *mut pg_sys::Lis
         (*rte).relkind = (*(*rel).rd_rel).relkind;
         (*rte).rellockmode = pg_sys::RowExclusiveLock as i32;
         (*rte).requiredPerms = pg_sys::ACL_INSERT;
-        for attno in crate::pg::list::list_ints(pg_sys::CopyGetAttnums((*rel).rd_att, rel, attlist)) {
+        for attno in crate::pg::list::list_ints(pg_sys::CopyGetAttnums((*rel).rd_att, rel, attlist))
+        {
             (*rte).insertedCols = pg_sys::bms_add_member(
                 (*rte).insertedCols,
                 attno - pg_sys::FirstLowInvalidHeapAttributeNumber,
