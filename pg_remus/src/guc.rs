@@ -1,15 +1,27 @@
 //! `remus.*` settings.
+//!
+//! Who may change each is part of its definition (decision 0016): what says which node this is
+//! (`remus.node_name`), where the control plane is (`remus.coordinator_address`) and what the
+//! node's own background work does are read from postgresql.conf (PGC_SIGHUP, or
+//! PGC_POSTMASTER); what marks a session as one of the cluster's own (`remus.forwarded`,
+//! `remus.migration_session`) only a superuser may set (PGC_SUSET), since such a session skips
+//! checks an application's session is held to; waits and limits that bound only the session's
+//! own statements stay the session's (PGC_USERSET).
 
 use std::ffi::CString;
 
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 
 /// This node's name in the cluster (n1, n2, …). Routing compares shard owners against it, so it
-/// is set per node in postgresql.conf by whoever provisions the node.
+/// is set per node in postgresql.conf by whoever provisions the node, and no session can change
+/// it (PGC_SIGHUP): a session that named itself another node would take that node's shards for
+/// its own.
 pub static NODE_NAME: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
 /// Set by a node that connects to another node: the receiving session executes locally and
-/// never forwards again.
+/// never forwards again, honours shard markers and skips the ownership check (RM001). Node-to-
+/// node sessions authenticate as a superuser and set it in their startup options; nobody else
+/// may set it (PGC_SUSET).
 pub static FORWARDED: GucSetting<bool> = GucSetting::<bool>::new(false);
 
 /// A session of the migration machinery (copy, replay, handover, cleanup): it may write shard
@@ -106,9 +118,9 @@ pub fn register() {
     GucRegistry::define_bool_guc(
         c"remus.forwarded",
         c"This session was opened by another pg_remus node.",
-        c"Set in the connection options of node-to-node connections.",
+        c"Set in the connection options of node-to-node connections, which authenticate as a superuser; no other session may set it.",
         &FORWARDED,
-        GucContext::Userset,
+        GucContext::Suset,
         GucFlags::default(),
     );
     GucRegistry::define_bool_guc(
@@ -130,9 +142,9 @@ pub fn register() {
     GucRegistry::define_string_guc(
         c"remus.node_name",
         c"Name of this node in the pg_remus cluster.",
-        c"Must match the name under which the node was added with remus_add_node().",
+        c"Set in postgresql.conf; must match the name under which the node was added with remus_add_node().",
         &NODE_NAME,
-        GucContext::Userset,
+        GucContext::Sighup,
         GucFlags::default(),
     );
     GucRegistry::define_int_guc(
@@ -218,7 +230,8 @@ pub fn node_name() -> Option<String> {
 /// setting's own string is compared where PostgreSQL keeps it.)
 pub fn is_this_node(name: &str) -> bool {
     // SAFETY: the GUC's storage holds NULL or a NUL-terminated string PostgreSQL owns, which a
-    // backend's own statement cannot free while it compares (only SET does, between them).
+    // backend's own statement cannot free while it compares (only a configuration reload does,
+    // between statements).
     let raw = unsafe { *NODE_NAME.as_ptr() };
     !raw.is_null()
         && !name.is_empty()

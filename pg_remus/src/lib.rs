@@ -83,13 +83,30 @@ mod tests {
         Spi::run("SELECT remus_add_node('Bad-Name', '127.0.0.1', 6001)").unwrap();
     }
 
+    /// The name comes from postgresql.conf (`pg_test::postgresql_conf_options`), and the
+    /// settings that say which node this is, or that a session is one of the cluster's own,
+    /// are not a session's to change (decision 0016).
     #[pg_test]
-    fn local_node_name_comes_from_the_guc() {
-        Spi::run("SET remus.node_name = 'n7'").unwrap();
+    fn local_node_name_comes_from_the_configuration() {
         assert_eq!(
             Spi::get_one::<String>("SELECT remus_local_node()").unwrap(),
             Some("n7".to_string())
         );
+        let contexts = Spi::get_one::<String>(
+            "SELECT string_agg(name || '=' || context, ' ' ORDER BY name) FROM pg_settings
+              WHERE name IN ('remus.node_name', 'remus.forwarded', 'remus.migration_session',
+                             'remus.coordinator_address')",
+        )
+        .unwrap();
+        assert_eq!(
+            contexts.as_deref(),
+            Some("remus.coordinator_address=sighup remus.forwarded=superuser remus.migration_session=superuser remus.node_name=sighup")
+        );
+    }
+
+    #[pg_test(error = "parameter \"remus.node_name\" cannot be changed now")]
+    fn node_name_cannot_be_set_in_a_session() {
+        Spi::run("SET remus.node_name = 'n8'").unwrap();
     }
 }
 
@@ -105,6 +122,8 @@ pub mod pg_test {
             "wal_level = logical",
             "track_commit_timestamp = on",
             "max_prepared_transactions = 20",
+            // What remusctl writes per node; a session cannot change it (PGC_SIGHUP).
+            "remus.node_name = 'n7'",
         ]
     }
 }

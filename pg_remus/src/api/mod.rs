@@ -7,8 +7,10 @@
 //! - [`shards`]: the `remus_shards` view and `remus_shard_size`.
 //! - [`migrate`]: `remus_migrate_shard(s)` and the `remus_migrations` view.
 //! - [`handover_state`]: `remus.handover_state()`, the migration entries in shared memory.
+//! - [`privileges`]: who may call what (every GRANT and REVOKE, and the `remus_admin` role).
 
 mod handover_state;
 mod migrate;
 mod nodes;
+mod privileges;
 mod shards;

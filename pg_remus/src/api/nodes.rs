@@ -14,16 +14,16 @@ CREATE VIEW remus_nodes AS
 COMMENT ON VIEW remus_nodes IS 'Nodes this node knows: name, host, port';
 "#,
     name = "views",
-    requires = ["catalog"],
-    finalize
+    requires = ["catalog"]
 );
 
 /// Adds a node to this node's catalog. Adding the same name with the same address again is a
 /// no-op, so provisioning can be re-run; another address for a known name is refused (42710).
-/// Superuser only, like every function that changes the cluster (42501).
-#[pg_extern]
+/// For superusers and `remus_admin` (its EXECUTE grant, `api::privileges`); runs as the
+/// extension's owner, which owns the catalog (decision 0016).
+#[pg_extern(security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn remus_add_node(name: &str, host: &str, port: i32) {
-    require_superuser("remus_add_node");
     add_node(name, host, port).or_raise();
 }
 
@@ -38,8 +38,8 @@ fn remus_local_node() -> String {
 /// Runs a command on another node inside the current transaction; with several writing nodes
 /// the transaction commits by two-phase commit. Returns the number of rows it affected.
 /// Running it on this node itself is refused: the remote backend would wait on our own locks,
-/// a deadlock no detector sees. Superuser only whatever the grants: the command runs there as
-/// the cluster's own (superuser) connection.
+/// a deadlock no detector sees. Superuser only whatever the grants (not even `remus_admin`): the
+/// command is arbitrary SQL, run there by the cluster's own connection.
 #[pg_extern]
 fn remus_run_on_node(node: &str, command: &str) -> i64 {
     require_superuser("remus_run_on_node");
@@ -89,9 +89,9 @@ fn remove_node(name: &str) -> Result<(), RemusError> {
 }
 
 /// Removes a node from the cluster's membership on every node. Refused (55006) while the node
-/// owns shards. Superuser only (42501).
-#[pg_extern]
+/// owns shards. For superusers and `remus_admin`, as `remus_add_node`.
+#[pg_extern(security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn remus_remove_node(name: &str) {
-    require_superuser("remus_remove_node");
     remove_node(name).or_raise();
 }

@@ -5,8 +5,11 @@ use pgrx::prelude::*;
 use crate::catalog::shard_table_name;
 use crate::error::RemusError;
 
-/// Size of a shard's table on its owner, asked of the owner when it is another node.
-#[pg_extern(volatile, parallel_unsafe)]
+/// Size of a shard's table on its owner, asked of the owner when it is another node. Anyone
+/// may ask (as anyone may call `pg_total_relation_size`); it runs as the extension's owner,
+/// which can read the catalog and name the shard table there (decision 0016).
+#[pg_extern(volatile, parallel_unsafe, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn remus_shard_size(shard_id: i64) -> Option<i64> {
     let run = || -> Result<Option<i64>, RemusError> {
         let row = Spi::connect(|c| {

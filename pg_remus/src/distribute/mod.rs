@@ -9,7 +9,9 @@
 //! by 2PC or not at all.
 
 //!
-//! [`validate`] checks that a table can be distributed; [`move_rows`](mod@move_rows) moves its existing rows.
+//! [`validate`] checks that a table can be distributed; [`move_rows`](mod@move_rows) moves its
+//! existing rows; [`caller`] checks who asks (the table's owner) and runs the conversion with the
+//! cluster's rights.
 
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
@@ -20,6 +22,7 @@ use crate::catalog::shard_table_name;
 use crate::error::RemusError;
 use crate::pg::sql::quote_literal;
 
+mod caller;
 mod move_rows;
 mod validate;
 
@@ -29,8 +32,11 @@ use validate::inspect;
 /// Most shards a distributed table may have.
 const MAX_SHARD_COUNT: i32 = 4096;
 
-/// CREATE TABLE (columns, defaults, constraints) plus the table's other indexes, for shells on
-/// other nodes. Deparsed with search_path = pg_catalog so every name is schema-qualified.
+/// CREATE TABLE (columns, defaults, constraints) plus the table's other indexes and its owner,
+/// for shells on other nodes (which run it as the node user: without the owner, the shells
+/// there would be the node user's, and the table's owner could not use them). Deparsed with
+/// search_path = pg_catalog so every name is schema-qualified. The owner role must exist on
+/// every node (roles are per PostgreSQL cluster); grants are not copied.
 fn shell_ddl(
     client: &mut SpiClient<'_>,
     relid: pg_sys::Oid,
@@ -85,6 +91,15 @@ fn shell_ddl(
         )?
         .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
         .collect::<Result<Vec<_>, _>>()?;
+    let owner = client
+        .select(
+            "SELECT quote_ident(pg_get_userbyid(relowner)) FROM pg_class WHERE oid = $1",
+            Some(1),
+            &[relid.into()],
+        )?
+        .first()
+        .get::<String>(1)?
+        .unwrap_or_default();
     client.update(
         "SELECT set_config('search_path', $1, true)",
         None,
@@ -95,6 +110,7 @@ fn shell_ddl(
         ddl.push_str(&i);
         ddl.push_str(";\n");
     }
+    ddl.push_str(&format!("ALTER TABLE {qualified} OWNER TO {owner};\n"));
     Ok(ddl)
 }
 
@@ -285,7 +301,8 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
             "SELECT c.relkind::text, format('%I.%I', n.nspname, c.relname), c.relname::text, c.relpersistence::text,
                     EXISTS (SELECT 1 FROM remus.distributed_tables WHERE logicalrelid = c.oid),
                     EXISTS (SELECT 1 FROM pg_constraint WHERE contype = 'f' AND (conrelid = c.oid OR confrelid = c.oid)),
-                    EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attisdropped)
+                    EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attisdropped),
+                    c.relrowsecurity
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
             Some(1),
             &[relid.into()],
@@ -306,6 +323,9 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
         }
         if r.get::<bool>(7)? == Some(true) {
             return Err(RemusError::ReferenceHasDroppedColumns { table: qualified });
+        }
+        if r.get::<bool>(8)? == Some(true) {
+            return Err(RemusError::DistributeWithRowSecurity { table: qualified });
         }
         client.update(
             &format!("LOCK TABLE {qualified} IN ACCESS EXCLUSIVE MODE"),
@@ -416,19 +436,28 @@ mod remus {
 
     use crate::error::{OrRaise, RemusError};
 
+    /// Runs as its caller, who must own the table; the conversion itself runs as the bootstrap
+    /// superuser (`distribute::caller`), under this pinned search_path.
     #[pg_extern(volatile, parallel_unsafe)]
+    #[search_path(pg_catalog, pg_temp)]
     fn create_distributed_table(
         relid: pg_sys::Oid,
         shard_key: &str,
         shard_count: i32,
         colocate_with: Option<pg_sys::Oid>,
     ) {
-        crate::distribute::create(relid, shard_key, shard_count, colocate_with).or_raise();
+        crate::distribute::caller::convert(relid, || {
+            crate::distribute::create(relid, shard_key, shard_count, colocate_with)
+        })
+        .or_raise();
     }
 
+    /// As `create_distributed_table`.
     #[pg_extern(volatile, parallel_unsafe)]
+    #[search_path(pg_catalog, pg_temp)]
     fn create_reference_table(relid: pg_sys::Oid) {
-        crate::distribute::create_reference(relid).or_raise();
+        crate::distribute::caller::convert(relid, || crate::distribute::create_reference(relid))
+            .or_raise();
     }
 
     /// The int4 hash of a shard-key value (its type's standard hash function).
@@ -441,8 +470,18 @@ mod remus {
         .or_raise()
     }
 
-    /// The shard id a value of the table's shard key maps to.
-    #[pg_extern(stable, strict, parallel_safe)]
+    /// The shard id a value of the table's shard key maps to: `remus_shard_id_for(table_name
+    /// regclass, value anyelement)`, defined here by hand so that it takes a regclass and sits
+    /// in the extension's schema, callable by every role (decision 0016) without the `remus`
+    /// schema, as the caller (the value's coercion to the key type is the caller's code).
+    #[pg_extern(
+        stable,
+        strict,
+        parallel_safe,
+        sql = "CREATE FUNCTION remus_shard_id_for(table_name regclass, value anyelement) RETURNS bigint
+    STABLE STRICT PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'shard_id_for_wrapper';
+COMMENT ON FUNCTION remus_shard_id_for(regclass, anyelement) IS 'The shard a shard-key value maps to';"
+    )]
     fn shard_id_for(relid: pg_sys::Oid, value: AnyElement) -> i64 {
         let run = || -> Result<i64, RemusError> {
             let Some(t) = crate::catalog::dist_table(relid)? else {
@@ -493,13 +532,6 @@ LANGUAGE sql VOLATILE AS $$ SELECT remus.create_reference_table(table_name::oid)
 COMMENT ON FUNCTION remus_create_reference_table(regclass) IS
     'Copy a table to every node: reads are local, writes go to every node in one 2PC transaction';
 
--- Distributing a table writes the catalog of every node: superuser only, like the rest of the
--- cluster administration (a plain role gets 42501 naming the function).
-REVOKE EXECUTE ON FUNCTION remus_create_distributed_table(regclass, text, int, regclass) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION remus_create_reference_table(regclass) FROM PUBLIC;
-
-CREATE FUNCTION remus_shard_id_for(table_name regclass, value anyelement) RETURNS bigint
-LANGUAGE sql STABLE STRICT AS $$ SELECT remus.shard_id_for(table_name::oid, value) $$;
 "#,
     name = "distribute_wrappers",
     requires = ["distribution_catalog", "remus_schema_fns"]

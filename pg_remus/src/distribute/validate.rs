@@ -22,7 +22,7 @@ pub(crate) fn inspect(
 ) -> Result<TableInfo, RemusError> {
     let r = client.select(
         "SELECT c.relkind::text, format('%I.%I', n.nspname, c.relname), c.relname::text,
-                c.relpersistence::text
+                c.relpersistence::text, c.relrowsecurity
            FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
         Some(1),
         &[relid.into()],
@@ -41,6 +41,9 @@ pub(crate) fn inspect(
     }
     if r.get::<String>(4)?.as_deref() != Some("p") {
         return Err(RemusError::NotPermanentTable { table: qualified });
+    }
+    if r.get::<bool>(5)? == Some(true) {
+        return Err(RemusError::DistributeWithRowSecurity { table: qualified });
     }
     let already = client
         .select(

@@ -163,6 +163,18 @@ pub enum RemusError {
     /// [`Self::HasDroppedColumns`] for a reference table, which has no shard plans.
     #[error("{table} has dropped columns; recreate the table before distributing it")]
     ReferenceHasDroppedColumns { table: String },
+    /// Row-level security is not propagated to the shards yet: distributing a table that has it
+    /// enabled would drop its policies silently (issue 18).
+    #[error("{table} has row-level security enabled, which distributed and reference tables do not support yet (its policies would not be enforced on the shards); disable it (ALTER TABLE … DISABLE ROW LEVEL SECURITY) or keep the table local")]
+    DistributeWithRowSecurity { table: String },
+    /// A statement that would turn row-level security on for a distributed or reference table
+    /// (`what`: the construct, such as `CREATE POLICY`).
+    #[error("{what} on {kind} table {table} is not supported: row-level security is not propagated to the shards yet, so its policies would not be enforced")]
+    RowSecurityOnDistributed {
+        what: &'static str,
+        kind: &'static str,
+        table: String,
+    },
 
     // 42703 undefined_column.
     #[error("column \"{column}\" of table {table} does not exist")]
@@ -215,6 +227,18 @@ pub enum RemusError {
     // 42501 insufficient_privilege.
     #[error("permission denied for function {function}: superuser required")]
     SuperuserRequired { function: String },
+    /// Distributing a table is an ALTER TABLE of it: its owner's (or a superuser's) to do.
+    #[error("must be owner of table {table}")]
+    NotTableOwner { table: String },
+    /// A table converted for a caller who is not superuser runs its own code (constraints,
+    /// generated columns, index expressions, triggers) with the cluster's rights while its rows
+    /// move; code a non-superuser could have written is refused (decision 0016).
+    #[error("{table} uses {function}, owned by {owner}, who is not a superuser: its rows move with the cluster's rights, which would run that code as a superuser; a superuser must distribute this table")]
+    TableCodeNotTrusted {
+        table: String,
+        function: String,
+        owner: String,
+    },
 
     #[error(
         "transaction aborted by shard migration {migration_id} (lock_abort); retry the transaction"
@@ -341,7 +365,9 @@ impl RemusError {
             | Self::HasForeignKeys { .. }
             | Self::HasSequenceColumns { .. }
             | Self::HasDroppedColumns { .. }
-            | Self::ReferenceHasDroppedColumns { .. } => SqlState::FEATURE_NOT_SUPPORTED.code(),
+            | Self::ReferenceHasDroppedColumns { .. }
+            | Self::DistributeWithRowSecurity { .. }
+            | Self::RowSecurityOnDistributed { .. } => SqlState::FEATURE_NOT_SUPPORTED.code(),
             Self::NoSuchColumn { .. } | Self::ShardKeyGone { .. } => {
                 pg_code::UNDEFINED_COLUMN.code()
             }
@@ -360,7 +386,9 @@ impl RemusError {
             | Self::TooManyMigratingShards { .. }
             | Self::GateHeld { .. }
             | Self::OwnershipInDoubt { .. } => SqlState::OBJECT_IN_USE.code(),
-            Self::SuperuserRequired { .. } => SqlState::INSUFFICIENT_PRIVILEGE.code(),
+            Self::SuperuserRequired { .. }
+            | Self::NotTableOwner { .. }
+            | Self::TableCodeNotTrusted { .. } => SqlState::INSUFFICIENT_PRIVILEGE.code(),
             Self::BarrierUntracked { .. } => pg_code::INSUFFICIENT_RESOURCES.code(),
             Self::NodeNameUnset => pg_code::CONFIG_FILE_ERROR.code(),
             Self::NodeVanished { .. }

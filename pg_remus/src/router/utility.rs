@@ -1,6 +1,7 @@
 //! Utility statements on distributed tables: COPY FROM is routed row by row, TRUNCATE goes to
 //! every shard, and statements that would silently act on the empty shell or make shells and
-//! shards diverge are refused with 0A000.
+//! shards diverge are refused with 0A000, as is turning row-level security on (ENABLE / FORCE
+//! ROW LEVEL SECURITY, CREATE / ALTER POLICY), which the shards would not enforce.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -150,11 +151,37 @@ pub(crate) unsafe fn intercept(
             pg_sys::NodeTag::T_AlterTableStmt => {
                 let a = stmt as *mut pg_sys::AlterTableStmt;
                 if let Some(d) = shell_of((*a).relation)? {
+                    for cmd in list_ptrs::<pg_sys::AlterTableCmd>((*a).cmds) {
+                        let what = match (*cmd).subtype {
+                            pg_sys::AlterTableType::AT_EnableRowSecurity => {
+                                "ALTER TABLE … ENABLE ROW LEVEL SECURITY"
+                            }
+                            pg_sys::AlterTableType::AT_ForceRowSecurity => {
+                                "ALTER TABLE … FORCE ROW LEVEL SECURITY"
+                            }
+                            _ => continue,
+                        };
+                        return Err(row_security_refused(what, &d));
+                    }
                     return Err(RemusError::AlterDistributedTable {
                         table: d.qualified_name.to_string(),
                     });
                 }
                 Ok(false)
+            }
+            pg_sys::NodeTag::T_CreatePolicyStmt => {
+                let p = stmt as *mut pg_sys::CreatePolicyStmt;
+                match shell_of((*p).table)? {
+                    Some(d) => Err(row_security_refused("CREATE POLICY", &d)),
+                    None => Ok(false),
+                }
+            }
+            pg_sys::NodeTag::T_AlterPolicyStmt => {
+                let p = stmt as *mut pg_sys::AlterPolicyStmt;
+                match shell_of((*p).table)? {
+                    Some(d) => Err(row_security_refused("ALTER POLICY", &d)),
+                    None => Ok(false),
+                }
             }
             pg_sys::NodeTag::T_DropStmt => {
                 let d = stmt as *mut pg_sys::DropStmt;
@@ -172,6 +199,21 @@ pub(crate) unsafe fn intercept(
             }
             _ => Ok(false),
         }
+    }
+}
+
+/// Row-level security on a distributed or reference table is refused until it is propagated to
+/// the shards (issue 18): the router reads and writes the shard tables, where the shell's
+/// policies would not apply. Dropping a policy, or disabling row security, loses nothing.
+fn row_security_refused(what: &'static str, table: &DistTable) -> RemusError {
+    RemusError::RowSecurityOnDistributed {
+        what,
+        kind: if table.kind == 'r' {
+            "reference"
+        } else {
+            "distributed"
+        },
+        table: table.qualified_name.to_string(),
     }
 }
 
