@@ -49,6 +49,10 @@ unsafe extern "C-unwind" fn process_utility(
             Ok(false) => {}
             Err(e) => e.raise(),
         }
+        let grant = match crate::router::grant::to_propagate(pstmt, query_string) {
+            Ok(g) => g,
+            Err(e) => e.raise(),
+        };
         let finishing = dual::finishing_prepared(pstmt);
         match PREV_UTILITY {
             Some(prev) => prev(
@@ -71,6 +75,11 @@ unsafe extern "C-unwind" fn process_utility(
                 dest,
                 qc,
             ),
+        }
+        if let Some(sql) = grant {
+            if let Err(e) = crate::router::grant::propagate(&sql) {
+                e.raise();
+            }
         }
         if let Some((xid, commit)) = finishing {
             dual::prepared_finished(xid, commit);

@@ -36,7 +36,8 @@
 //!   and combined.
 //! - [`execute`]: running one marked statement where its shard lives; [`deparse`]: the text
 //!   sent there.
-//! - [`utility`]: COPY FROM, TRUNCATE and the refused utility statements.
+//! - [`utility`]: COPY FROM, TRUNCATE and the refused utility statements; [`grant`]: GRANT and
+//!   REVOKE on distributed tables, on every node.
 //! - [`ownership`]: the RM001 check of statements on shard tables; [`privileges`]: the shell's
 //!   privileges checked for a plan on shard tables.
 
@@ -44,6 +45,7 @@ pub(crate) mod colocated;
 pub(crate) mod deparse;
 pub(crate) mod execute;
 pub(crate) mod fanout;
+pub(crate) mod grant;
 pub(crate) mod key;
 pub(crate) mod local;
 pub(crate) mod marker;
