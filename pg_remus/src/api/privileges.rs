@@ -13,7 +13,9 @@
 //! - Nothing in schema `remus` can be executed by PUBLIC (its functions are the migration
 //!   machinery's and the conversions' internals; the machinery connects as a superuser), except
 //!   `remus.fanout`: the router's rewritten aggregate calls it as the calling role, which
-//!   cannot name it itself (no USAGE on `remus`).
+//!   cannot name it itself. Nobody but a superuser has USAGE on `remus`: `remus_admin` executes
+//!   the conversions' inner functions through SQL-standard bodies and `remus.list_migrations`
+//!   through its view, neither of which names the schema at run time.
 //! - Read-only: `remus_local_node`, `remus_shard_id_for` and `remus_shard_size` stay PUBLIC;
 //!   the views `remus_nodes`, `remus_shards` and `remus_migrations` are for `remus_admin`
 //!   (`remus_migrations` asks the coordinator on every read).
@@ -58,11 +60,11 @@ ALTER FUNCTION remus_recover_prepared() SECURITY DEFINER SET search_path = pg_ca
 -- Arbitrary SQL on another node: superusers only.
 REVOKE EXECUTE ON FUNCTION remus_run_on_node(text, text) FROM PUBLIC;
 
--- The internals. remus_admin reaches the two its conversions call (each checks that its
--- caller owns the table) and the one its view reads.
+-- The internals. remus_admin may execute the two its conversions call (each checks that its
+-- caller owns the table) and the one its view reads, without USAGE on the schema: it cannot
+-- name them (nor remus.fanout, which runs any SQL it is given on every node).
 REVOKE EXECUTE ON ALL ROUTINES IN SCHEMA remus FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION remus.fanout(regclass, text) TO PUBLIC;
-GRANT USAGE ON SCHEMA remus TO remus_admin;
 GRANT EXECUTE ON FUNCTION
     remus.create_distributed_table(oid, text, int, oid),
     remus.create_reference_table(oid),

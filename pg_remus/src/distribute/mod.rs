@@ -517,21 +517,27 @@ COMMENT ON FUNCTION remus_shard_id_for(regclass, anyelement) IS 'The shard a sha
     }
 }
 
+// SQL-standard bodies (BEGIN ATOMIC): parsed here, so a call names nothing in schema `remus` at
+// run time, and its callers need EXECUTE on the function there but no USAGE on the schema
+// (decision 0016: nobody but a superuser can name `remus`'s internals).
 pgrx::extension_sql!(
     r#"
 CREATE FUNCTION remus_create_distributed_table(
     table_name regclass, shard_key text, shard_count int DEFAULT 32, colocate_with regclass DEFAULT NULL)
-RETURNS void LANGUAGE sql VOLATILE AS $$
-    SELECT remus.create_distributed_table(table_name::oid, shard_key, shard_count, colocate_with::oid)
-$$;
+RETURNS void LANGUAGE sql VOLATILE
+BEGIN ATOMIC
+    SELECT remus.create_distributed_table(table_name::oid, shard_key, shard_count, colocate_with::oid);
+END;
 COMMENT ON FUNCTION remus_create_distributed_table(regclass, text, int, regclass) IS
     'Hash-shard a table over all nodes (atomic across nodes; existing rows move into the shards)';
 
 CREATE FUNCTION remus_create_reference_table(table_name regclass) RETURNS void
-LANGUAGE sql VOLATILE AS $$ SELECT remus.create_reference_table(table_name::oid) $$;
+LANGUAGE sql VOLATILE
+BEGIN ATOMIC
+    SELECT remus.create_reference_table(table_name::oid);
+END;
 COMMENT ON FUNCTION remus_create_reference_table(regclass) IS
     'Copy a table to every node: reads are local, writes go to every node in one 2PC transaction';
-
 "#,
     name = "distribute_wrappers",
     requires = ["distribution_catalog", "remus_schema_fns"]
