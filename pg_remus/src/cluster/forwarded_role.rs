@@ -53,10 +53,7 @@ pub(crate) fn enter() {
     // function) nothing is to be done; an abort that undid the switch (a subtransaction's)
     // leaves none, and the next call switches again.
     let idle = unsafe {
-        raw.is_null()
-            || *raw == 0
-            || !pg_sys::IsTransactionState()
-            || pg_sys::InLocalUserIdChange()
+        raw.is_null() || *raw == 0 || !pg_sys::IsTransactionState() || pg_sys::InLocalUserIdChange()
     };
     if idle {
         return;
