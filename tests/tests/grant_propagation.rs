@@ -1,5 +1,6 @@
 //! GRANT and REVOKE on distributed and reference tables take effect on every node or on none
-//! (issue 18 item 3; `pg_remus/src/router/grant.rs`).
+//! (issue 18 item 3; `pg_remus/src/router/grant.rs`), and a table's grants follow it when it is
+//! distributed (`pg_remus/src/distribute/mod.rs`, `shell_ddl`).
 
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
@@ -97,4 +98,38 @@ fn grant_and_revoke_reach_every_node_or_none() {
     // A local table alone is PostgreSQL's business.
     n1.batch_execute("GRANT SELECT ON local_only TO app")
         .unwrap();
+
+    // Grants made before a table is distributed (table and column privileges, PUBLIC, grant
+    // option) are on every node's shell after it.
+    n1.batch_execute(
+        "CREATE TABLE early (id int PRIMARY KEY, secret text, note text);
+         GRANT SELECT ON early TO app WITH GRANT OPTION;
+         GRANT UPDATE (note) ON early TO app;
+         GRANT INSERT ON early TO PUBLIC;
+         SELECT remus_create_distributed_table('early', 'id', 4);",
+    )
+    .unwrap();
+    let a = acls(&c, "early");
+    assert!(a[0].contains("app=r*/") && a[0].contains("=a/"), "{}", a[0]);
+    assert!(a.iter().all(|x| *x == a[0]), "{a:?}");
+    let column_acls: Vec<String> = c
+        .node_names()
+        .iter()
+        .map(|n| {
+            c.connect(n)
+                .unwrap()
+                .query_one(
+                    "SELECT string_agg(attname || coalesce(attacl::text, ''), ' ' ORDER BY attnum)
+                       FROM pg_attribute WHERE attrelid = 'early'::regclass AND attnum > 0",
+                    &[],
+                )
+                .unwrap()
+                .get(0)
+        })
+        .collect();
+    assert!(column_acls[0].contains("note{app=w/"), "{}", column_acls[0]);
+    assert!(
+        column_acls.iter().all(|x| *x == column_acls[0]),
+        "{column_acls:?}"
+    );
 }

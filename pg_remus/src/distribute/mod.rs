@@ -36,7 +36,9 @@ const MAX_SHARD_COUNT: i32 = 4096;
 /// for shells on other nodes (which run it as the node user: without the owner, the shells
 /// there would be the node user's, and the table's owner could not use them). Deparsed with
 /// search_path = pg_catalog so every name is schema-qualified. The owner role must exist on
-/// every node (roles are per PostgreSQL cluster); grants are not copied.
+/// every node (roles are per PostgreSQL cluster), and so must every role the table's grants
+/// name: they are copied (table and column privileges), so that a role granted access before the
+/// conversion keeps it through every node.
 fn shell_ddl(
     client: &mut SpiClient<'_>,
     relid: pg_sys::Oid,
@@ -100,6 +102,33 @@ fn shell_ddl(
         .first()
         .get::<String>(1)?
         .unwrap_or_default();
+    // The grants, as the owner made them (the node user runs these: PostgreSQL records a
+    // superuser's grant as the owner's). Privileges the owner holds are implicit.
+    let grants = client
+        .select(
+            "SELECT format('GRANT %s ON %s TO %s%s', a.privilege_type, $2,
+                           CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                                ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                           CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
+               FROM pg_class c
+               CROSS JOIN LATERAL aclexplode(c.relacl) a
+              WHERE c.oid = $1 AND a.grantee <> c.relowner
+             UNION ALL
+             SELECT format('GRANT %s (%s) ON %s TO %s%s', a.privilege_type,
+                           quote_ident(col.attname), $2,
+                           CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                                ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                           CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
+               FROM pg_class c
+               JOIN pg_attribute col ON col.attrelid = c.oid AND col.attnum > 0
+                                    AND NOT col.attisdropped AND col.attacl IS NOT NULL
+               CROSS JOIN LATERAL aclexplode(col.attacl) a
+              WHERE c.oid = $1 AND a.grantee <> c.relowner",
+            None,
+            &[relid.into(), qualified.into()],
+        )?
+        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
+        .collect::<Result<Vec<_>, _>>()?;
     client.update(
         "SELECT set_config('search_path', $1, true)",
         None,
@@ -111,6 +140,10 @@ fn shell_ddl(
         ddl.push_str(";\n");
     }
     ddl.push_str(&format!("ALTER TABLE {qualified} OWNER TO {owner};\n"));
+    for g in grants {
+        ddl.push_str(&g);
+        ddl.push_str(";\n");
+    }
     Ok(ddl)
 }
 
