@@ -5,5 +5,6 @@ pub mod consistency;
 pub mod migrations;
 pub mod pgbench;
 pub mod protocol;
+pub mod roles;
 pub mod shards;
 pub mod tpcc;

@@ -35,3 +35,42 @@ pub fn owners_everywhere(c: &TestCluster, shard: i64) -> Vec<String> {
         })
         .collect()
 }
+
+/// Moves every shard `from` owns to `to`: one migration per table of `anchors`, each moving the
+/// shards of that table `from` owns and every shard co-located with them. Checks that each
+/// anchor had shards on `from` and that `from` owns no shard after.
+pub fn move_every_shard(c: &TestCluster, from: &str, to: &str, anchors: &[&str]) {
+    let mut db = c.connect(to).unwrap();
+    for table in anchors {
+        let shards: Vec<i64> = shards_of(&mut db, table)
+            .into_iter()
+            .filter(|(_, owner)| owner == from)
+            .map(|(shard, _)| shard)
+            .collect();
+        assert!(
+            !shards.is_empty(),
+            "{from} owns shards of {table} before the move"
+        );
+        let status: String = db
+            .query_one(
+                "SELECT status FROM remus_migrate_shards($1, $2)",
+                &[&shards, &to],
+            )
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            status, "succeeded",
+            "moving {from}'s shards of {table} to {to}"
+        );
+    }
+    let left: i64 = c
+        .connect(from)
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM remus_shards WHERE node_name = $1",
+            &[&from],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "{from} owns no shard after the moves");
+}
