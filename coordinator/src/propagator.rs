@@ -1,6 +1,8 @@
 //! The source side of a running migration: streams the slot's pgoutput, assembles whole committed
-//! transactions and ships them to the replay worker over gRPC; feeds the replay worker's applied
-//! position back to the slot, so `confirmed_flush_lsn` means "committed on the target".
+//! transactions and ships them to the replay worker over gRPC; feeds the replay worker's durable
+//! position back to the slot, so `confirmed_flush_lsn` means "committed and flushed on the
+//! target" (catch-up shadows commit asynchronously, decision 0018). The applied position, ahead
+//! of it, is what the driver's waits (sync points, the barrier, the handover) compare.
 //!
 //! The replication client is blocking libpq, so the stream is read on a dedicated OS thread; it
 //! talks to the async side through a bounded channel (back-pressure: a slow target slows the
@@ -39,8 +41,12 @@ pub enum PropagatorError {
 /// Progress shared between the stream thread, the replay acknowledgements and the driver.
 #[derive(Debug, Default)]
 pub struct Progress {
-    /// Every source transaction ending at or before this LSN is committed on the target.
+    /// Every source transaction ending at or before this LSN is committed on the target (maybe
+    /// not yet flushed there): what the driver waits for.
     pub applied_lsn: AtomicU64,
+    /// Every source transaction ending at or before this LSN is committed and flushed on the
+    /// target: what the slot is confirmed to. At most `applied_lsn`.
+    pub durable_lsn: AtomicU64,
     pub txns_applied: AtomicU64,
     pub txns_shipped: AtomicU64,
     stop: AtomicBool,
@@ -51,6 +57,10 @@ pub struct Progress {
 impl Progress {
     pub fn applied(&self) -> Lsn {
         Lsn(self.applied_lsn.load(Ordering::Acquire))
+    }
+
+    pub fn durable(&self) -> Lsn {
+        Lsn(self.durable_lsn.load(Ordering::Acquire))
     }
 
     pub fn failure(&self) -> Option<String> {
@@ -108,6 +118,7 @@ impl Propagator {
             .into_inner();
         let progress = Arc::new(Progress::default());
         progress.applied_lsn.store(start.0, Ordering::Release);
+        progress.durable_lsn.store(start.0, Ordering::Release);
 
         let p = progress.clone();
         let ack_task = tokio::spawn(async move {
@@ -115,6 +126,7 @@ impl Propagator {
                 match acks.next().await {
                     Some(Ok(a)) => {
                         p.applied_lsn.fetch_max(a.applied_lsn, Ordering::AcqRel);
+                        p.durable_lsn.fetch_max(a.durable_lsn, Ordering::AcqRel);
                         p.txns_applied.store(a.txns_applied, Ordering::Release);
                     }
                     Some(Err(status)) => {
@@ -243,10 +255,14 @@ fn stream_loop(
     let mut confirmed = start;
     let result = (|| -> Result<(), PropagatorError> {
         while !progress.stop.load(Ordering::Acquire) {
-            let applied = progress.applied();
-            if applied > confirmed {
-                stream.send_feedback(applied, applied, applied)?;
-                confirmed = applied;
+            // Only what the target has flushed is confirmed (it becomes the slot's
+            // confirmed_flush_lsn): a target crash may lose asynchronously committed shadows
+            // past it, and the source must still have them.
+            let durable = progress.durable();
+            if durable > confirmed {
+                let applied = progress.applied().max(durable);
+                stream.send_feedback(applied, durable, applied)?;
+                confirmed = durable;
             }
             match stream.recv(Duration::from_millis(50))? {
                 None => {}

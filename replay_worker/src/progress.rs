@@ -1,11 +1,13 @@
-//! The applied position that is fed back to the source's replication slot.
+//! The applied position: what the sync barrier and validations wait for, and what the durable
+//! position fed back to the source's replication slot trails (`apply::durable`, decision 0018).
 //!
 //! Parallel replay commits shadow transactions out of source order, but the slot can only be told
 //! a single LSN, and everything before that LSN is then gone from the source's point of view. So
-//! the position reported must be the end of the longest *contiguous* prefix (in source commit
-//! order) of transactions that have all committed on the destination; reporting the end of a
-//! transaction that merely finished first would let the source discard WAL of earlier ones that
-//! are still running, and a crash at that moment would lose them.
+//! the position must be the end of the longest *contiguous* prefix (in source commit order) of
+//! transactions that have all committed on the destination; using the end of a transaction that
+//! merely finished first would let the source discard WAL of earlier ones that are still
+//! running, and a crash at that moment would lose them. Catch-up shadows commit asynchronously,
+//! so the slot is told this position only once the destination has flushed past it.
 //!
 //! The sync barrier of a migration needs to wait until everything up to a given source LSN is
 //! applied, from a different task than the apply loop; [`AppliedLsnWatcher`] publishes the
@@ -64,7 +66,7 @@ pub struct AppliedWatermark {
 }
 
 impl AppliedWatermark {
-    /// `start_lsn` is the position already durably applied, i.e. where streaming resumes.
+    /// `start_lsn` is the position already durably applied, i.e. where streaming starts.
     pub fn new(start_lsn: u64) -> Self {
         Self {
             pending: VecDeque::new(),
@@ -158,7 +160,8 @@ impl AppliedWatermark {
     }
 
     /// Forgets outstanding transactions (they will be streamed again from `applied_lsn`) and
-    /// allows seq numbering to start over. The applied position is kept: it is durable.
+    /// allows seq numbering to start over. The applied position is kept: its transactions are
+    /// committed.
     pub fn reset(&mut self) {
         self.pending.clear();
         self.last_seq = None;

@@ -2,9 +2,11 @@
 //!
 //! The call is the migration's lifetime on the destination. Its request stream carries `start`,
 //! then the source transactions in commit order, keepalive `idle_lsn`s and finally `finish`; the
-//! response stream carries the applied position, coalesced (at most one message per progress
-//! interval, and only when the applied position moved; the final one is always sent), so the coordinator can confirm the slot and run
-//! the sync barrier without a message per transaction.
+//! response stream carries the applied position and the durable position behind it (what the
+//! destination has flushed, decision 0018), coalesced (at most one message per progress
+//! interval, and only when one of them moved; the final one, durable = applied, is always
+//! sent), so the coordinator can confirm the slot (to the durable position) and run the sync
+//! barrier (on the applied one) without a message per transaction.
 //!
 //! How a call ends decides what happens to the migration's replication origins:
 //! - `finish`: everything is applied, the final progress is sent, the sessions are detached
@@ -59,9 +61,10 @@ pub fn status_of(e: &ApplyError) -> Status {
         ApplyError::Setup { .. } | ApplyError::Divergence { .. } => Code::FailedPrecondition,
         ApplyError::Malformed { .. } | ApplyError::Order(_) => Code::InvalidArgument,
         ApplyError::Failed(_) => Code::Aborted,
-        ApplyError::Statement { .. } | ApplyError::SessionLost(_) | ApplyError::Teardown(_) => {
-            Code::Internal
-        }
+        ApplyError::Statement { .. }
+        | ApplyError::SessionLost(_)
+        | ApplyError::Teardown(_)
+        | ApplyError::Flush(_) => Code::Internal,
     };
     Status::new(code, e.to_string())
 }
@@ -378,8 +381,11 @@ async fn run(
                 }
             }
             _ = tick.tick() => {
+                if let Err(e) = applier.check_durable() {
+                    break End::Failed(status_of(&e));
+                }
                 let now = applier.progress();
-                if now.applied_lsn != sent.applied_lsn {
+                if now.applied_lsn != sent.applied_lsn || now.durable_lsn != sent.durable_lsn {
                     if tx.send(Ok(now)).await.is_err() {
                         break End::Disconnected("response stream dropped".into());
                     }

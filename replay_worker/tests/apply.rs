@@ -250,6 +250,19 @@ async fn replayed_rows_carry_the_source_commit_time_and_origin() {
     )
     .await;
     assert_eq!(remote_lsn, "t", "the origin records the source commit LSN");
+    // Catch-up shadows commit asynchronously; the durable position follows the applied one
+    // once the flusher has flushed the destination, and never passes it.
+    assert!(applier.durable_lsn() <= applier.applied_lsn());
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    while applier.durable_lsn() < t1.end_lsn {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "durable position stuck at {:#X}",
+            applier.durable_lsn()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    applier.check_durable().unwrap();
 
     applier.submit(t2.clone()).await.unwrap();
     applier.drain().await.unwrap();
@@ -280,7 +293,8 @@ async fn replayed_rows_carry_the_source_commit_time_and_origin() {
         progress,
         ApplyProgress {
             applied_lsn: t2.end_lsn,
-            txns_applied: 2
+            txns_applied: 2,
+            durable_lsn: t2.end_lsn,
         }
     );
     assert_eq!(origin_names(&c).await, "", "finish drops the origins");
@@ -624,7 +638,8 @@ async fn grpc_apply_streams_progress_and_drops_origins_on_finish() {
         *last,
         ApplyProgress {
             applied_lsn: idle,
-            txns_applied: 121
+            txns_applied: 121,
+            durable_lsn: idle,
         }
     );
     assert_eq!(
@@ -633,8 +648,18 @@ async fn grpc_apply_streams_progress_and_drops_origins_on_finish() {
     );
     for w in progress[..progress.len() - 1].windows(2) {
         assert!(
-            w[0].applied_lsn < w[1].applied_lsn,
+            w[0].applied_lsn <= w[1].applied_lsn && w[0].durable_lsn <= w[1].durable_lsn,
+            "never backwards: {w:?}"
+        );
+        assert!(
+            w[0].applied_lsn < w[1].applied_lsn || w[0].durable_lsn < w[1].durable_lsn,
             "sent only when it advances: {w:?}"
+        );
+    }
+    for p in &progress {
+        assert!(
+            p.durable_lsn <= p.applied_lsn,
+            "durable ahead of applied: {p:?}"
         );
     }
     for w in progress.windows(2) {
@@ -837,7 +862,8 @@ async fn source_stream_replayed_through_the_service_reproduces_the_tables() {
         *progress.last().unwrap(),
         ApplyProgress {
             applied_lsn: last_end,
-            txns_applied: 9
+            txns_applied: 9,
+            durable_lsn: last_end,
         }
     );
 

@@ -1,5 +1,6 @@
 //! [`ShadowApplier`]: one migration's shadow transactions scheduled over parallel destination
-//! sessions, with the applied position they reach.
+//! sessions, with the applied position they reach and the durable position behind it (what
+//! the destination has flushed: [`super::durable`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use remus_proto::v1::{ApplyProgress, ShadowTxn};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn, Instrument};
 
+use super::durable::{flush_sql, DurableFlusher};
 use super::session::Session;
 use super::sql::{format_lsn, prepare, quote_literal, Prepared};
 use super::{pg_message, ApplyConfig, ApplyError};
@@ -38,6 +40,10 @@ pub struct ShadowApplier {
     /// An idle LSN received while transactions were outstanding.
     idle_lsn: Option<u64>,
     failed: Option<String>,
+    /// Flushes the destination behind the applied position.
+    flusher: DurableFlusher,
+    /// Set by [`finish`](Self::finish) once everything applied is flushed.
+    final_durable: Option<u64>,
 }
 
 impl std::fmt::Debug for ShadowApplier {
@@ -47,6 +53,7 @@ impl std::fmt::Debug for ShadowApplier {
             .field("idle_sessions", &self.idle_sessions.len())
             .field("running", &self.running.len())
             .field("applied_lsn", &self.watermark.applied_lsn())
+            .field("durable_lsn", &self.durable_lsn())
             .field("txns_applied", &self.txns_applied)
             .finish_non_exhaustive()
     }
@@ -69,9 +76,13 @@ impl ShadowApplier {
         );
         // Pop order = worker order, which keeps logs readable.
         sessions.reverse();
+        let watermark = AppliedWatermark::new(cfg.start_lsn);
+        let flusher = DurableFlusher::start(&cfg, watermark.watcher()).await?;
         Ok(ShadowApplier {
             scheduler: DependencyScheduler::new(parallelism * PENDING_PER_SESSION),
-            watermark: AppliedWatermark::new(cfg.start_lsn),
+            watermark,
+            flusher,
+            final_durable: None,
             cfg,
             idle_sessions: sessions,
             running: JoinSet::new(),
@@ -87,9 +98,20 @@ impl ShadowApplier {
         self.cfg.migration_id
     }
 
-    /// Every transaction submitted whose end LSN is at most this is committed on the destination.
+    /// Every transaction submitted whose end LSN is at most this is committed on the destination
+    /// (catch-up shadows asynchronously: visible there, not yet necessarily flushed). What the
+    /// sync barrier and validations wait for.
     pub fn applied_lsn(&self) -> u64 {
         self.watermark.applied_lsn()
+    }
+
+    /// Every transaction submitted whose end LSN is at most this is committed and flushed on the
+    /// destination: what the source's slot may be confirmed to. At most
+    /// [`applied_lsn`](Self::applied_lsn).
+    pub fn durable_lsn(&self) -> u64 {
+        self.final_durable
+            .unwrap_or_else(|| self.flusher.durable_lsn())
+            .min(self.applied_lsn())
     }
 
     /// Shadow transactions committed so far (empty transactions count as applied).
@@ -101,6 +123,7 @@ impl ShadowApplier {
         ApplyProgress {
             applied_lsn: self.applied_lsn(),
             txns_applied: self.txns_applied,
+            durable_lsn: self.durable_lsn(),
         }
     }
 
@@ -112,6 +135,15 @@ impl ShadowApplier {
     fn check_failed(&self) -> Result<(), ApplyError> {
         match &self.failed {
             Some(e) => Err(ApplyError::Failed(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// An error once the destination could not be flushed (the durable position would stop
+    /// while the applied one goes on): the call ends, as on any lost destination session.
+    pub fn check_durable(&self) -> Result<(), ApplyError> {
+        match self.flusher.failure() {
+            Some(message) => Err(ApplyError::Flush(message)),
             None => Ok(()),
         }
     }
@@ -259,11 +291,26 @@ impl ShadowApplier {
         Ok(())
     }
 
-    /// Applies everything outstanding, detaches the sessions from their origins and drops the
-    /// migration's origins. Returns the final progress.
+    /// Applies everything outstanding, flushes it on the destination, detaches the sessions
+    /// from their origins and drops the migration's origins. Returns the final progress
+    /// (durable = applied).
     pub async fn finish(mut self) -> Result<ApplyProgress, ApplyError> {
         self.drain().await?;
+        self.flusher.stop();
         let teardown = |e: tokio_postgres::Error| ApplyError::Teardown(pg_message(&e));
+        {
+            let first = self
+                .idle_sessions
+                .first()
+                .ok_or_else(|| ApplyError::Teardown("no apply session left".into()))?;
+            let applied = self.applied_lsn();
+            first
+                .client
+                .simple_query(&flush_sql(self.cfg.migration_id, self.cfg.parallelism))
+                .await
+                .map_err(|e| ApplyError::Flush(pg_message(&e)))?;
+            self.final_durable = Some(applied);
+        }
         for s in &self.idle_sessions {
             s.reset().await.map_err(teardown)?;
         }
@@ -299,6 +346,7 @@ impl ShadowApplier {
     /// are left in place; the coordinator drops `remus_m<id>_%` origins when it rolls the
     /// migration back.
     pub async fn abort(mut self) {
+        self.flusher.stop();
         self.running.abort_all();
         while let Some(joined) = self.running.join_next().await {
             if let Ok((session, _, _)) = joined {
@@ -313,6 +361,7 @@ impl ShadowApplier {
         info!(
             migration_id = self.cfg.migration_id,
             applied_lsn = %format_lsn(self.applied_lsn()),
+            durable_lsn = %format_lsn(self.durable_lsn()),
             "apply stopped; replication origins left for the coordinator to drop"
         );
     }

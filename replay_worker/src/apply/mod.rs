@@ -20,13 +20,16 @@
 //! [`DependencyScheduler`](crate::scheduler::DependencyScheduler) orders those that write a
 //! common row (keys are the relation name hash and the encoded key values) and TRUNCATE is a
 //! barrier; [`AppliedWatermark`](crate::progress::AppliedWatermark) turns out-of-order commits
-//! into the applied position reported to the source.
+//! into the applied position (what the sync barrier and validations wait for). Catch-up shadows
+//! commit asynchronously (`synchronous_commit = off`, as PostgreSQL's own apply worker does), so
+//! what is reported to the source's slot is the durable position behind it: the applied
+//! position as of the destination's last WAL flush (`durable`, decision 0018).
 
 //!
 //! The module is cut by concern: [`sql`] turns a shipped transaction into the SQL text of its
 //! round trip (quoting, key encoding, the guard), `session` runs it on one destination session
-//! bound to its origin, and `applier` ([`ShadowApplier`]) schedules transactions over the
-//! sessions and tracks the applied position.
+//! bound to its origin, `applier` ([`ShadowApplier`]) schedules transactions over the
+//! sessions and tracks the applied position, and `durable` flushes the destination behind it.
 
 use std::fmt::Write as _;
 
@@ -36,6 +39,7 @@ use thiserror::Error;
 use crate::progress::WatermarkError;
 
 mod applier;
+mod durable;
 mod session;
 pub(crate) mod sql;
 
@@ -115,6 +119,10 @@ pub enum ApplyError {
     SessionLost(String),
     #[error("finishing the apply sessions failed: {0}")]
     Teardown(String),
+    /// The destination could not be flushed: the durable position, which the source's slot is
+    /// confirmed to, cannot advance.
+    #[error("flushing the destination failed: {0}")]
+    Flush(String),
     #[error("the applier already failed: {0}")]
     Failed(String),
 }

@@ -136,9 +136,10 @@ impl Session {
                     message: pg_message(&e),
                 });
         }
-        // Statement indexes: 0 BEGIN, 1..=n changes, n+1 origin setup, n+2 COMMIT.
+        // Statement indexes: 0 BEGIN, 1..=n changes, n+1 origin setup, n+2 SET LOCAL
+        // synchronous_commit, n+3 COMMIT.
         let n = p.stmts.len();
-        let mut completes: Vec<u64> = Vec::with_capacity(n + 3);
+        let mut completes: Vec<u64> = Vec::with_capacity(n + 4);
         let mut bad_guard_row = None;
         let result: Result<(), tokio_postgres::Error> = async {
             let stream = self.client.simple_query_raw(&p.sql).await?;
@@ -169,7 +170,7 @@ impl Session {
             Ok(()) => {
                 // The guards make a wrong row count fail on the server, before COMMIT; this only
                 // catches a server that answered something else than what was sent.
-                let counts_ok = completes.len() == n + 3
+                let counts_ok = completes.len() == n + 4
                     && p.stmts
                         .iter()
                         .zip(&completes[1..=n])
@@ -217,6 +218,7 @@ impl Session {
                     Some(s) => format!("{} on {} with key ({})", s.op, s.table, s.key),
                     None if failed_at == 0 => "BEGIN".into(),
                     None if failed_at == n + 1 => "pg_replication_origin_xact_setup".into(),
+                    None if failed_at == n + 2 => "SET LOCAL synchronous_commit".into(),
                     None => "COMMIT".into(),
                 };
                 Err(ApplyError::Statement {

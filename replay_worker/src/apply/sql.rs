@@ -370,6 +370,12 @@ pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyErro
     })
 }
 
+/// The statement before a catch-up shadow's COMMIT: its commit does not wait for the WAL flush.
+pub(super) const ASYNC_COMMIT: &str = "SET LOCAL synchronous_commit = off";
+
+/// A shipped transaction as its round trip: `BEGIN`, the guarded changes, the origin setup
+/// (the source's commit LSN and time), [`ASYNC_COMMIT`], `COMMIT`. A transaction the source
+/// validated is its prepared shadow's COMMIT PREPARED instead (always flushed).
 pub(super) fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
     if !txn.shadow_gid.is_empty() {
         // Its changes are in the prepared shadow already; they still give its key set, so
@@ -402,10 +408,15 @@ pub(super) fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
         stmts.push(cs.info);
         keys.extend(cs.keys);
     }
+    // A catch-up shadow commits asynchronously, as PostgreSQL's own apply worker does: the
+    // slot is only confirmed up to what the destination has flushed since (decision 0018,
+    // `ShadowApplier`'s durable position), so a destination crash that loses the commit loses
+    // nothing the source has forgotten.
     let _ = write!(
         sql,
         "SELECT pg_catalog.pg_replication_origin_xact_setup('{}'::pg_catalog.pg_lsn, \
-         '2000-01-01 00:00:00+00'::timestamptz + interval '{} microseconds');\nCOMMIT",
+         '2000-01-01 00:00:00+00'::timestamptz + interval '{} microseconds');\n\
+         {ASYNC_COMMIT};\nCOMMIT",
         format_lsn(txn.commit_lsn),
         txn.commit_time_us
     );
@@ -516,7 +527,8 @@ mod tests {
             "SELECT pg_catalog.pg_replication_origin_xact_setup('1/10'::pg_catalog.pg_lsn, \
              '2000-01-01 00:00:00+00'::timestamptz + interval '123 microseconds')"
         ));
-        assert_eq!(lines[6], "COMMIT");
+        assert_eq!(lines[6], "SET LOCAL synchronous_commit = off;");
+        assert_eq!(lines[7], "COMMIT");
         assert!(!p.barrier);
         // Key 1 (insert, update, update-old) and key 2 (update-new, delete).
         let distinct: std::collections::BTreeSet<_> = p.keys.iter().collect();
