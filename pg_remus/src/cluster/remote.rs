@@ -55,7 +55,7 @@ pub struct RemoteConnection {
     prepared: HashMap<(String, Vec<u32>), CString>,
     /// The role the peer session runs this backend's statements as (`remus.forwarded_role`
     /// there, see `cluster::forwarded_role`); None: the node user it authenticated as.
-    role: Option<String>,
+    role: Option<pg_sys::Oid>,
 }
 
 /// Most statements kept prepared per connection; past it they are all deallocated.
@@ -306,10 +306,10 @@ impl RemoteConnection {
                 "a transaction whose statements on another node run as different roles (SET ROLE or a SECURITY DEFINER function after that node joined the transaction)",
             ));
         }
-        let sql = match &caller {
+        let sql = match caller {
             Some(role) => format!(
                 "SET remus.forwarded_role = {}",
-                crate::pg::sql::quote_literal(role)
+                crate::pg::sql::quote_literal(&role_name(role))
             ),
             None => "RESET remus.forwarded_role".to_string(),
         };
@@ -811,8 +811,8 @@ fn node_user() -> String {
 }
 
 /// The role a peer must run this statement's work as: None for the node user itself.
-fn caller_role() -> Option<String> {
+fn caller_role() -> Option<pg_sys::Oid> {
     // SAFETY: reads a backend global.
     let user = unsafe { pg_sys::GetUserId() };
-    (user != pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID)).then(|| role_name(user))
+    (user != pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID)).then_some(user)
 }

@@ -267,7 +267,7 @@ unsafe fn run_local(
         // Datums copied out of SPI memory must survive SPI_finish: copy them in the caller's context.
         let caller_cxt = pg_sys::CurrentMemoryContext;
         pg_sys::SPI_connect();
-        let _depth = LocalShard::enter();
+        let _depth = LocalShard::enter(c.as_ptr());
         let nulls: Vec<std::ffi::c_char> = params
             .nulls
             .iter()

@@ -1,10 +1,15 @@
 //! The `/*remus:shard=N*/` marker protocol, receiving side (the text format is
-//! `cluster::shard_marker`). A node honours the marker only in a session opened by another node
-//! (`remus.forwarded`) or in its own nested local execution, by planning the statement against
-//! the local shard table (relid swap): the decision where a shard lives is made once, by the
-//! coordinating backend, and the executing node never routes again.
+//! `cluster::shard_marker`). A node honours the marker only on a statement another node sent
+//! (the top-level statement of a session opened by another node, `remus.forwarded`) or on the
+//! statement its own nested local execution runs, by planning the statement against the local
+//! shard table (relid swap): the decision where a shard lives is made once, by the coordinating
+//! backend, and the executing node never routes again. Never on a statement some code runs
+//! meanwhile (a function the statement calls, with a marker of its own): a marked statement
+//! skips the ownership check and has its shells' privileges checked by the plan that sent it
+//! (`router::privileges`).
 
 use std::cell::Cell;
+use std::ffi::c_char;
 
 use pgrx::pg_sys;
 
@@ -13,29 +18,43 @@ use crate::router::placement::{lock_local_shard, shard_at, shard_ids, shells_any
 use crate::router::privileges::{move_to_shell, Check};
 
 thread_local! {
-    /// Set while this backend runs a marked shard statement locally.
-    static LOCAL_SHARD_DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// The text of the marked shard statement this backend runs locally (nested execution), the
+    /// very pointer SPI plans and executes it with.
+    static LOCAL_STATEMENT: Cell<*const c_char> = const { Cell::new(std::ptr::null()) };
 }
 
-/// Does this session execute marked statements on its local shards?
-pub(crate) fn marker_honoured() -> bool {
-    crate::guc::FORWARDED.get() || LOCAL_SHARD_DEPTH.with(|d| d.get()) > 0
+/// The shard named by the marker of `query_string` (the text being planned or executed), if
+/// this backend honours it there: the top-level statement of a node-to-node session (the
+/// client's own query text, `debug_query_string`; a function's statements have texts of their
+/// own), or the statement of this backend's nested local execution.
+pub(crate) fn marked_shard(query_string: *const c_char) -> Option<i64> {
+    if query_string.is_null() {
+        return None;
+    }
+    // SAFETY: reads a backend global (the text of the client's current query, or NULL).
+    let top_level = query_string == unsafe { pg_sys::debug_query_string };
+    let honoured = (crate::guc::FORWARDED.get() && top_level)
+        || LOCAL_STATEMENT.with(|s| s.get()) == query_string;
+    if honoured {
+        crate::cluster::shard_marker::parse(query_string)
+    } else {
+        None
+    }
 }
 
-/// While alive, this backend runs a marked shard statement locally (nested execution honours
-/// the marker).
-pub(crate) struct LocalShard;
+/// While alive, this backend runs the marked shard statement `sql` locally (nested execution
+/// honours its marker, [`marked_shard`]).
+pub(crate) struct LocalShard(*const c_char);
 
 impl LocalShard {
-    pub(crate) fn enter() -> Self {
-        LOCAL_SHARD_DEPTH.with(|d| d.set(d.get() + 1));
-        LocalShard
+    pub(crate) fn enter(sql: *const c_char) -> Self {
+        LocalShard(LOCAL_STATEMENT.with(|s| s.replace(sql)))
     }
 }
 
 impl Drop for LocalShard {
     fn drop(&mut self) {
-        LOCAL_SHARD_DEPTH.with(|d| d.set(d.get() - 1));
+        LOCAL_STATEMENT.with(|s| s.set(self.0));
     }
 }
 
@@ -102,7 +121,7 @@ pub(crate) unsafe fn pin_to_local_shard(
                     node: crate::guc::node_name().unwrap_or_default(),
                 });
             };
-            move_to_shell(parse, *rte, Check::OnShell);
+            move_to_shell(parse, *rte, Check::Done);
             (**rte).relid = shard_relid;
         }
         Ok(())

@@ -665,8 +665,9 @@ unsafe fn build_stmt(
         (*stmt).hasReturning = !q.returningList.is_null();
         (*stmt).canSetTag = q.canSetTag;
         (*stmt).planTree = cscan as *mut pg_sys::Plan;
-        // Kept for permission checks on the shells; no relation of it is scanned here.
-        (*stmt).rtable = q.rtable;
+        // Kept for permission checks on the shells, at every level of the statement; no relation
+        // of it is scanned here.
+        (*stmt).rtable = super::privileges::range_table_for_checks(parse);
         // A change to a shell (distribution, DDL) invalidates cached plans of this statement.
         for relid in relids {
             (*stmt).relationOids = pg_sys::lappend_oid((*stmt).relationOids, *relid);

@@ -81,8 +81,7 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
             crate::migration::handover::restart::check_write(&shards)?;
         }
         if crate::router::local::decided()
-            || (crate::router::marker::marker_honoured()
-                && crate::cluster::shard_marker::parse((*query_desc).sourceText).is_some())
+            || crate::router::marker::marked_shard((*query_desc).sourceText).is_some()
         {
             return Ok(());
         }

@@ -6,11 +6,10 @@
 
 use pgrx::pg_sys;
 
-use crate::cluster::shard_marker;
 use crate::error::RemusError;
 use crate::pg::extension::extension_present;
 use crate::router::local::PlanContext;
-use crate::router::marker::{marker_honoured, pin_to_local_shard};
+use crate::router::marker::{marked_shard, pin_to_local_shard};
 use crate::router::placement::{shells_anywhere, shells_in};
 use crate::router::{colocated, fanout, modify};
 
@@ -33,11 +32,9 @@ pub(crate) unsafe fn route(
         {
             return Ok(None);
         }
-        if marker_honoured() {
-            if let Some(shard_id) = shard_marker::parse(query_string) {
-                pin_to_local_shard(parse, shard_id)?;
-                return Ok(None);
-            }
+        if let Some(shard_id) = marked_shard(query_string) {
+            pin_to_local_shard(parse, shard_id)?;
+            return Ok(None);
         }
         let cmd = (*parse).commandType;
         if (*parse).hasModifyingCTE && !shells_anywhere(parse)?.is_empty() {

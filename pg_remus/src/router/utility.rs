@@ -89,14 +89,12 @@ pub(crate) unsafe fn intercept(
                 }
                 // A node's COPY into one of this node's shards (`flush`): rows into the
                 // shard table, privileges checked on the shell.
-                if super::marker::marker_honoured() {
-                    if let Some(shard_id) = crate::cluster::shard_marker::parse(query_string) {
-                        let n = copy_into_shard(&table, shard_id, (*copy).attlist, None)?;
-                        if !qc.is_null() {
-                            pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_COPY, n);
-                        }
-                        return Ok(true);
+                if let Some(shard_id) = super::marker::marked_shard(query_string) {
+                    let n = copy_into_shard(&table, shard_id, (*copy).attlist, None)?;
+                    if !qc.is_null() {
+                        pg_sys::SetQueryCompletion(qc, pg_sys::CommandTag::CMDTAG_COPY, n);
                     }
+                    return Ok(true);
                 }
                 let n = copy_from(copy, &table, query_string)?;
                 if !qc.is_null() {
@@ -125,9 +123,7 @@ pub(crate) unsafe fn intercept(
                     check_truncate_on_shell(d);
                 }
                 // A node's TRUNCATE of one of this node's shards (below).
-                let marked = super::marker::marker_honoured()
-                    .then(|| crate::cluster::shard_marker::parse(query_string))
-                    .flatten();
+                let marked = super::marker::marked_shard(query_string);
                 match (marked, &shells[..]) {
                     (Some(shard_id), [d]) => truncate_local_shard(d, shard_id)?,
                     (Some(_), _) => {
