@@ -26,20 +26,31 @@ thread_local! {
 /// The shard named by the marker of `query_string` (the text being planned or executed), if
 /// this backend honours it there: the top-level statement of a node-to-node session (the
 /// client's own query text, `debug_query_string`; a function's statements have texts of their
-/// own), or the statement of this backend's nested local execution.
+/// own), or the statement of this backend's nested local execution. Compared by content: the
+/// protocol copies the text (a portal's copy of a prepared statement's, started at Bind); a
+/// statement that some code runs with the very same text is the same statement, whose shells
+/// the sending plan checked.
 pub(crate) fn marked_shard(query_string: *const c_char) -> Option<i64> {
     if query_string.is_null() {
         return None;
     }
     // SAFETY: reads a backend global (the text of the client's current query, or NULL).
-    let top_level = query_string == unsafe { pg_sys::debug_query_string };
+    let top_level = same_text(query_string, unsafe { pg_sys::debug_query_string });
     let honoured = (crate::guc::FORWARDED.get() && top_level)
-        || LOCAL_STATEMENT.with(|s| s.get()) == query_string;
+        || same_text(query_string, LOCAL_STATEMENT.with(|s| s.get()));
     if honoured {
         crate::cluster::shard_marker::parse(query_string)
     } else {
         None
     }
+}
+
+/// Are `a` (not NULL) and `b` the same NUL-terminated text?
+fn same_text(a: *const c_char, b: *const c_char) -> bool {
+    // SAFETY: both are NULL or NUL-terminated strings PostgreSQL (or this backend's nested
+    // execution) keeps alive while the statement runs.
+    a == b
+        || (!b.is_null() && unsafe { std::ffi::CStr::from_ptr(a) == std::ffi::CStr::from_ptr(b) })
 }
 
 /// While alive, this backend runs the marked shard statement `sql` locally (nested execution
