@@ -3,7 +3,7 @@
 //!
 //! - [`list`]: walking `List`s and checking node tags.
 //! - [`datum`]: datums to and from text, copying them between memory contexts.
-//! - [`spi`]: read-only catalog queries.
+//! - [`spi`]: the extension's own catalog queries, run as its owner.
 //! - [`sql`]: quoting for SQL text sent to this or another node.
 //! - [`extension`]: is pg_remus created in this database?
 //! - [`latch`]: the interruptible sleep of every wait loop.
