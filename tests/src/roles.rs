@@ -42,6 +42,16 @@ pub fn connect_as(
     node: &str,
     role: &Role,
 ) -> Result<postgres::Client, postgres::Error> {
+    connect_with_options(c, node, role, None)
+}
+
+/// [`connect_as`] with startup options `options` (`-c name=value …`).
+pub fn connect_with_options(
+    c: &TestCluster,
+    node: &str,
+    role: &Role,
+    options: Option<&str>,
+) -> Result<postgres::Client, postgres::Error> {
     let state = c.state().unwrap();
     let n = state.node(node).unwrap();
     let mut config = postgres::Config::new();
@@ -52,6 +62,9 @@ pub fn connect_as(
         .password(&role.password)
         .dbname("postgres")
         .connect_timeout(std::time::Duration::from_secs(10));
+    if let Some(options) = options {
+        config.options(options);
+    }
     config.connect(postgres::NoTls)
 }
 

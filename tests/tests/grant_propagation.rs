@@ -2,6 +2,7 @@
 //! (issue 18 item 3; `pg_remus/src/router/grant.rs`), and a table's grants follow it when it is
 //! distributed (`pg_remus/src/distribute/mod.rs`, `shell_ddl`).
 
+use integration::pgbench::prepared_everywhere;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
@@ -20,19 +21,6 @@ fn acls(c: &TestCluster, table: &str) -> Vec<String> {
                 .get(0)
         })
         .collect()
-}
-
-fn prepared_anywhere(c: &TestCluster) -> i64 {
-    c.node_names()
-        .iter()
-        .map(|n| {
-            c.connect(n)
-                .unwrap()
-                .query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
-                .unwrap()
-                .get::<_, i64>(0)
-        })
-        .sum()
 }
 
 #[test]
@@ -84,7 +72,7 @@ fn grant_and_revoke_reach_every_node_or_none() {
         .unwrap_err();
     assert_eq!(sqlstate(&e), "42704", "{e:?}");
     assert!(acls(&c, "acct").iter().all(|x| *x == a[0]));
-    assert_eq!(prepared_anywhere(&c), 0);
+    assert_eq!(prepared_everywhere(&c), 0);
 
     // What would act on distributed tables on one node only is refused.
     for sql in [

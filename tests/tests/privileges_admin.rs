@@ -27,35 +27,17 @@
 //!   nothing changed on any node; DROP POLICY still works, and a table distributes once its
 //!   row-level security is disabled.
 
+use integration::roles::{connect_with_options, Role};
 use postgres::Client;
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::sqlstate;
 
-/// A login role and its password.
-struct Role {
-    name: String,
-    password: String,
-}
-
 fn app() -> Role {
-    Role {
-        name: "app".into(),
-        password: "app-Pw-41d7".into(),
-    }
+    Role::new("app", "app-Pw-41d7")
 }
 
 fn ops() -> Role {
-    Role {
-        name: "ops".into(),
-        password: "ops-Pw-93b2".into(),
-    }
-}
-
-fn superuser(c: &TestCluster) -> Role {
-    Role {
-        name: "postgres".into(),
-        password: c.password().unwrap(),
-    }
+    Role::new("ops", "ops-Pw-93b2")
 }
 
 /// Creates `app` and `ops` on every node.
@@ -72,28 +54,6 @@ fn create_roles(c: &TestCluster) {
             ))
             .unwrap();
     }
-}
-
-/// A connection to `node` as `role`, over TCP, with startup options `options` (`-c name=value`).
-fn connect_as(
-    c: &TestCluster,
-    node: &str,
-    role: &Role,
-    options: Option<&str>,
-) -> Result<Client, postgres::Error> {
-    let state = c.state().unwrap();
-    let n = state.node(node).unwrap();
-    let mut config = postgres::Config::new();
-    config
-        .host(&n.host)
-        .port(n.port)
-        .user(&role.name)
-        .password(&role.password)
-        .dbname("postgres");
-    if let Some(options) = options {
-        config.options(options);
-    }
-    config.connect(postgres::NoTls)
 }
 
 /// "ok", or the SQLSTATE `sql` failed with.
@@ -152,7 +112,7 @@ fn a_session_cannot_change_the_nodes_settings() {
     assert_eq!(before[1], "off");
     assert_eq!(before[2], "off");
 
-    let mut a = connect_as(&c, "n1", &app(), None).unwrap();
+    let mut a = connect_with_options(&c, "n1", &app(), None).unwrap();
     let mut cases = Vec::new();
     for (name, value, code) in SETTINGS {
         cases.push((format!("SET {name} = '{value}'"), code));
@@ -174,7 +134,7 @@ fn a_session_cannot_change_the_nodes_settings() {
 
     // In the startup options: the connection itself is refused.
     for (name, value, code) in SETTINGS {
-        let r = connect_as(&c, "n2", &app(), Some(&format!("-c {name}={value}")));
+        let r = connect_with_options(&c, "n2", &app(), Some(&format!("-c {name}={value}")));
         match r {
             Ok(_) => panic!("app connected with -c {name}={value}"),
             Err(e) => assert_eq!(sqlstate(&e), code, "-c {name}={value}: {e}"),
@@ -182,10 +142,10 @@ fn a_session_cannot_change_the_nodes_settings() {
     }
     // The cluster's own sessions still set what they need: a superuser the SUSET ones (as
     // node-to-node connections and the migration machinery do, in startup options too).
-    let mut node_session = connect_as(
+    let mut node_session = connect_with_options(
         &c,
         "n2",
-        &superuser(&c),
+        &Role::superuser(&c),
         Some("-c remus.forwarded=on -c remus.migration_session=on"),
     )
     .unwrap();
@@ -238,7 +198,7 @@ fn an_application_role_gets_42501_from_every_admin_function() {
     };
     let before = state(&mut su);
 
-    let mut a = connect_as(&c, "n1", &app(), None).unwrap();
+    let mut a = connect_with_options(&c, "n1", &app(), None).unwrap();
     let cases: Vec<(String, &str)> = [
         "SELECT remus_create_distributed_table('mine', 'id')".to_string(),
         "SELECT remus_create_reference_table('mine')".into(),
@@ -322,7 +282,7 @@ fn a_remus_admin_member_administers_the_cluster() {
     let c = TestCluster::start(2).expect("cluster up");
     create_roles(&c);
     let mut su = c.connect("n1").unwrap();
-    let mut o = connect_as(&c, "n1", &ops(), None).unwrap();
+    let mut o = connect_with_options(&c, "n1", &ops(), None).unwrap();
     assert!(!one::<bool>(
         &mut o,
         "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
@@ -455,7 +415,7 @@ fn a_remus_admin_member_administers_the_cluster() {
         "nothing else distributed"
     );
     // The superuser may (the function must exist on every node, as the shells' CHECK names it).
-    connect_as(&c, "n2", &ops(), None)
+    connect_with_options(&c, "n2", &ops(), None)
         .unwrap()
         .batch_execute(
             "CREATE FUNCTION ops_positive(int) RETURNS bool LANGUAGE sql IMMUTABLE AS 'SELECT $1 >= 0'",
