@@ -623,7 +623,9 @@ unsafe fn check_insert_on_shell(rel: pg_sys::Relation, attlist: *mut pg_sys::Lis
 }
 
 /// COPY into this node's shard `shard_id` of `table`: from `source` (rows in memory), or from
-/// the client (a node streaming a shard's rows, `flush`). INSERT on the shell is checked first.
+/// the client (a node streaming a shard's rows, `flush`). The node the COPY entered checked
+/// INSERT on the shell for the columns the user named (`check_copy_from`), once; the shard's
+/// rows carry every column, for which the user may hold no column privilege.
 unsafe fn copy_into_shard(
     table: &DistTable,
     shard_id: i64,
@@ -642,13 +644,10 @@ unsafe fn copy_into_shard(
                 node: crate::guc::node_name().unwrap_or_default(),
             });
         }
-        let shell = pg_sys::table_open(table.relid, pg_sys::AccessShareLock as i32);
-        check_insert_on_shell(shell, attlist);
-        pg_sys::table_close(shell, pg_sys::NoLock as i32);
         let rel = pg_sys::table_open(shard_relid, pg_sys::RowExclusiveLock as i32);
         let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
         // CopyFrom finds its target through the parse state's range table, as for a COPY
-        // command; the permission check was the shell's, above.
+        // command; the permission check was the shell's, where the COPY entered.
         pg_sys::addRangeTableEntryForRelation(
             pstate,
             rel,
