@@ -53,8 +53,31 @@ stop_remus_servers() {
     done
 }
 
+# Builds and installs pg_remus: the library, the control file and this version's generated
+# install script (cargo pgrx install, which also copies the upgrade scripts
+# pg_remus/sql/pg_remus--<from>--<to>.sql), plus the install scripts of earlier releases kept in
+# pg_remus/sql/pg_remus--<version>.sql (cargo pgrx copies only upgrade scripts), so that
+# `CREATE EXTENSION pg_remus VERSION '<earlier>'` works: the upgrade check creates a previous
+# release's catalog with the new library and updates it (decision 0020).
 install_extension() {
     stop_remus_servers
     log "installing pg_remus into $("$PG_CONFIG" --pkglibdir)"
     (cd "$REPO_ROOT/pg_remus" && cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null)
+    install_previous_release_scripts "$("$PG_CONFIG" --sharedir)/extension"
+}
+
+# Copies pg_remus/sql/pg_remus--<version>.sql (earlier releases' whole install scripts) into
+# extension directory $1; the current version's script is the one cargo pgrx generated.
+install_previous_release_scripts() {
+    local extdir=$1 f name current
+    current=$(sed -n 's/^version = "\(.*\)"/\1/p' "$REPO_ROOT/Cargo.toml" | head -n1)
+    for f in "$REPO_ROOT"/pg_remus/sql/pg_remus--*.sql; do
+        [ -e "$f" ] || continue
+        name=$(basename "$f")
+        case "$name" in
+            pg_remus--*--*.sql) continue ;;  # an upgrade script: cargo pgrx installed it
+            "pg_remus--$current.sql") die "$name: the current version's script is generated, not kept" ;;
+        esac
+        install -m 644 "$f" "$extdir/$name"
+    done
 }

@@ -4,7 +4,12 @@ use remus_test_support::cluster::TestCluster;
 
 /// Rows of `table` (keyed by `key`) whose `balance` differs from the sum of their history
 /// deltas, plus history keys with no row: 0 when no committed write was lost or doubled.
-fn rows_off_their_history(db: &mut postgres::Client, table: &str, key: &str, balance: &str) -> i64 {
+pub fn rows_off_their_history(
+    db: &mut postgres::Client,
+    table: &str,
+    key: &str,
+    balance: &str,
+) -> i64 {
     let sql = format!(
         "SELECT count(*) FROM (SELECT {key}, {balance} AS b FROM {table}) t
            FULL JOIN (SELECT {key}, sum(delta) AS d FROM pgbench_history GROUP BY {key}) h
