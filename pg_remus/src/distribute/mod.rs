@@ -10,8 +10,9 @@
 
 //!
 //! [`validate`] checks that a table can be distributed; [`move_rows`](mod@move_rows) moves its
-//! existing rows; [`caller`] checks who asks (the table's owner) and runs the conversion with the
-//! cluster's rights.
+//! existing rows; [`sequences`] gives each node its own range of the table's sequences (created
+//! on the other nodes before their shells, whose defaults name them); [`caller`] checks who asks
+//! (the table's owner) and runs the conversion with the cluster's rights.
 
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
@@ -24,6 +25,7 @@ use crate::pg::sql::quote_literal;
 
 mod caller;
 mod move_rows;
+mod sequences;
 mod validate;
 
 use move_rows::{copy_escape, move_rows, ShardPlan};
@@ -302,15 +304,24 @@ fn create(
                     node: n.name.clone(),
                 });
             }
+            let slot = sequences::slot_of(&nodes, &n.name)?;
             let sql = format!(
-                "LOCK TABLE remus.shards IN EXCLUSIVE MODE;\n{shell}{}{catalog_sql}{}",
+                "LOCK TABLE remus.shards IN EXCLUSIVE MODE;\n{}{shell}{}{}{catalog_sql}{}",
+                sequences::before_shell(&info.sequences, slot),
+                sequences::after_shell(&info.sequences, &info.qualified),
                 guard_ddl(&info.qualified),
                 shard_ddl(&n.name)
             );
             crate::twophase::exec_in_transaction(n, &sql, true)?;
         }
-        // This node. Rows move before the local catalog says the table is distributed: from
+        // This node. Its sequences keep the values handed out so far (slot 0) and go on in
+        // its own range. Rows move before the local catalog says the table is distributed: from
         // then on the router reads its shards instead of the shell's heap.
+        if !info.sequences.is_empty() {
+            let restrict =
+                sequences::restrict_local(&info.sequences, sequences::slot_of(&nodes, &me)?);
+            client.update(&restrict, None, &[])?;
+        }
         let local_ddl = shard_ddl(&me);
         if !local_ddl.is_empty() {
             client.update(&local_ddl, None, &[])?;

@@ -13,6 +13,8 @@ pub(crate) struct TableInfo {
     pub(crate) key_type_name: String,
     /// Non-generated columns, quoted, in attnum order (what COPY and INSERT … SELECT carry).
     pub(crate) copy_columns: Vec<String>,
+    /// Columns whose default draws from a sequence (`distribute::sequences`).
+    pub(crate) sequences: Vec<super::sequences::SeqColumn>,
 }
 
 pub(crate) fn inspect(
@@ -127,18 +129,7 @@ pub(crate) fn inspect(
     if fks > 0 {
         return Err(RemusError::HasForeignKeys { table: qualified });
     }
-    let seq_defaults = client
-        .select(
-            "SELECT 1 FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped
-                AND (a.attidentity <> '' OR pg_get_expr(d.adbin, d.adrelid) LIKE '%nextval(%')",
-            Some(1),
-            &[relid.into()],
-        )?
-        .len();
-    if seq_defaults > 0 {
-        return Err(RemusError::HasSequenceColumns { table: qualified });
-    }
+    let sequences = super::sequences::inspect(client, relid, &qualified)?;
     let dropped = client
         .select(
             "SELECT 1 FROM pg_attribute WHERE attrelid = $1 AND attisdropped",
@@ -165,5 +156,6 @@ pub(crate) fn inspect(
         key_type,
         key_type_name,
         copy_columns,
+        sequences,
     })
 }

@@ -156,8 +156,25 @@ pub enum RemusError {
     NotOrdinaryPermanentTable { table: String },
     #[error("{table} has foreign keys; foreign keys on distributed tables are not supported")]
     HasForeignKeys { table: String },
-    #[error("{table} has identity or serial columns; each node would draw its own values, so they are not supported on distributed tables (use uuid defaults such as gen_random_uuid())")]
-    HasSequenceColumns { table: String },
+    /// A sequence default on a column that is not bigint (serial, smallserial, or a sequence
+    /// default on another type): its range cannot be split between the nodes.
+    #[error("column {column} of {table} takes its default from a sequence but is of type {type_name}; only bigint columns (bigserial) can draw cluster-unique values from every node (use bigserial, or bigint DEFAULT nextval(…) with a bigint sequence)")]
+    SequenceColumnNotBigint {
+        table: String,
+        column: String,
+        type_name: String,
+    },
+    /// Identity columns: `LIKE … INCLUDING ALL` gives every shard table a sequence of its own.
+    #[error("column {column} of {table} is an identity column, which is not supported on distributed tables (each shard table would get its own sequence); use bigserial or bigint DEFAULT nextval(…) instead")]
+    IdentityColumn { table: String, column: String },
+    /// A sequence default that cannot be given one disjoint range per node: `reason` says why.
+    #[error("column {column} of {table} takes its default from sequence {sequence}, which cannot be split between the nodes: {reason}")]
+    SequenceNotSplittable {
+        table: String,
+        column: String,
+        sequence: String,
+        reason: String,
+    },
     #[error("{table} has dropped columns; shards are planned with the shell's column numbers, so recreate the table (CREATE TABLE … AS) before distributing it")]
     HasDroppedColumns { table: String },
     /// [`Self::HasDroppedColumns`] for a reference table, which has no shard plans.
@@ -363,7 +380,9 @@ impl RemusError {
             | Self::NotPermanentTable { .. }
             | Self::NotOrdinaryPermanentTable { .. }
             | Self::HasForeignKeys { .. }
-            | Self::HasSequenceColumns { .. }
+            | Self::SequenceColumnNotBigint { .. }
+            | Self::IdentityColumn { .. }
+            | Self::SequenceNotSplittable { .. }
             | Self::HasDroppedColumns { .. }
             | Self::ReferenceHasDroppedColumns { .. }
             | Self::DistributeWithRowSecurity { .. }

@@ -1210,15 +1210,23 @@ unsafe fn targets(
 
         // INSERT: the key's target entry is either the value itself (one row) or a column of a
         // VALUES list (several rows), which is then split by shard.
-        let key_te = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
-            .into_iter()
-            .find(|te| (**te).resno == key_attno)
-            .ok_or_else(|| null_key(table))?;
+        let parts = |q: *mut pg_sys::Query| {
+            let key_te = list_ptrs::<pg_sys::TargetEntry>((*q).targetList)
+                .into_iter()
+                .find(|te| (**te).resno == key_attno)
+                .ok_or_else(|| null_key(table));
+            let values_rte = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)
+                .into_iter()
+                .enumerate()
+                .find(|(_, r)| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES);
+            key_te.map(|te| (te, values_rte))
+        };
+        // A key drawn from a sequence (its bigserial default) is drawn once, here, and the
+        // statement routed and sent with the value (decision 0019).
+        let (key_te, values_rte) = parts(query)?;
+        let query = with_key_drawn(query, key_te, values_rte, ps);
+        let (key_te, values_rte) = parts(query)?;
         let expr = (*key_te).expr as *mut pg_sys::Node;
-        let values_rte = list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)
-            .into_iter()
-            .enumerate()
-            .find(|(_, r)| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES);
         let stripped = fence::strip(expr);
         match values_rte {
             None => {
@@ -1301,7 +1309,16 @@ unsafe fn targets(
                             kept = pg_sys::lappend(kept, te as *mut std::ffi::c_void);
                         }
                     }
-                    (*q).targetList = kept;
+                    // In the VALUES list's column order, which is the order ruleutils prints the
+                    // values in (a key drawn here is the list's last column).
+                    let mut kept = list_ptrs::<pg_sys::TargetEntry>(kept);
+                    kept.sort_by_key(|te| {
+                        (*(fence::strip((**te).expr as *mut pg_sys::Node) as *mut pg_sys::Var))
+                            .varattno
+                    });
+                    (*q).targetList = kept.into_iter().fold(std::ptr::null_mut(), |l, te| {
+                        pg_sys::lappend(l, te as *mut std::ffi::c_void)
+                    });
                     out.push(ShardWork {
                         placement,
                         query: q,
@@ -1309,6 +1326,165 @@ unsafe fn targets(
                     });
                 }
                 Ok(out)
+            }
+        }
+    }
+}
+
+/// Is `node` `nextval(<constant>)`, a sequence default (possibly behind a relabeling)?
+///
+/// # Safety
+/// `node` must be NULL or a valid expression node.
+unsafe fn is_nextval(node: *mut pg_sys::Node) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let node = fence::strip(node);
+        if !is_tag(node, pg_sys::NodeTag::T_FuncExpr) {
+            return false;
+        }
+        let f = node as *mut pg_sys::FuncExpr;
+        let args = list_ptrs::<pg_sys::Node>((*f).args);
+        (*f).funcid == pg_sys::Oid::from(pg_sys::F_NEXTVAL)
+            && args.len() == 1
+            && super::key::is_routable_value(args[0])
+    }
+}
+
+/// `expr` evaluated now, as a constant of its type (a by-value type: `nextval`'s bigint).
+///
+/// # Safety
+/// `expr` must be a valid expression of the executing statement; `ps` its live PlanState.
+unsafe fn drawn(expr: *mut pg_sys::Node, ps: *mut pg_sys::PlanState) -> *mut pg_sys::Node {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let (value, isnull, ty) = super::execute::eval_expr(expr as *mut pg_sys::Expr, ps);
+        let mut len = 0i16;
+        let mut byval = false;
+        pg_sys::get_typlenbyval(ty, &mut len, &mut byval);
+        pg_sys::makeConst(
+            ty,
+            pg_sys::exprTypmod(expr),
+            pg_sys::exprCollation(expr),
+            len as i32,
+            value,
+            isnull,
+            byval,
+        ) as *mut pg_sys::Node
+    }
+}
+
+/// An INSERT whose shard key is a sequence default (the key column omitted, or DEFAULT, or an
+/// explicit `nextval(…)`): a copy of `query` with each such key drawn once, on this node, as a
+/// constant; `query` itself otherwise (the plan's Query is never changed). One row: the key's
+/// target entry becomes the value. Several (VALUES): a cell that is the default becomes its
+/// value; a key omitted from the column list becomes a new last column of the VALUES list, one
+/// value per row, and the key's target entry a reference to it.
+///
+/// # Safety
+/// `query` must be the executing INSERT, `key_te` its key's target entry, `values` its VALUES
+/// range-table entry (0-based index) if any, and `ps` the statement's live PlanState.
+unsafe fn with_key_drawn(
+    query: *mut pg_sys::Query,
+    key_te: *mut pg_sys::TargetEntry,
+    values: Option<(usize, *mut pg_sys::RangeTblEntry)>,
+    ps: *mut pg_sys::PlanState,
+) -> *mut pg_sys::Query {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let expr = (*key_te).expr as *mut pg_sys::Node;
+        let resno = (*key_te).resno;
+        let copy_with = |edit: &dyn Fn(*mut pg_sys::Query)| {
+            let q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
+            edit(q);
+            q
+        };
+        let te_of = |q: *mut pg_sys::Query| {
+            list_ptrs::<pg_sys::TargetEntry>((*q).targetList)
+                .into_iter()
+                .find(|te| (**te).resno == resno)
+        };
+        match values {
+            None if is_nextval(expr) => {
+                let value = drawn(expr, ps);
+                copy_with(&|q| {
+                    if let Some(te) = te_of(q) {
+                        (*te).expr = value as *mut pg_sys::Expr;
+                    }
+                })
+            }
+            None => query,
+            Some((vidx, rte)) if is_nextval(expr) => {
+                // The key is not in the column list: one value per row, as a new column.
+                let rows = list_ptrs::<pg_sys::List>((*rte).values_lists);
+                let mut drawn_rows: *mut pg_sys::List = std::ptr::null_mut();
+                for row in &rows {
+                    let row = pg_sys::list_copy(*row);
+                    let row = pg_sys::lappend(row, drawn(expr, ps) as *mut std::ffi::c_void);
+                    drawn_rows = pg_sys::lappend(drawn_rows, row as *mut std::ffi::c_void);
+                }
+                let ncols = rows.first().map_or(0, |r| pg_sys::list_length(*r));
+                let ty = pg_sys::exprType(expr);
+                let typmod = pg_sys::exprTypmod(expr);
+                let coll = pg_sys::exprCollation(expr);
+                copy_with(&|q| {
+                    let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
+                    (*r).values_lists = drawn_rows;
+                    (*r).coltypes = pg_sys::lappend_oid((*r).coltypes, ty);
+                    (*r).coltypmods = pg_sys::lappend_int((*r).coltypmods, typmod);
+                    (*r).colcollations = pg_sys::lappend_oid((*r).colcollations, coll);
+                    if !(*r).eref.is_null() {
+                        (*(*r).eref).colnames = pg_sys::lappend(
+                            (*(*r).eref).colnames,
+                            pg_sys::makeString(pg_sys::pstrdup(c"remus_key".as_ptr()))
+                                as *mut std::ffi::c_void,
+                        );
+                    }
+                    if let Some(te) = te_of(q) {
+                        (*te).expr = pg_sys::makeVar(
+                            (vidx + 1) as i32,
+                            (ncols + 1) as i16,
+                            ty,
+                            typmod,
+                            coll,
+                            0,
+                        ) as *mut pg_sys::Expr;
+                    }
+                })
+            }
+            Some((vidx, rte)) => {
+                // DEFAULT in the key's column of some rows: each such cell drawn.
+                let stripped = fence::strip(expr);
+                if !is_tag(stripped, pg_sys::NodeTag::T_Var)
+                    || (*(stripped as *mut pg_sys::Var)).varno as usize != vidx + 1
+                {
+                    return query;
+                }
+                let col = (*(stripped as *mut pg_sys::Var)).varattno as usize - 1;
+                let rows = list_ptrs::<pg_sys::List>((*rte).values_lists);
+                if !rows.iter().any(|row| {
+                    list_ptrs::<pg_sys::Node>(*row)
+                        .get(col)
+                        .is_some_and(|c| is_nextval(*c))
+                }) {
+                    return query;
+                }
+                let mut drawn_rows: *mut pg_sys::List = std::ptr::null_mut();
+                for row in &rows {
+                    let mut cells: *mut pg_sys::List = std::ptr::null_mut();
+                    for (i, cell) in list_ptrs::<pg_sys::Node>(*row).into_iter().enumerate() {
+                        let cell = if i == col && is_nextval(cell) {
+                            drawn(cell, ps)
+                        } else {
+                            cell
+                        };
+                        cells = pg_sys::lappend(cells, cell as *mut std::ffi::c_void);
+                    }
+                    drawn_rows = pg_sys::lappend(drawn_rows, cells as *mut std::ffi::c_void);
+                }
+                copy_with(&|q| {
+                    let r = list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)[vidx];
+                    (*r).values_lists = drawn_rows;
+                })
             }
         }
     }

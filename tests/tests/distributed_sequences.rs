@@ -1,0 +1,458 @@
+//! Sequences on distributed tables (issue 18 item 4, decision 0019): a `bigserial` column of a
+//! distributed table draws cluster-unique values through any node; each node's copy of the
+//! sequence hands out its own range (`pg_remus/src/distribute/sequences.rs`), and a key drawn
+//! from its default is drawn once where the statement entered, then routed with the value
+//! (`pg_remus/src/router/modify.rs`, `with_key_drawn`; COPY fills it in `router/utility.rs`).
+//!
+//! - `bigserial_draws_unique_values_through_every_node`: 3 nodes; a table with a bigserial key
+//!   and a bigserial non-key column, with rows from before it was distributed. Through every
+//!   node: one-row INSERT, multi-row VALUES, DEFAULT among explicit keys, RETURNING, a prepared
+//!   statement run past the switch to its generic plan, and COPY without the key column. Every
+//!   key and every non-key value is distinct; each key drawn through node `nK` is in that node's
+//!   range; RETURNING gives the row that was written; each row is found by the routed SELECT by
+//!   its key through every node and lies in the shard table `remus_shard_id_for` names, on its
+//!   owner; the sequence exists on every node, restricted to the node's range.
+//! - `serial_smallserial_and_identity_are_refused`: 0A000 naming the column, nothing left
+//!   distributed, and the table still usable locally.
+//! - `application_role_needs_usage_on_the_sequences`: a role granted INSERT, SELECT and USAGE on
+//!   the sequences before distribution inserts with the defaults through every node (one row,
+//!   several, COPY); a role granted INSERT and SELECT only gets PostgreSQL's 42501 for the
+//!   sequence, and after `GRANT USAGE ON SEQUENCE` on each node (a GRANT on a sequence is not
+//!   propagated, decision 0019) inserts too.
+//! - `moved_shard_keeps_drawing_unique_values`: 2 nodes; a shard moved from n1 to n2
+//!   (`remus_migrate_shard`) takes rows again through both nodes, its non-key default now drawn
+//!   from n2's range; every value still distinct and every row in its shard.
+
+use std::collections::HashSet;
+use std::io::Write;
+
+use integration::roles::{connect_as, Role};
+use integration::shards::owners;
+use postgres::Client;
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::sqlstate;
+
+/// Low bits of a node's range: node `nK` (slot K, nodes sorted by name) draws from
+/// `[K << 48, (K + 1) << 48)`.
+const SLOT_BITS: u32 = 48;
+
+const TABLE: &str =
+    "CREATE TABLE orders (id bigserial PRIMARY KEY, note text NOT NULL, seq bigserial NOT NULL)";
+
+/// The slot of node `n1`, `n2`, …: its number.
+fn slot(node: &str) -> i64 {
+    node.trim_start_matches('n').parse().unwrap()
+}
+
+/// Inserts rows through `db` in every form (notes prefixed with `tag`); the `(id, note)` pairs
+/// RETURNING gave.
+fn insert_every_form(db: &mut Client, tag: &str) -> Vec<(i64, String)> {
+    let mut got = Vec::new();
+    let mut take = |rows: Vec<postgres::Row>| {
+        for r in rows {
+            got.push((r.get::<_, i64>(0), r.get::<_, String>(1)));
+        }
+    };
+    // One row, the key omitted.
+    take(
+        db.query(
+            "INSERT INTO orders (note) VALUES ($1) RETURNING id, note",
+            &[&format!("{tag}-one")],
+        )
+        .unwrap(),
+    );
+    // One row in the simple protocol, the key written DEFAULT.
+    db.batch_execute(&format!(
+        "INSERT INTO orders (id, note) VALUES (DEFAULT, '{tag}-default')"
+    ))
+    .unwrap();
+    // Several rows, the key omitted.
+    take(
+        db.query(
+            &format!(
+                "INSERT INTO orders (note) VALUES ('{tag}-m1'), ('{tag}-m2'), ('{tag}-m3'), ('{tag}-m4') \
+                 RETURNING id, note"
+            ),
+            &[],
+        )
+        .unwrap(),
+    );
+    // Several rows, DEFAULT next to explicit keys (columns listed out of order).
+    let base = slot_base_free(tag);
+    take(
+        db.query(
+            &format!(
+                "INSERT INTO orders (note, id) VALUES ('{tag}-d1', DEFAULT), ('{tag}-x1', {base}), \
+                 ('{tag}-d2', DEFAULT) RETURNING id, note"
+            ),
+            &[],
+        )
+        .unwrap(),
+    );
+    // A prepared statement, past PostgreSQL's switch to a generic plan.
+    let st = db
+        .prepare("INSERT INTO orders (note) VALUES ($1) RETURNING id, note")
+        .unwrap();
+    for i in 0..8 {
+        take(db.query(&st, &[&format!("{tag}-p{i}")]).unwrap());
+    }
+    let st = db
+        .prepare("INSERT INTO orders (note) VALUES ($1), ($2) RETURNING id, note")
+        .unwrap();
+    for i in 0..7 {
+        take(
+            db.query(&st, &[&format!("{tag}-pa{i}"), &format!("{tag}-pb{i}")])
+                .unwrap(),
+        );
+    }
+    // COPY without the key (nor the non-key sequence column).
+    let mut w = db.copy_in("COPY orders (note) FROM STDIN").unwrap();
+    for i in 0..20 {
+        writeln!(w, "{tag}-c{i}").unwrap();
+    }
+    assert_eq!(w.finish().unwrap(), 20);
+    got
+}
+
+/// An explicit key for `tag`'s rows that no sequence hands out (slot 0, above the rows written
+/// before distribution).
+fn slot_base_free(tag: &str) -> i64 {
+    1_000_000 + slot(tag) * 1000
+}
+
+/// Every row of `orders` as the routed SELECT over every shard sees it through `db`:
+/// `(id, note, seq)`.
+fn all_rows(db: &mut Client) -> Vec<(i64, String, i64)> {
+    db.query("SELECT id, note, seq FROM orders", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// Checks that every row lies in the shard table `remus_shard_id_for` names, read on its owner,
+/// and that the shard tables hold exactly `expected` rows together.
+fn rows_in_their_shards(c: &TestCluster, expected: usize) {
+    let mut total = 0;
+    for (shard, owner) in owners(c, "orders") {
+        let mut db = c.connect(&owner).unwrap();
+        let rows = db
+            .query(
+                &format!(
+                    "SELECT id, remus_shard_id_for('orders', id) FROM remus_shards.orders_{shard}"
+                ),
+                &[],
+            )
+            .unwrap();
+        for r in &rows {
+            let (id, want): (i64, i64) = (r.get(0), r.get(1));
+            assert_eq!(want, shard, "row {id} in shard {shard} on {owner}");
+        }
+        total += rows.len();
+    }
+    assert_eq!(total, expected, "rows in the shard tables");
+}
+
+/// Checks that keys and non-key values are all distinct, `count` rows.
+fn all_distinct(rows: &[(i64, String, i64)], count: usize) {
+    assert_eq!(rows.len(), count);
+    let ids: HashSet<i64> = rows.iter().map(|r| r.0).collect();
+    let seqs: HashSet<i64> = rows.iter().map(|r| r.2).collect();
+    assert_eq!(ids.len(), count, "distinct keys");
+    assert_eq!(seqs.len(), count, "distinct non-key sequence values");
+}
+
+#[test]
+fn bigserial_draws_unique_values_through_every_node() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(&format!(
+        "{TABLE};
+         INSERT INTO orders (note) VALUES ('before-1'), ('before-2'), ('before-3');
+         SELECT remus_create_distributed_table('orders', 'id', 6);"
+    ))
+    .unwrap();
+    // Each node's copy of each sequence, restricted to its range.
+    for n in c.node_names() {
+        let rows = c
+            .connect(&n)
+            .unwrap()
+            .query(
+                "SELECT sequencename::text, min_value, max_value FROM pg_sequences
+                  WHERE sequencename IN ('orders_id_seq', 'orders_seq_seq') ORDER BY 1",
+                &[],
+            )
+            .unwrap();
+        assert_eq!(rows.len(), 2, "both sequences on {n}");
+        for r in rows {
+            let (min, max): (i64, i64) = (r.get(1), r.get(2));
+            assert_eq!(min, slot(&n) << SLOT_BITS, "{n}");
+            assert_eq!(max, ((slot(&n) + 1) << SLOT_BITS) - 1, "{n}");
+        }
+    }
+
+    let mut returned = Vec::new();
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        let got = insert_every_form(&mut db, &n);
+        for (id, note) in &got {
+            // Drawn through this node: in its range; the explicit key is its own.
+            if *id != slot_base_free(&n) {
+                assert_eq!(id >> SLOT_BITS, slot(&n), "{note}: {id} drawn through {n}");
+            }
+        }
+        returned.extend(got);
+    }
+    // Per node: 1 + 1 + 4 + 3 + 8 + 14 + 20 rows; plus the 3 from before.
+    let per_node = 51;
+    let count = 3 + 3 * per_node;
+    let rows = all_rows(&mut n1);
+    all_distinct(&rows, count);
+    // The rows from before kept their keys (slot 0).
+    for k in 1..=3i64 {
+        assert!(rows
+            .iter()
+            .any(|r| r.0 == k && r.1 == format!("before-{k}")));
+    }
+    // RETURNING gave the row that was written, found by its key through every node.
+    let mut dbs: Vec<Client> = c
+        .node_names()
+        .iter()
+        .map(|n| c.connect(n).unwrap())
+        .collect();
+    for (i, (id, note)) in returned.iter().enumerate() {
+        let db = &mut dbs[i % 3];
+        let found: Vec<String> = db
+            .query("SELECT note FROM orders WHERE id = $1", &[id])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(found, vec![note.clone()], "row {id}");
+    }
+    rows_in_their_shards(&c, count);
+    // Each COPY row is there once, with a key drawn through its node.
+    for n in c.node_names() {
+        for i in 0..20 {
+            let note = format!("{n}-c{i}");
+            let ids: Vec<i64> = rows.iter().filter(|r| r.1 == note).map(|r| r.0).collect();
+            assert_eq!(ids.len(), 1, "{note}");
+            assert_eq!(ids[0] >> SLOT_BITS, slot(&n), "{note}");
+        }
+    }
+    // Other volatile keys stay refused.
+    let e = n1
+        .batch_execute("INSERT INTO orders (id, note) VALUES ((random() * 10)::bigint, 'r')")
+        .unwrap_err();
+    assert_eq!(sqlstate(&e), "0A000", "{e:?}");
+}
+
+#[test]
+fn serial_smallserial_and_identity_are_refused() {
+    let c = TestCluster::start(2).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    for (table, ddl, column) in [
+        (
+            "s4",
+            "CREATE TABLE s4 (id serial PRIMARY KEY, v text)",
+            "id",
+        ),
+        (
+            "s2",
+            "CREATE TABLE s2 (id bigint PRIMARY KEY, n smallserial)",
+            "n",
+        ),
+        (
+            "s8",
+            "CREATE TABLE s8 (id bigint PRIMARY KEY, n bigint GENERATED BY DEFAULT AS IDENTITY)",
+            "n",
+        ),
+        (
+            "s9",
+            "CREATE TABLE s9 (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text)",
+            "id",
+        ),
+        (
+            "s3",
+            "CREATE SEQUENCE s3_seq AS integer;
+             CREATE TABLE s3 (id bigint PRIMARY KEY DEFAULT nextval('s3_seq'), v text)",
+            "id",
+        ),
+    ] {
+        n1.batch_execute(ddl).unwrap();
+        let e = n1
+            .batch_execute(&format!(
+                "SELECT remus_create_distributed_table('{table}', 'id')"
+            ))
+            .unwrap_err();
+        assert_eq!(sqlstate(&e), "0A000", "{table}: {e:?}");
+        let msg = e.as_db_error().unwrap().message().to_string();
+        assert!(
+            msg.contains(&format!("column {column} of public.{table}")),
+            "{table}: {msg}"
+        );
+        // Nothing distributed, nowhere; the table still a plain table here.
+        for n in c.node_names() {
+            let known: i64 = c
+                .connect(&n)
+                .unwrap()
+                .query_one(
+                    "SELECT count(*) FROM remus_shards WHERE table_name = $1",
+                    &[&table],
+                )
+                .unwrap()
+                .get(0);
+            assert_eq!(known, 0, "{table} on {n}");
+        }
+        n1.batch_execute(&format!("INSERT INTO {table} (id) VALUES (1)"))
+            .or_else(|_| n1.batch_execute(&format!("INSERT INTO {table} DEFAULT VALUES")))
+            .unwrap();
+    }
+    let e = n1
+        .batch_execute("SELECT remus_create_distributed_table('s4', 'id')")
+        .unwrap_err();
+    assert!(
+        e.as_db_error().unwrap().message().contains("bigserial"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn application_role_needs_usage_on_the_sequences() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let app = Role::new("app", "app-secret");
+    let plain = Role::new("plain", "plain-secret");
+    for n in c.node_names() {
+        c.connect(&n)
+            .unwrap()
+            .batch_execute(&format!("{}; {}", app.create_sql(), plain.create_sql()))
+            .unwrap();
+    }
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(&format!(
+        "{TABLE};
+         GRANT INSERT, SELECT ON orders TO app, plain;
+         GRANT USAGE ON SEQUENCE orders_id_seq, orders_seq_seq TO app;
+         SELECT remus_create_distributed_table('orders', 'id', 6);"
+    ))
+    .unwrap();
+    let mut expected = 0;
+    for n in c.node_names() {
+        let mut db = connect_as(&c, &n, &app).unwrap();
+        let id: i64 = db
+            .query_one(
+                "INSERT INTO orders (note) VALUES ($1) RETURNING id",
+                &[&format!("app-{n}")],
+            )
+            .unwrap()
+            .get(0);
+        assert_eq!(id >> SLOT_BITS, slot(&n));
+        db.batch_execute("INSERT INTO orders (note) VALUES ('a'), ('b'), ('c'), ('d')")
+            .unwrap();
+        let mut w = db.copy_in("COPY orders (note) FROM STDIN").unwrap();
+        w.write_all(b"c1\nc2\nc3\n").unwrap();
+        assert_eq!(w.finish().unwrap(), 3);
+        expected += 8;
+
+        // Without USAGE on the sequence: PostgreSQL's own refusal, on every form.
+        let mut db = connect_as(&c, &n, &plain).unwrap();
+        for sql in [
+            "INSERT INTO orders (note) VALUES ('p')",
+            "INSERT INTO orders (note) VALUES ('p'), ('q'), ('r'), ('s')",
+        ] {
+            let e = db.batch_execute(sql).unwrap_err();
+            assert_eq!(sqlstate(&e), "42501", "{n}: {sql}: {e:?}");
+            assert!(
+                e.as_db_error().unwrap().message().contains("sequence"),
+                "{e:?}"
+            );
+        }
+        let e = db
+            .copy_in::<str>("COPY orders (note) FROM STDIN")
+            .and_then(|mut w| {
+                w.write_all(b"p\n").unwrap();
+                w.finish()
+            })
+            .unwrap_err();
+        assert_eq!(sqlstate(&e), "42501", "{n}: COPY: {e:?}");
+    }
+    // A GRANT on a sequence is not propagated: granted on each node, it takes effect.
+    for n in c.node_names() {
+        c.connect(&n)
+            .unwrap()
+            .batch_execute("GRANT USAGE ON SEQUENCE orders_id_seq, orders_seq_seq TO plain")
+            .unwrap();
+    }
+    for n in c.node_names() {
+        let mut db = connect_as(&c, &n, &plain).unwrap();
+        db.batch_execute("INSERT INTO orders (note) VALUES ('p'), ('q'), ('r'), ('s')")
+            .unwrap();
+        db.batch_execute("INSERT INTO orders (note) VALUES ('t')")
+            .unwrap();
+        expected += 5;
+    }
+    let rows = all_rows(&mut n1);
+    all_distinct(&rows, expected);
+    rows_in_their_shards(&c, expected);
+}
+
+#[test]
+fn moved_shard_keeps_drawing_unique_values() {
+    let c = TestCluster::start(2).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(&format!(
+        "{TABLE}; SELECT remus_create_distributed_table('orders', 'id', 4);"
+    ))
+    .unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    // Per node: 51 rows (`insert_every_form`).
+    insert_every_form(&mut n1, "n1");
+    insert_every_form(&mut n2, "n2");
+    let mut count = 2 * 51;
+    let moved = owners(&c, "orders")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .map(|(s, _)| s)
+        .expect("n1 owns a shard");
+    let status: String = n2
+        .query_one(
+            "SELECT status FROM remus_migrate_shard($1, 'n2')",
+            &[&moved],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "succeeded");
+    // Rows again through both nodes, until the moved shard has taken some of each.
+    let mut into_moved = [0usize; 2];
+    for round in 0..200 {
+        if into_moved.iter().all(|k| *k >= 3) {
+            break;
+        }
+        for (i, db) in [&mut n1, &mut n2].into_iter().enumerate() {
+            let r = db
+                .query_one(
+                    "INSERT INTO orders (note) VALUES ($1)
+                     RETURNING id, seq, remus_shard_id_for('orders', id)",
+                    &[&format!("after-{round}-{i}")],
+                )
+                .unwrap();
+            count += 1;
+            let (id, seq, shard): (i64, i64, i64) = (r.get(0), r.get(1), r.get(2));
+            assert_eq!(
+                id >> SLOT_BITS,
+                i as i64 + 1,
+                "key drawn through n{}",
+                i + 1
+            );
+            if shard == moved {
+                into_moved[i] += 1;
+                // The non-key default is drawn on the shard's new owner.
+                assert_eq!(seq >> SLOT_BITS, 2, "row {id} of the moved shard");
+            }
+        }
+    }
+    assert!(into_moved.iter().all(|k| *k >= 3), "{into_moved:?}");
+    let rows = all_rows(&mut n1);
+    all_distinct(&rows, count);
+    rows_in_their_shards(&c, count);
+}
