@@ -11,7 +11,9 @@
 //!   key and every non-key value is distinct; each key drawn through node `nK` is in that node's
 //!   range; RETURNING gives the row that was written; each row is found by the routed SELECT by
 //!   its key through every node and lies in the shard table `remus_shard_id_for` names, on its
-//!   owner; the sequence exists on every node, restricted to the node's range.
+//!   owner; the sequence exists on every node, restricted to the node's range; a multi-row
+//!   INSERT naming its columns out of the table's order puts each value in its column; any
+//!   other volatile key is still refused (0A000).
 //! - `serial_smallserial_and_identity_are_refused`: 0A000 naming the column, nothing left
 //!   distributed, and the table still usable locally.
 //! - `application_role_needs_usage_on_the_sequences`: a role granted INSERT, SELECT and USAGE on
@@ -239,6 +241,25 @@ fn bigserial_draws_unique_values_through_every_node() {
             assert_eq!(ids.len(), 1, "{note}");
             assert_eq!(ids[0] >> SLOT_BITS, slot(&n), "{note}");
         }
+    }
+    // A multi-row INSERT naming its columns out of the table's order, two of them bigint: each
+    // value in its own column (the shards' statements list the columns in the VALUES order).
+    n1.batch_execute(
+        "INSERT INTO orders (seq, id, note) VALUES (5, 10, 'swap-a'), (6, 11, 'swap-b'), (7, 12, 'swap-c')",
+    )
+    .unwrap();
+    for (id, seq, note) in [
+        (10i64, 5i64, "swap-a"),
+        (11, 6, "swap-b"),
+        (12, 7, "swap-c"),
+    ] {
+        let r = dbs[1]
+            .query_one("SELECT seq, note FROM orders WHERE id = $1", &[&id])
+            .unwrap();
+        assert_eq!(
+            (r.get::<_, i64>(0), r.get::<_, String>(1)),
+            (seq, note.to_string())
+        );
     }
     // Other volatile keys stay refused.
     let e = n1
