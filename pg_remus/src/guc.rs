@@ -75,6 +75,9 @@ pub static WRITE_SET_CHUNK_KB: GucSetting<i32> = GucSetting::<i32>::new(1024);
 /// from each node (`coordinator/src/driver/handover/wait_remaster.rs`), not used in the backend.
 pub static GATE_DRAIN_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 
+/// Fault injection for tests: the point of a two-phase commit at which this backend crashes
+/// (its node restarts, as after a power cut of the process), see [`crash_point`].
+pub static CRASH_AT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 /// The database the background workers connect to (where pg_remus is created).
 pub static DATABASE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"postgres"));
@@ -114,6 +117,14 @@ pub fn register() {
         &DATABASE,
         GucContext::Postmaster,
         GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"remus.crash_at",
+        c"Fault injection for tests: crash this backend at a named point of a two-phase commit.",
+        c"after_prepare: every participant prepared, the local commit not made; after_local_commit: committed here, COMMIT PREPARED not yet sent. The node restarts (crash recovery) and its recovery worker finishes the participants by the recorded decision. Superuser only; empty: off.",
+        &CRASH_AT,
+        GucContext::Suset,
+        GucFlags::NO_SHOW_ALL,
     );
     GucRegistry::define_bool_guc(
         c"remus.forwarded",
@@ -217,6 +228,17 @@ pub fn register() {
         GucContext::Userset,
         GucFlags::UNIT_KB,
     );
+}
+
+/// Crashes the backend (SIGABRT: the postmaster restarts the node) if `remus.crash_at` names
+/// `point`. Only a superuser can set it; tests use it to kill a node between the two phases.
+pub fn crash_point(point: &str) {
+    if CRASH_AT
+        .get()
+        .is_some_and(|p| p.as_bytes() == point.as_bytes())
+    {
+        std::process::abort();
+    }
 }
 
 pub fn node_name() -> Option<String> {

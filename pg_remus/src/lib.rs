@@ -26,6 +26,7 @@ use pgrx::prelude::*;
 mod api;
 mod catalog;
 mod cluster;
+mod ddl;
 mod distribute;
 mod error;
 mod guc;

@@ -19,6 +19,18 @@ pub fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
     shards_of(&mut c.connect("n1").unwrap(), table)
 }
 
+/// The one value `sql` (with `params`) returns on each node, in node order.
+pub fn value_on_every_node<T: postgres::types::FromSqlOwned>(
+    c: &TestCluster,
+    sql: &str,
+    params: &[&(dyn postgres::types::ToSql + Sync)],
+) -> Vec<T> {
+    c.node_names()
+        .iter()
+        .map(|n| c.connect(n).unwrap().query_one(sql, params).unwrap().get(0))
+        .collect()
+}
+
 /// The owner of `shard` as each node's catalog has it, by node name.
 pub fn owners_everywhere(c: &TestCluster, shard: i64) -> Vec<String> {
     c.node_names()

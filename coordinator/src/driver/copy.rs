@@ -40,27 +40,31 @@ impl Run {
         // The target's tables, with every index and constraint, before any row arrives: the
         // replay applies by primary key and the shard may serve right after the handover.
         let target = self.config.connector.connect(&self.plan.target).await?;
-        let ddl: String = self
-            .plan
-            .tables
-            .iter()
-            .map(|t| {
-                // The write-set capture trigger comes with the table, as on the source: a later
-                // migration of this shard must not need DDL on a hot table. ALWAYS, as
-                // `catalog::shard_ddl` makes it: replica-role sessions are captured too (F14).
-                format!(
-                    "CREATE TABLE {q} (LIKE {} INCLUDING ALL);\n\
-                     CREATE TRIGGER {} AFTER INSERT OR UPDATE OR DELETE ON {q} \
-                     FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n\
-                     ALTER TABLE {q} ENABLE ALWAYS TRIGGER {};\n",
-                    t.shell,
-                    names::CAPTURE_TRIGGER,
-                    t.shard_id,
-                    names::CAPTURE_TRIGGER,
-                    q = t.qualified()
-                )
-            })
-            .collect();
+        let mut ddl = String::new();
+        for t in &self.plan.tables {
+            // The shard table has the column numbers of the target's shell (the router plans
+            // on the shell and runs the plan on the shard): `LIKE` renumbers the columns when
+            // the shell has dropped ones (a distributed ALTER TABLE … DROP COLUMN), so then
+            // the table is built column by column with the dropped ones in place.
+            let created: String = target
+                .query_one(SHARD_TABLE_DDL, &[&t.shell, &t.qualified()])
+                .await
+                .map_err(sql(&self.plan.target))?
+                .get(0);
+            // The write-set capture trigger comes with the table, as on the source: a later
+            // migration of this shard must not need DDL on a hot table. ALWAYS, as
+            // `catalog::shard_ddl` makes it: replica-role sessions are captured too (F14).
+            ddl.push_str(&format!(
+                "{created}\n\
+                 CREATE TRIGGER {} AFTER INSERT OR UPDATE OR DELETE ON {q} \
+                 FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n\
+                 ALTER TABLE {q} ENABLE ALWAYS TRIGGER {};\n",
+                names::CAPTURE_TRIGGER,
+                t.shard_id,
+                names::CAPTURE_TRIGGER,
+                q = t.qualified()
+            ));
+        }
         // One transaction: either every table exists afterwards (and is ours to drop on
         // rollback) or none was created (and a table that was already there is left alone).
         target
@@ -141,3 +145,45 @@ impl Run {
         Ok(())
     }
 }
+
+/// The DDL of an empty shard table `$2` shaped as shell `$1`: `LIKE … INCLUDING ALL` when the
+/// shell has no dropped column; otherwise every column in the shell's order, a placeholder where
+/// a column was dropped (then dropped too, so the numbers match), then the constraints (CHECK by
+/// name; a primary key, unique or exclusion constraint named after the shard table, as index
+/// names are per schema) and the other indexes.
+const SHARD_TABLE_DDL: &str = r#"
+WITH p AS (SELECT $1::text::regclass AS shell, $2::text AS shard)
+SELECT CASE WHEN NOT EXISTS (SELECT FROM pg_attribute
+                              WHERE attrelid = p.shell AND attnum > 0 AND attisdropped)
+       THEN format('CREATE TABLE %s (LIKE %s INCLUDING ALL);', p.shard, p.shell)
+       ELSE format('CREATE TABLE %s (%s);', p.shard,
+              (SELECT string_agg(
+                 CASE WHEN a.attisdropped THEN format('%I int4', 'remus_dropped_' || a.attnum)
+                 ELSE format('%I %s', a.attname, format_type(a.atttypid, a.atttypmod))
+                      || CASE WHEN a.attcollation <> 0 AND a.attcollation <> t.typcollation
+                              THEN ' COLLATE ' || a.attcollation::regcollation::text ELSE '' END
+                      || CASE WHEN a.attgenerated = 's'
+                              THEN ' GENERATED ALWAYS AS (' || pg_get_expr(d.adbin, d.adrelid) || ') STORED'
+                              WHEN d.adbin IS NOT NULL THEN ' DEFAULT ' || pg_get_expr(d.adbin, d.adrelid)
+                              ELSE '' END
+                      || CASE WHEN a.attnotnull THEN ' NOT NULL' ELSE '' END
+                 END, ', ' ORDER BY a.attnum)
+                 FROM pg_attribute a
+                 LEFT JOIN pg_type t ON t.oid = a.atttypid
+                 LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+                WHERE a.attrelid = p.shell AND a.attnum > 0))
+         || (SELECT string_agg(format(' ALTER TABLE %s DROP COLUMN %I;', p.shard, 'remus_dropped_' || attnum), '' ORDER BY attnum)
+               FROM pg_attribute WHERE attrelid = p.shell AND attnum > 0 AND attisdropped)
+         || coalesce((SELECT string_agg(format(' ALTER TABLE %s ADD %s%s;', p.shard,
+                                     CASE WHEN contype = 'c' THEN format('CONSTRAINT %I ', conname) ELSE '' END,
+                                     pg_get_constraintdef(oid)), '' ORDER BY conname)
+                        FROM pg_constraint WHERE conrelid = p.shell AND contype IN ('p', 'u', 'c', 'x')), '')
+         || coalesce((SELECT string_agg(format(' CREATE %sINDEX ON %s%s;',
+                                     CASE WHEN i.indisunique THEN 'UNIQUE ' ELSE '' END, p.shard,
+                                     substring(pg_get_indexdef(i.indexrelid) FROM ' USING .*$')), '')
+                        FROM pg_index i
+                       WHERE i.indrelid = p.shell
+                         AND NOT EXISTS (SELECT FROM pg_constraint c WHERE c.conindid = i.indexrelid)), '')
+       END
+  FROM p
+"#;

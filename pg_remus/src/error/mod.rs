@@ -140,10 +140,8 @@ pub enum RemusError {
     InsertKeyNotConstant { table: String },
     #[error("COPY {table} TO is not supported; use COPY (SELECT * FROM {table}) TO …")]
     CopyToUnsupported { table: String },
-    #[error("ALTER TABLE on distributed table {table} is not supported yet (shards would diverge from the shell)")]
-    AlterDistributedTable { table: String },
-    #[error("DROP TABLE on distributed table {table} is not supported yet")]
-    DropDistributedTable { table: String },
+    #[error("{what} on {table} is not propagated to every node and shard, so it is refused")]
+    DdlNotPropagated { what: &'static str, table: String },
     #[error("a statement for shard {shard_id} must reference its distributed table")]
     MarkerWithoutTable { shard_id: i64 },
     #[error("a statement for shard {shard_id} may only reference tables co-located with it")]
@@ -372,8 +370,7 @@ impl RemusError {
             | Self::Unsupported(_)
             | Self::InsertKeyNotConstant { .. }
             | Self::CopyToUnsupported { .. }
-            | Self::AlterDistributedTable { .. }
-            | Self::DropDistributedTable { .. }
+            | Self::DdlNotPropagated { .. }
             | Self::MarkerWithoutTable { .. }
             | Self::MarkerNotColocated { .. }
             | Self::NotOrdinaryTable { .. }

@@ -1,4 +1,5 @@
-//! `ProcessUtility_hook`: the router's utility statements (COPY FROM, TRUNCATE, refusals) and
+//! `ProcessUtility_hook`: the router's utility statements (COPY FROM, TRUNCATE, refusals), DDL
+//! on distributed tables (`ddl`, around PostgreSQL's own run on the shell), GRANT propagation and
 //! the handover's checks; after a COMMIT / ROLLBACK PREPARED, its Remus shadows follow.
 
 use pgrx::pg_sys;
@@ -53,6 +54,10 @@ unsafe extern "C-unwind" fn process_utility(
             Ok(g) => g,
             Err(e) => e.raise(),
         };
+        let ddl = match crate::ddl::prepare(pstmt, query_string) {
+            Ok(d) => d,
+            Err(e) => e.raise(),
+        };
         let finishing = dual::finishing_prepared(pstmt);
         match PREV_UTILITY {
             Some(prev) => prev(
@@ -75,6 +80,11 @@ unsafe extern "C-unwind" fn process_utility(
                 dest,
                 qc,
             ),
+        }
+        if let Some(pending) = ddl {
+            if let Err(e) = crate::ddl::finish(pending) {
+                e.raise();
+            }
         }
         if let Some(sql) = grant {
             if let Err(e) = crate::router::grant::propagate(&sql) {

@@ -1,8 +1,8 @@
 //! Every Query of a statement: the statement itself, its WITH queries, its FROM subqueries and
 //! its sublinks, each with the level it is nested in, so that a `Var`'s `varlevelsup` can be
-//! followed to the query it belongs to.
+//! followed to the query it belongs to; and the text of one statement of a query string.
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void, CStr};
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -93,5 +93,25 @@ unsafe extern "C-unwind" fn visit(node: *mut pg_sys::Node, cx: *mut c_void) -> b
             return stop;
         }
         pg_sys::expression_tree_walker(node, Some(visit), cx)
+    }
+}
+
+/// The text of the statement `pstmt` within `query_string` (which may hold several).
+///
+/// # Safety
+/// `pstmt` and `query_string` must be the ProcessUtility hook's arguments.
+pub(crate) unsafe fn statement_text(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query_string: *const c_char,
+) -> String {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let text = CStr::from_ptr(query_string).to_bytes();
+        let start = ((*pstmt).stmt_location.max(0) as usize).min(text.len());
+        let end = match (*pstmt).stmt_len {
+            0 => text.len(),
+            n => (start + n as usize).min(text.len()),
+        };
+        String::from_utf8_lossy(&text[start..end]).into_owned()
     }
 }

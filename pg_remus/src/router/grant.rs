@@ -87,15 +87,10 @@ pub(crate) unsafe fn to_propagate(
             _ => return Ok(None),
         }
         // The statement's own text (a multi-statement string holds others).
-        let text = CStr::from_ptr(query_string).to_bytes();
-        let start = ((*pstmt).stmt_location.max(0) as usize).min(text.len());
-        let end = match (*pstmt).stmt_len {
-            0 => text.len(),
-            n => (start + n as usize).min(text.len()),
-        };
-        Ok(Some(
-            String::from_utf8_lossy(&text[start..end]).into_owned(),
-        ))
+        Ok(Some(crate::pg::query_tree::statement_text(
+            pstmt,
+            query_string,
+        )))
     }
 }
 

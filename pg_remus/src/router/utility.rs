@@ -1,7 +1,7 @@
 //! Utility statements on distributed tables: COPY FROM is routed row by row, TRUNCATE goes to
-//! every shard, and statements that would silently act on the empty shell or make shells and
-//! shards diverge are refused with 0A000, as is turning row-level security on (ENABLE / FORCE
-//! ROW LEVEL SECURITY, CREATE / ALTER POLICY), which the shards would not enforce.
+//! every shard, COPY TO (which would read the empty shell) is refused with 0A000, as is turning
+//! row-level security on (ENABLE / FORCE ROW LEVEL SECURITY, CREATE / ALTER POLICY), which the
+//! shards would not enforce. Schema changes are `ddl`'s.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -159,10 +159,8 @@ pub(crate) unsafe fn intercept(
                         };
                         return Err(row_security_refused(what, &d));
                     }
-                    return Err(RemusError::AlterDistributedTable {
-                        table: d.qualified_name.to_string(),
-                    });
                 }
+                // Propagated to every node and shard by `ddl`.
                 Ok(false)
             }
             pg_sys::NodeTag::T_CreatePolicyStmt => {
@@ -178,20 +176,6 @@ pub(crate) unsafe fn intercept(
                     Some(d) => Err(row_security_refused("ALTER POLICY", &d)),
                     None => Ok(false),
                 }
-            }
-            pg_sys::NodeTag::T_DropStmt => {
-                let d = stmt as *mut pg_sys::DropStmt;
-                if (*d).removeType == pg_sys::ObjectType::OBJECT_TABLE {
-                    for obj in list_ptrs::<pg_sys::List>((*d).objects) {
-                        let rv = pg_sys::makeRangeVarFromNameList(obj);
-                        if let Some(t) = shell_of(rv)? {
-                            return Err(RemusError::DropDistributedTable {
-                                table: t.qualified_name.to_string(),
-                            });
-                        }
-                    }
-                }
-                Ok(false)
             }
             _ => Ok(false),
         }

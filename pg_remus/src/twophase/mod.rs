@@ -145,11 +145,17 @@ fn pre_commit() -> Result<(), RemusError> {
             failure = Some(e);
         }
     });
+    if failure.is_none() {
+        crate::guc::crash_point("after_prepare");
+    }
     failure.map_or(Ok(()), Err)
 }
 
 /// Second phase (commit) or rollback. Never raises: the local outcome is already decided.
 fn finish(commit: bool) {
+    if commit {
+        crate::guc::crash_point("after_local_commit");
+    }
     remote::for_each_in_transaction(|c| {
         // Unless committing what is prepared there, first take the outcome of whatever still
         // runs there (an interrupted PREPARE included): an idle connection afterwards means the

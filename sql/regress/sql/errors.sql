@@ -29,9 +29,9 @@ WITH x AS (SELECT id FROM reg_t) UPDATE reg_t SET v = 'w' WHERE id = 1 AND id IN
 \echo :LAST_ERROR_SQLSTATE
 UPDATE reg_t SET v = 'q' FROM reg_nopk WHERE reg_t.id = reg_nopk.id;
 \echo :LAST_ERROR_SQLSTATE
-ALTER TABLE reg_t ADD COLUMN z int;
+ALTER TABLE reg_t ALTER COLUMN id TYPE bigint;
 \echo :LAST_ERROR_SQLSTATE
-DROP TABLE reg_t;
+ALTER TABLE reg_t SET UNLOGGED;
 \echo :LAST_ERROR_SQLSTATE
 COPY reg_t TO STDOUT;
 \echo :LAST_ERROR_SQLSTATE

@@ -1,0 +1,93 @@
+//! What DDL on a shell works on: the table, the shard tables this node holds, and the work each
+//! of them gets.
+
+use std::ffi::CString;
+
+use pgrx::pg_sys;
+
+use crate::catalog::DistTable;
+use crate::error::RemusError;
+
+/// What one shard table gets.
+pub(super) enum ShardWork {
+    /// A copy of the user's statement aimed at the shard table.
+    Tree(*mut pg_sys::Node),
+    /// A statement the extension wrote (names of the shard's own objects).
+    Sql(String),
+}
+
+/// A distributed or reference table as DDL sees it: its catalog entry and the shard tables
+/// this node holds.
+pub(super) struct Target {
+    pub(super) table: DistTable,
+    /// (shard id, unquoted shard table name) of each shard table present on this node.
+    pub(super) local_shards: Vec<(i64, String)>,
+}
+
+impl Target {
+    pub(super) fn is_reference(&self) -> bool {
+        self.table.kind == 'r'
+    }
+}
+
+/// The table `relid` if it is distributed or a reference table, with its shard tables here.
+pub(super) fn target(relid: pg_sys::Oid) -> Result<Option<Target>, RemusError> {
+    if relid == pg_sys::InvalidOid {
+        return Ok(None);
+    }
+    let Some(table) = crate::router::placement::dist_table(relid)? else {
+        return Ok(None);
+    };
+    let ids = crate::catalog::shard_ids(relid)?;
+    let mut local_shards = Vec::new();
+    // SAFETY: catalog lookups by name; the strings outlive the calls.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        for (_, id) in ids {
+            let name = format!("{}_{id}", table.rel_name);
+            let c = CString::new(name.as_str()).expect("no NUL in names");
+            if nsp != pg_sys::InvalidOid
+                && pg_sys::get_relname_relid(c.as_ptr(), nsp) != pg_sys::InvalidOid
+            {
+                local_shards.push((id, name));
+            }
+        }
+    }
+    local_shards.sort();
+    Ok(Some(Target {
+        table,
+        local_shards,
+    }))
+}
+
+/// A palloc'd RangeVar naming `remus_shards.<name>`.
+pub(super) fn shard_range_var(name: &str) -> *mut pg_sys::RangeVar {
+    let nsp = CString::new("remus_shards").expect("no NUL");
+    let rel = CString::new(name).expect("no NUL in names");
+    // SAFETY: pstrdup copies the strings into the current memory context, where makeRangeVar
+    // allocates the node; both outlive the statement.
+    unsafe {
+        pg_sys::makeRangeVar(
+            pg_sys::pstrdup(nsp.as_ptr()),
+            pg_sys::pstrdup(rel.as_ptr()),
+            -1,
+        )
+    }
+}
+
+/// A palloc'd copy of `node` (a parse tree).
+///
+/// # Safety
+/// `node` must be a valid parse node.
+pub(super) unsafe fn copy_node<T>(node: *mut T) -> *mut T {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe { pg_sys::copyObjectImpl(node as *const std::ffi::c_void) as *mut T }
+}
+
+/// The refusal of a DDL form that is not propagated (0A000, naming it and the table).
+pub(super) fn refused(what: &'static str, t: &Target) -> RemusError {
+    RemusError::DdlNotPropagated {
+        what,
+        table: t.table.qualified_name.to_string(),
+    }
+}

@@ -1,0 +1,405 @@
+//! Schema changes of distributed and reference tables from any node, on every node and every
+//! shard or on none (issue 18 item 3; `pg_remus/src/ddl/`, decision 0021).
+
+use std::time::Duration;
+
+use integration::pgbench::prepared_everywhere;
+use integration::shards::{owners, value_on_every_node};
+use remus_test_support::cluster::TestCluster;
+use remus_test_support::{sqlstate, wait_until};
+
+/// Every node's shell of `table` and each shard table it holds, as
+/// "relation: attnum name type dropped" lines; the shards must match their node's shell.
+fn columns_match_everywhere(c: &TestCluster, table: &str) -> Vec<String> {
+    let mut shells = Vec::new();
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        let shape = |db: &mut postgres::Client, rel: &str| -> String {
+            db.query(
+                "SELECT attnum, CASE WHEN attisdropped THEN '' ELSE attname::text END,
+                        CASE WHEN attisdropped THEN 0 ELSE atttypid::oid END::int8, attisdropped
+                   FROM pg_attribute WHERE attrelid = $1::text::regclass AND attnum > 0
+                  ORDER BY attnum",
+                &[&rel],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} {} {} {}",
+                    r.get::<_, i16>(0),
+                    r.get::<_, String>(1),
+                    r.get::<_, i64>(2),
+                    r.get::<_, bool>(3)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+        };
+        let shell = shape(&mut db, table);
+        let shards: Vec<String> = db
+            .query(
+                "SELECT format('remus_shards.%I', c.relname) FROM pg_class c
+                   JOIN pg_namespace s ON s.oid = c.relnamespace AND s.nspname = 'remus_shards'
+                  WHERE c.relkind = 'r' AND c.relname ~ ('^' || $1 || '_[0-9]+$')",
+                &[&table],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for s in shards {
+            assert_eq!(shape(&mut db, &s), shell, "{n}: {s} against the shell");
+        }
+        shells.push(format!("{n}: {shell}"));
+    }
+    shells
+}
+
+/// The indexes of every shard table of `table` on every node whose definition contains `needle`.
+fn shard_indexes_with(c: &TestCluster, table: &str, needle: &str) -> i64 {
+    value_on_every_node::<i64>(
+        c,
+        "SELECT count(*) FROM pg_indexes
+          WHERE schemaname = 'remus_shards' AND tablename ~ ('^' || $1 || '_[0-9]+$')
+            AND indexdef LIKE '%' || $2 || '%'",
+        &[&table, &needle],
+    )
+    .into_iter()
+    .sum()
+}
+
+fn count(db: &mut postgres::Client, sql: &str) -> i64 {
+    db.query_one(sql, &[]).unwrap().get(0)
+}
+
+#[test]
+fn ddl_reaches_every_node_and_shard() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    let mut n3 = c.connect("n3").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE acct (id int PRIMARY KEY, bal int, note text);
+         INSERT INTO acct SELECT g, g * 10, 'n' || g FROM generate_series(1, 60) g;
+         SELECT remus_create_distributed_table('acct', 'id', 6);
+         CREATE TABLE region (id int PRIMARY KEY, name text);
+         SELECT remus_create_reference_table('region');
+         INSERT INTO region VALUES (1, 'north'), (2, 'south');",
+    )
+    .unwrap();
+    columns_match_everywhere(&c, "acct");
+
+    // ADD COLUMN with a default, entered through n2: every existing row has it on every shard.
+    n2.batch_execute("ALTER TABLE acct ADD COLUMN extra int DEFAULT 7")
+        .unwrap();
+    assert_eq!(count(&mut n3, "SELECT sum(extra) FROM acct"), 7 * 60);
+    n3.batch_execute("INSERT INTO acct (id, bal, note, extra) VALUES (61, 1, 'x', 1)")
+        .unwrap();
+    // Type, default, NOT NULL, in one statement and apart.
+    n3.batch_execute(
+        "ALTER TABLE acct ALTER COLUMN note TYPE varchar(40), ALTER COLUMN extra SET DEFAULT 9;
+         ALTER TABLE acct ALTER COLUMN extra SET NOT NULL",
+    )
+    .unwrap();
+    let e = n1
+        .batch_execute("INSERT INTO acct (id, bal, note, extra) VALUES (62, 1, 'x', NULL)")
+        .unwrap_err();
+    assert_eq!(sqlstate(&e), "23502", "{e:?}");
+    n1.batch_execute("INSERT INTO acct (id, bal, note) VALUES (62, 1, 'x')")
+        .unwrap();
+    assert_eq!(
+        count(&mut n2, "SELECT extra::int8 FROM acct WHERE id = 62"),
+        9
+    );
+    n1.batch_execute(
+        "ALTER TABLE acct ALTER COLUMN extra DROP NOT NULL, ALTER COLUMN extra DROP DEFAULT",
+    )
+    .unwrap();
+    n1.batch_execute("INSERT INTO acct (id, bal) VALUES (63, 1)")
+        .unwrap();
+    assert_eq!(
+        count(&mut n2, "SELECT count(*) FROM acct WHERE extra IS NULL"),
+        1
+    );
+    columns_match_everywhere(&c, "acct");
+
+    // CHECK constraints: enforced on every shard, dropped from every shard.
+    n2.batch_execute("ALTER TABLE acct ADD CONSTRAINT bal_positive CHECK (bal >= 0)")
+        .unwrap();
+    for id in 100..106 {
+        let e = n1
+            .execute("INSERT INTO acct (id, bal) VALUES ($1, -1)", &[&id])
+            .unwrap_err();
+        assert_eq!(sqlstate(&e), "23514", "{e:?}");
+    }
+    n3.batch_execute("ALTER TABLE acct DROP CONSTRAINT bal_positive")
+        .unwrap();
+    n1.batch_execute("INSERT INTO acct (id, bal) VALUES (100, -1)")
+        .unwrap();
+
+    // A UNIQUE constraint with the shard key, and an index: on every shard, then gone.
+    n1.batch_execute("ALTER TABLE acct ADD CONSTRAINT acct_id_note UNIQUE (id, note)")
+        .unwrap();
+    assert_eq!(shard_indexes_with(&c, "acct", "(id, note)"), 6);
+    n2.batch_execute("CREATE INDEX acct_bal_idx ON acct (bal)")
+        .unwrap();
+    assert_eq!(shard_indexes_with(&c, "acct", "(bal)"), 6);
+    n3.batch_execute("DROP INDEX acct_bal_idx; ALTER TABLE acct DROP CONSTRAINT acct_id_note")
+        .unwrap();
+    assert_eq!(shard_indexes_with(&c, "acct", "(bal)"), 0);
+    assert_eq!(shard_indexes_with(&c, "acct", "(id, note)"), 0);
+
+    // DROP COLUMN keeps the shards' column numbers equal to their shell's.
+    n2.batch_execute("ALTER TABLE acct DROP COLUMN note")
+        .unwrap();
+    columns_match_everywhere(&c, "acct");
+    n3.batch_execute("INSERT INTO acct (id, bal, extra) VALUES (64, 5, 5)")
+        .unwrap();
+    assert_eq!(
+        count(
+            &mut n1,
+            "SELECT sum(bal)::int8 FROM acct WHERE id IN (1, 64)"
+        ),
+        15
+    );
+
+    // Renames: a column, the shard key, the table.
+    n1.batch_execute("ALTER TABLE acct RENAME COLUMN bal TO balance")
+        .unwrap();
+    n2.batch_execute("ALTER TABLE acct RENAME COLUMN id TO acct_id")
+        .unwrap();
+    n3.batch_execute("ALTER TABLE acct RENAME TO account")
+        .unwrap();
+    for db in [&mut n1, &mut n2, &mut n3] {
+        assert_eq!(
+            count(db, "SELECT balance::int8 FROM account WHERE acct_id = 5"),
+            50
+        );
+    }
+    n2.batch_execute("UPDATE account SET balance = balance + 1 WHERE acct_id = 5")
+        .unwrap();
+    assert_eq!(
+        count(
+            &mut n1,
+            "SELECT count(*) FROM remus_shards WHERE table_name = 'account'"
+        ),
+        6
+    );
+    columns_match_everywhere(&c, "account");
+
+    // COMMENT and OWNER reach every node's shell.
+    for n in c.node_names() {
+        c.connect(&n)
+            .unwrap()
+            .batch_execute("CREATE ROLE ddl_owner")
+            .unwrap();
+    }
+    n1.batch_execute(
+        "COMMENT ON TABLE account IS 'accounts'; COMMENT ON COLUMN account.balance IS 'cents';
+         ALTER TABLE account OWNER TO ddl_owner",
+    )
+    .unwrap();
+    for n in c.node_names() {
+        let row = c
+            .connect(&n)
+            .unwrap()
+            .query_one(
+                "SELECT obj_description('account'::regclass, 'pg_class'),
+                        col_description('account'::regclass, 2),
+                        pg_get_userbyid(relowner)::text
+                   FROM pg_class WHERE oid = 'account'::regclass",
+                &[],
+            )
+            .unwrap();
+        assert_eq!(
+            (
+                row.get::<_, String>(0),
+                row.get::<_, String>(1),
+                row.get::<_, String>(2)
+            ),
+            ("accounts".into(), "cents".into(), "ddl_owner".into()),
+            "{n}"
+        );
+    }
+
+    // What is not propagated is refused before anything ran, naming it.
+    n2.batch_execute("CREATE TABLE plain (id int PRIMARY KEY)")
+        .unwrap();
+    let before = columns_match_everywhere(&c, "account");
+    for (sql, state) in [
+        (
+            "ALTER TABLE account ALTER COLUMN acct_id TYPE bigint",
+            "0A000",
+        ),
+        ("ALTER TABLE account DROP COLUMN acct_id", "0A000"),
+        ("ALTER TABLE account ADD COLUMN s serial", "0A000"),
+        (
+            "ALTER TABLE account ADD COLUMN r int REFERENCES region (id)",
+            "0A000",
+        ),
+        (
+            "ALTER TABLE account ADD CONSTRAINT u UNIQUE (balance)",
+            "42P16",
+        ),
+        ("CREATE UNIQUE INDEX ON account (balance)", "42P16"),
+        ("CREATE INDEX CONCURRENTLY ON account (balance)", "0A000"),
+        ("ALTER TABLE account SET UNLOGGED", "0A000"),
+        (
+            "ALTER TABLE account ADD COLUMN z int, SET UNLOGGED",
+            "0A000",
+        ),
+        (
+            "ALTER TABLE region ADD COLUMN at timestamptz DEFAULT now()",
+            "0A000",
+        ),
+        ("DROP TABLE account, plain", "0A000"),
+        ("DROP INDEX acct_pkey, plain_pkey", "0A000"),
+    ] {
+        let e = n2.batch_execute(sql).expect_err(sql);
+        assert_eq!(sqlstate(&e), state, "{sql}: {e:?}");
+    }
+    assert_eq!(columns_match_everywhere(&c, "account"), before);
+
+    // A reference table: its copy on every node follows.
+    n3.batch_execute(
+        "ALTER TABLE region ADD COLUMN code text DEFAULT 'x'; ALTER TABLE region DROP COLUMN name",
+    )
+    .unwrap();
+    columns_match_everywhere(&c, "region");
+    for db in [&mut n1, &mut n2, &mut n3] {
+        assert_eq!(count(db, "SELECT count(*) FROM region WHERE code = 'x'"), 2);
+    }
+
+    // A shard moved after the DDL carries it: the target's shard table has the shell's
+    // column numbers (a dropped column included) and serves reads and writes.
+    let (shard, from) = owners(&c, "account")[0].clone();
+    let to = if from == "n1" { "n2" } else { "n1" };
+    let status: String = n3
+        .query_one(
+            "SELECT status FROM remus_migrate_shard($1, $2)",
+            &[&shard, &to],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "succeeded");
+    columns_match_everywhere(&c, "account");
+    let total = count(&mut n1, "SELECT count(*) FROM account");
+    for id in 200..230 {
+        n3.execute(
+            "INSERT INTO account (acct_id, balance) VALUES ($1, 1)",
+            &[&id],
+        )
+        .unwrap();
+    }
+    assert_eq!(count(&mut n2, "SELECT count(*) FROM account"), total + 30);
+
+    // DROP TABLE: shells, shard tables and catalog rows gone from every node.
+    n2.batch_execute("DROP TABLE account").unwrap();
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        assert_eq!(
+            count(
+                &mut db,
+                "SELECT count(*) FROM pg_class WHERE relname ~ '^account(_[0-9]+)?$'"
+            ),
+            0,
+            "{n}"
+        );
+        assert_eq!(
+            count(
+                &mut db,
+                "SELECT count(*) FROM remus_shards WHERE table_name = 'account'"
+            ),
+            0,
+            "{n}"
+        );
+    }
+    assert_eq!(prepared_everywhere(&c), 0);
+}
+
+#[test]
+fn ddl_applies_everywhere_or_nowhere() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE t (id int PRIMARY KEY, v int);
+         INSERT INTO t SELECT g, g FROM generate_series(1, 30) g;
+         SELECT remus_create_distributed_table('t', 'id', 6);",
+    )
+    .unwrap();
+    let has_column = |name: &str| -> Vec<i64> {
+        value_on_every_node(
+            &c,
+            "SELECT count(*) FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+              WHERE a.attname = $1 AND NOT a.attisdropped
+                AND (c.relname = 't' OR c.relname ~ '^t_[0-9]+$')",
+            &[&name],
+        )
+    };
+    // Every node holds the shell and two shards: three tables with the column on each.
+    let everywhere = vec![3, 3, 3];
+    let nowhere = vec![0, 0, 0];
+
+    // Rolled back with its transaction.
+    n1.batch_execute("BEGIN; ALTER TABLE t ADD COLUMN a int; ROLLBACK")
+        .unwrap();
+    assert_eq!(has_column("a"), nowhere);
+    // In a transaction with routed writes: committed with them.
+    n1.batch_execute("BEGIN; UPDATE t SET v = 0 WHERE id = 1; ALTER TABLE t ADD COLUMN b int; UPDATE t SET b = 1 WHERE id = 2; COMMIT")
+        .unwrap();
+    assert_eq!(has_column("b"), everywhere);
+
+    // Failing on one node (an object of that name there) fails it on every node.
+    c.connect("n3")
+        .unwrap()
+        .batch_execute("CREATE TABLE t_w_idx (x int)")
+        .unwrap();
+    n1.batch_execute("ALTER TABLE t ADD COLUMN w int").unwrap();
+    let e = n1
+        .batch_execute("CREATE INDEX t_w_idx ON t (w)")
+        .unwrap_err();
+    assert_eq!(sqlstate(&e), "42P07", "{e:?}");
+    assert_eq!(shard_indexes_with(&c, "t", "(w)"), 0);
+    assert_eq!(prepared_everywhere(&c), 0);
+
+    // The entry node killed after every participant prepared, before its own commit: nothing
+    // anywhere once its recovery worker has rolled the participants back.
+    let mut victim = c.connect("n1").unwrap();
+    victim
+        .batch_execute("SET remus.crash_at = 'after_prepare'")
+        .unwrap();
+    assert!(victim
+        .batch_execute("ALTER TABLE t ADD COLUMN c int")
+        .is_err());
+    wait_recovered(&c);
+    assert_eq!(has_column("c"), nowhere);
+
+    // Killed after its own commit, before COMMIT PREPARED: everywhere once recovery has
+    // committed the participants by the recorded decision.
+    let mut victim = c.connect("n1").unwrap();
+    victim
+        .batch_execute("SET remus.crash_at = 'after_local_commit'")
+        .unwrap();
+    let _ = victim.batch_execute("ALTER TABLE t ADD COLUMN d int");
+    wait_recovered(&c);
+    assert_eq!(has_column("d"), everywhere);
+    columns_match_everywhere(&c, "t");
+    // The table still serves through every node.
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        db.batch_execute("UPDATE t SET d = 1 WHERE id = 3").unwrap();
+        assert_eq!(count(&mut db, "SELECT count(*) FROM t"), 30);
+    }
+}
+
+/// Waits until n1 accepts connections again after its crash and no node holds a prepared
+/// transaction (the recovery worker has finished them).
+fn wait_recovered(c: &TestCluster) {
+    wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(250),
+        || c.connect("n1").is_ok() && prepared_everywhere(c) == 0,
+        || format!("n1 did not recover\n{}", c.daemon_logs(40)),
+    );
+}
