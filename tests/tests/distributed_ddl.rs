@@ -372,7 +372,7 @@ fn ddl_applies_everywhere_or_nowhere() {
     assert!(victim
         .batch_execute("ALTER TABLE t ADD COLUMN c int")
         .is_err());
-    wait_recovered(&c);
+    wait_recovered(&c, "n1");
     assert_eq!(has_column("c"), nowhere);
 
     // Killed after its own commit, before COMMIT PREPARED: everywhere once recovery has
@@ -382,7 +382,7 @@ fn ddl_applies_everywhere_or_nowhere() {
         .batch_execute("SET remus.crash_at = 'after_local_commit'")
         .unwrap();
     let _ = victim.batch_execute("ALTER TABLE t ADD COLUMN d int");
-    wait_recovered(&c);
+    wait_recovered(&c, "n1");
     assert_eq!(has_column("d"), everywhere);
     columns_match_everywhere(&c, "t");
     // The table still serves through every node.
@@ -393,13 +393,174 @@ fn ddl_applies_everywhere_or_nowhere() {
     }
 }
 
-/// Waits until n1 accepts connections again after its crash and no node holds a prepared
+/// Waits until `node` accepts connections again after its crash and no node holds a prepared
 /// transaction (the recovery worker has finished them).
-fn wait_recovered(c: &TestCluster) {
+fn wait_recovered(c: &TestCluster, node: &str) {
     wait_until(
         Duration::from_secs(120),
         Duration::from_millis(250),
-        || c.connect("n1").is_ok() && prepared_everywhere(c) == 0,
-        || format!("n1 did not recover\n{}", c.daemon_logs(40)),
+        || c.connect(node).is_ok() && prepared_everywhere(c) == 0,
+        || format!("{node} did not recover\n{}", c.daemon_logs(40)),
     );
+}
+
+/// The shape of a table, names of its indexes and index-backed constraints aside (a shard's
+/// are its own): columns (dropped ones as `-`, in number order), constraints, indexes.
+const SHAPE_FUNCTION: &str = "
+CREATE FUNCTION ddl_shape(rel regclass) RETURNS text LANGUAGE sql STABLE AS $$
+SELECT concat_ws(' | ',
+  (SELECT string_agg(CASE WHEN a.attisdropped THEN '-'
+                          ELSE concat_ws(':', a.attname, format_type(a.atttypid, a.atttypmod),
+                                         a.attnotnull, pg_get_expr(d.adbin, d.adrelid)) END,
+                     ', ' ORDER BY a.attnum)
+     FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    WHERE a.attrelid = rel AND a.attnum > 0),
+  (SELECT string_agg(CASE WHEN contype = 'c' THEN conname || ' ' ELSE '' END
+                     || pg_get_constraintdef(oid), ', ' ORDER BY 1)
+     FROM pg_constraint WHERE conrelid = rel),
+  (SELECT string_agg(indisunique || substring(pg_get_indexdef(indexrelid) FROM ' USING .*$'),
+                     ', ' ORDER BY 1)
+     FROM pg_index WHERE indrelid = rel))
+$$;
+CREATE FUNCTION ddl_fingerprint() RETURNS text LANGUAGE sql STABLE AS $$
+SELECT coalesce(string_agg(concat_ws(' / ', c.relname, pg_get_userbyid(c.relowner),
+                                     obj_description(c.oid, 'pg_class'), ddl_shape(c.oid),
+                                     (SELECT string_agg(indexrelid::regclass::text, ', ' ORDER BY 1)
+                                        FROM pg_index WHERE indrelid = c.oid)),
+                           ' // ' ORDER BY c.relname), 'no table')
+  FROM remus.distributed_tables d JOIN pg_class c ON c.oid = d.logicalrelid
+$$;
+CREATE FUNCTION ddl_shards_follow() RETURNS bool LANGUAGE sql STABLE AS $$
+WITH shard AS (
+  SELECT c.oid AS shell, to_regclass(format('remus_shards.%I', c.relname || '_' || s.shard_id)) AS rel
+    FROM remus.distributed_tables d JOIN pg_class c ON c.oid = d.logicalrelid
+    JOIN remus.shards s ON s.logicalrelid = d.logicalrelid)
+SELECT coalesce((SELECT bool_and(ddl_shape(rel) = ddl_shape(shell)) FROM shard WHERE rel IS NOT NULL), true)
+   AND NOT EXISTS (SELECT FROM pg_class t
+                    WHERE t.relnamespace = 'remus_shards'::regnamespace AND t.relkind = 'r'
+                      AND t.oid NOT IN (SELECT rel FROM shard WHERE rel IS NOT NULL))
+$$;";
+
+/// Every node's fingerprint of its distributed tables (name, owner, comment, shape, shard
+/// tables held), after checking that each shard table has its shell's shape.
+fn fingerprints(c: &TestCluster) -> Vec<String> {
+    for n in c.node_names() {
+        let follow: bool = c
+            .connect(&n)
+            .unwrap()
+            .query_one("SELECT ddl_shards_follow()", &[])
+            .unwrap()
+            .get(0);
+        assert!(
+            follow,
+            "{n}: a shard table differs from its shell, or belongs to no table"
+        );
+    }
+    value_on_every_node(c, "SELECT ddl_fingerprint()", &[])
+}
+
+/// Each DDL form, entered through a node whose backend is killed between the two phases of
+/// its commit: after the participants prepared and before its own commit, the change is
+/// nowhere once the node is back and recovery ran; after its own commit and before COMMIT
+/// PREPARED, it is everywhere. Either way every shard table has its shell's shape, and a shard
+/// migrated afterwards carries every change.
+#[test]
+fn every_form_is_all_or_nothing_across_a_crash_between_the_phases() {
+    let c = TestCluster::start(3).expect("cluster up");
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        db.batch_execute(SHAPE_FUNCTION).unwrap();
+        db.batch_execute("CREATE ROLE ddl_owner").unwrap();
+    }
+    c.connect("n1")
+        .unwrap()
+        .batch_execute(
+            "CREATE TABLE t (id int PRIMARY KEY, v int, w text);
+         INSERT INTO t SELECT g, g, 'w' || g FROM generate_series(1, 40) g;
+         SELECT remus_create_distributed_table('t', 'id', 4);
+         CREATE TABLE r (id int PRIMARY KEY, name text);
+         INSERT INTO r VALUES (1, 'one');
+         SELECT remus_create_reference_table('r');",
+        )
+        .unwrap();
+    let forms = [
+        "ALTER TABLE t ADD COLUMN a int DEFAULT 1",
+        "ALTER TABLE t ALTER COLUMN w TYPE varchar(20)",
+        "ALTER TABLE t ALTER COLUMN v SET DEFAULT 5",
+        "ALTER TABLE t ALTER COLUMN v SET NOT NULL",
+        "ALTER TABLE t ADD CONSTRAINT v_positive CHECK (v >= 0)",
+        "ALTER TABLE t DROP CONSTRAINT v_positive",
+        "ALTER TABLE t ADD CONSTRAINT t_id_v UNIQUE (id, v)",
+        "ALTER TABLE t DROP CONSTRAINT t_id_v",
+        "CREATE INDEX t_w_idx ON t (w)",
+        "ALTER INDEX t_w_idx RENAME TO t_w_index",
+        "DROP INDEX t_w_index",
+        "ALTER TABLE t DROP COLUMN a",
+        "ALTER TABLE t RENAME COLUMN w TO label",
+        "ALTER TABLE t RENAME COLUMN id TO t_id",
+        "COMMENT ON TABLE t IS 'the table'",
+        "ALTER TABLE t OWNER TO ddl_owner",
+        "ALTER TABLE t RENAME TO t2",
+        "ALTER TABLE r ADD COLUMN code text DEFAULT 'x'",
+        "DROP TABLE r",
+    ];
+    let nodes = c.node_names();
+    for (i, ddl) in forms.iter().enumerate() {
+        let entry = &nodes[i % nodes.len()];
+        let before = fingerprints(&c);
+
+        let mut victim = c.connect(entry).unwrap();
+        victim
+            .batch_execute("SET remus.crash_at = 'after_prepare'")
+            .unwrap();
+        assert!(
+            victim.batch_execute(ddl).is_err(),
+            "{ddl}: the backend lived"
+        );
+        wait_recovered(&c, entry);
+        assert_eq!(
+            fingerprints(&c),
+            before,
+            "{ddl} through {entry}: not nowhere"
+        );
+
+        let mut victim = c.connect(entry).unwrap();
+        victim
+            .batch_execute("SET remus.crash_at = 'after_local_commit'")
+            .unwrap();
+        assert!(
+            victim.batch_execute(ddl).is_err(),
+            "{ddl}: the backend lived"
+        );
+        wait_recovered(&c, entry);
+        let after = fingerprints(&c);
+        for (n, (b, a)) in nodes.iter().zip(before.iter().zip(&after)) {
+            assert_ne!(a, b, "{ddl} through {entry}: not applied on {n}");
+        }
+        assert!(
+            after.iter().all(|f| *f == after[0]),
+            "{ddl} through {entry}: nodes differ: {after:#?}"
+        );
+    }
+
+    // A shard moved after every form carries them all, and the table serves through every node.
+    let (shard, from) = owners(&c, "t2")[0].clone();
+    let to = nodes.iter().find(|n| **n != from).unwrap();
+    let status: String = c
+        .connect("n1")
+        .unwrap()
+        .query_one(
+            "SELECT status FROM remus_migrate_shard($1, $2)",
+            &[&shard, to],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "succeeded");
+    fingerprints(&c);
+    for n in &nodes {
+        let mut db = c.connect(n).unwrap();
+        db.batch_execute("UPDATE t2 SET v = v + 1 WHERE t_id = 7")
+            .unwrap();
+        assert_eq!(count(&mut db, "SELECT count(*) FROM t2"), 40);
+    }
 }
