@@ -19,8 +19,8 @@
 //! - `application_role_needs_usage_on_the_sequences`: a role granted INSERT, SELECT and USAGE on
 //!   the sequences before distribution inserts with the defaults through every node (one row,
 //!   several, COPY); a role granted INSERT and SELECT only gets PostgreSQL's 42501 for the
-//!   sequence, and after `GRANT USAGE ON SEQUENCE` on each node (a GRANT on a sequence is not
-//!   propagated, decision 0019) inserts too.
+//!   sequence, and after one `GRANT USAGE ON SEQUENCE` through n2 (propagated to every node,
+//!   `router/grant.rs`) inserts too; a GRANT naming such a sequence and another is refused.
 //! - `moved_shard_keeps_drawing_unique_values`: 2 nodes; a shard moved from n1 to n2
 //!   (`remus_migrate_shard`) takes rows again through both nodes, its non-key default now drawn
 //!   from n2's range; every value still distinct and every row in its shard.
@@ -397,13 +397,17 @@ fn application_role_needs_usage_on_the_sequences() {
             .unwrap_err();
         assert_eq!(sqlstate(&e), "42501", "{n}: COPY: {e:?}");
     }
-    // A GRANT on a sequence is not propagated: granted on each node, it takes effect.
-    for n in c.node_names() {
-        c.connect(&n)
-            .unwrap()
-            .batch_execute("GRANT USAGE ON SEQUENCE orders_id_seq, orders_seq_seq TO plain")
-            .unwrap();
-    }
+    // A GRANT on the table's sequences through one node reaches every node.
+    c.connect("n2")
+        .unwrap()
+        .batch_execute("GRANT USAGE ON SEQUENCE orders_id_seq, orders_seq_seq TO plain")
+        .unwrap();
+    // Naming another sequence with them would grant on one node only: refused.
+    n1.batch_execute("CREATE SEQUENCE local_seq").unwrap();
+    let e = n1
+        .batch_execute("GRANT USAGE ON SEQUENCE orders_id_seq, local_seq TO plain")
+        .unwrap_err();
+    assert_eq!(sqlstate(&e), "0A000", "{e:?}");
     for n in c.node_names() {
         let mut db = connect_as(&c, &n, &plain).unwrap();
         db.batch_execute("INSERT INTO orders (note) VALUES ('p'), ('q'), ('r'), ('s')")

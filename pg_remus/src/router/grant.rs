@@ -1,4 +1,5 @@
-//! GRANT and REVOKE on distributed and reference tables, on every node at once.
+//! GRANT and REVOKE on distributed and reference tables, and on the sequences their columns own,
+//! on every node at once.
 //!
 //! Privileges are checked on the shell of the node a statement enters through, and again on
 //! the shell of each node that runs part of it (`router::privileges`), so every node's shell
@@ -36,9 +37,11 @@ pub(crate) unsafe fn to_propagate(
             return Ok(None);
         }
         let grant = stmt as *mut pg_sys::GrantStmt;
-        if (*grant).objtype != pg_sys::ObjectType::OBJECT_TABLE {
-            return Ok(None);
-        }
+        let sequences = match (*grant).objtype {
+            pg_sys::ObjectType::OBJECT_TABLE => false,
+            pg_sys::ObjectType::OBJECT_SEQUENCE => true,
+            _ => return Ok(None),
+        };
         match (*grant).targtype {
             pg_sys::GrantTargetType::ACL_TARGET_OBJECT => {
                 let mut distributed = 0;
@@ -51,8 +54,13 @@ pub(crate) unsafe fn to_propagate(
                         None,
                         std::ptr::null_mut(),
                     );
-                    if relid != pg_sys::InvalidOid && super::placement::dist_table(relid)?.is_some()
-                    {
+                    let is_distributed = relid != pg_sys::InvalidOid
+                        && if sequences {
+                            sequence_of_distributed_table(relid)?
+                        } else {
+                            super::placement::dist_table(relid)?.is_some()
+                        };
+                    if is_distributed {
                         distributed += 1;
                     }
                 }
@@ -60,9 +68,11 @@ pub(crate) unsafe fn to_propagate(
                     return Ok(None);
                 }
                 if distributed != objects.len() {
-                    return Err(RemusError::Unsupported(
-                        "GRANT or REVOKE on distributed and local tables in one statement",
-                    ));
+                    return Err(RemusError::Unsupported(if sequences {
+                        "GRANT or REVOKE on sequences of distributed tables and other sequences in one statement"
+                    } else {
+                        "GRANT or REVOKE on distributed and local tables in one statement"
+                    }));
                 }
             }
             pg_sys::GrantTargetType::ACL_TARGET_ALL_IN_SCHEMA => {
@@ -78,9 +88,11 @@ pub(crate) unsafe fn to_propagate(
                     &[schemas.into()],
                 )?;
                 if holds_distributed == Some(true) {
-                    return Err(RemusError::Unsupported(
-                        "GRANT or REVOKE ON ALL TABLES IN SCHEMA of a schema holding distributed tables (name the tables)",
-                    ));
+                    return Err(RemusError::Unsupported(if sequences {
+                        "GRANT or REVOKE ON ALL SEQUENCES IN SCHEMA of a schema holding distributed tables (name the sequences)"
+                    } else {
+                        "GRANT or REVOKE ON ALL TABLES IN SCHEMA of a schema holding distributed tables (name the tables)"
+                    }));
                 }
                 return Ok(None);
             }
@@ -92,6 +104,21 @@ pub(crate) unsafe fn to_propagate(
             query_string,
         )))
     }
+}
+
+/// Is sequence `relid` one that a distributed table's column owns (`bigserial`, or OWNED BY)?
+/// Such a sequence exists on every node, each drawing its own range (decision 0019), so a
+/// grant on it must reach every node as the table's do.
+fn sequence_of_distributed_table(relid: pg_sys::Oid) -> Result<bool, RemusError> {
+    Ok(crate::pg::spi::read_one::<bool>(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_depend d
+                          JOIN remus.distributed_tables t ON t.logicalrelid = d.refobjid
+                         WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.objid = $1
+                           AND d.refclassid = 'pg_catalog.pg_class'::regclass
+                           AND d.deptype = 'a')",
+        &[relid.into()],
+    )?
+    .unwrap_or(false))
 }
 
 /// Runs `sql` (a GRANT / REVOKE that ran here) on every other node, in this transaction.
