@@ -1,9 +1,11 @@
 //! Schema changes of distributed and reference tables from any node, on every node and every
-//! shard or on none (issue 18 item 3; `pg_remus/src/ddl/`, decision 0021).
+//! shard or on none (issue 18 item 3; `pg_remus/src/ddl/`, decision 0021), by a superuser and by
+//! the table's owner role.
 
 use std::time::Duration;
 
 use integration::pgbench::prepared_everywhere;
+use integration::roles::{connect_as, Role};
 use integration::shards::{owners, value_on_every_node};
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::{sqlstate, wait_until};
@@ -563,4 +565,85 @@ fn every_form_is_all_or_nothing_across_a_crash_between_the_phases() {
             .unwrap();
         assert_eq!(count(&mut db, "SELECT count(*) FROM t2"), 40);
     }
+}
+
+/// An application role that owns a distributed table (LOGIN, no superuser; `remus_admin` to
+/// distribute it) changes its schema through any node, as on one PostgreSQL; another role gets
+/// PostgreSQL's own 42501 and changes nothing anywhere.
+#[test]
+fn the_table_owner_role_changes_the_schema_through_any_node() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let owner = Role::new("ddl_app", "ddl-app-Pw-1");
+    let other = Role::new("ddl_other", "ddl-other-Pw-2");
+    for n in c.node_names() {
+        c.connect(&n)
+            .unwrap()
+            .batch_execute(&format!(
+                "{}; {}; GRANT remus_admin TO ddl_app; GRANT CREATE ON SCHEMA public TO ddl_app;",
+                owner.create_sql(),
+                other.create_sql()
+            ))
+            .unwrap();
+    }
+    let mut o1 = connect_as(&c, "n1", &owner).unwrap();
+    o1.batch_execute(
+        "CREATE TABLE owned (id int PRIMARY KEY, v int);
+         INSERT INTO owned SELECT g, g FROM generate_series(1, 20) g;
+         SELECT remus_create_distributed_table('owned', 'id', 4);",
+    )
+    .unwrap();
+    // Apart: the conversion's remote work runs as the cluster's superuser, the GRANT's as the
+    // owner, and one transaction runs as one role on another node.
+    o1.batch_execute("GRANT SELECT ON owned TO ddl_other")
+        .unwrap();
+    let mut o2 = connect_as(&c, "n2", &owner).unwrap();
+    o2.batch_execute(
+        "ALTER TABLE owned ADD COLUMN note text DEFAULT 'n', ALTER COLUMN v SET NOT NULL;
+         CREATE INDEX owned_v_idx ON owned (v);
+         ALTER TABLE owned ADD CONSTRAINT v_small CHECK (v < 1000);
+         ALTER TABLE owned RENAME COLUMN v TO val;
+         COMMENT ON COLUMN owned.val IS 'value';",
+    )
+    .unwrap();
+    columns_match_everywhere(&c, "owned");
+    assert_eq!(shard_indexes_with(&c, "owned", "(val)"), 4);
+    let mut o3 = connect_as(&c, "n3", &owner).unwrap();
+    let e = o3
+        .batch_execute("INSERT INTO owned (id, val) VALUES (100, 5000)")
+        .unwrap_err();
+    assert_eq!(sqlstate(&e), "23514", "{e:?}");
+    assert_eq!(
+        count(&mut o3, "SELECT count(*) FROM owned WHERE note = 'n'"),
+        20
+    );
+
+    // Not the owner: PostgreSQL's refusal on the node it entered, nothing changed anywhere.
+    let before = columns_match_everywhere(&c, "owned");
+    let mut x2 = connect_as(&c, "n2", &other).unwrap();
+    for sql in [
+        "ALTER TABLE owned ADD COLUMN z int",
+        "CREATE INDEX ON owned (note)",
+        "DROP INDEX owned_v_idx",
+        "ALTER TABLE owned RENAME TO mine",
+        "COMMENT ON TABLE owned IS 'x'",
+        "DROP TABLE owned",
+    ] {
+        let e = x2.batch_execute(sql).expect_err(sql);
+        assert_eq!(sqlstate(&e), "42501", "{sql}: {e:?}");
+    }
+    assert_eq!(columns_match_everywhere(&c, "owned"), before);
+    assert_eq!(shard_indexes_with(&c, "owned", "(val)"), 4);
+
+    // The owner drops it from any node: gone everywhere.
+    o3.batch_execute("DROP INDEX owned_v_idx; DROP TABLE owned")
+        .unwrap();
+    assert_eq!(
+        value_on_every_node::<i64>(
+            &c,
+            "SELECT count(*) FROM pg_class WHERE relname ~ '^owned(_[0-9]+)?$'",
+            &[]
+        ),
+        vec![0, 0, 0]
+    );
+    assert_eq!(prepared_everywhere(&c), 0);
 }
