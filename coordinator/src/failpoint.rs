@@ -43,6 +43,11 @@ pub const HANDOVER_DECISION_UNREADABLE: &str = "handover.decision_unreadable";
 /// record stays `running` in the phase it reached, as when etcd is down at the end.
 pub const END_UNRECORDED: &str = "end.unrecorded";
 
+/// `delay <ms>`: the propagator waits this long after shipping each source transaction to the
+/// replay worker, so the target replays slower than the source writes (a test of the catch-up's
+/// convergence limit, decision 0022). Read again every 500 ms while the stream runs.
+pub const CATCHUP_SLOW_REPLAY: &str = "catchup.slow_replay";
+
 /// The failpoints of one coordinator.
 #[derive(Clone, Debug, Default)]
 pub struct Failpoints {
@@ -53,6 +58,7 @@ pub struct Failpoints {
 enum Action {
     Pause,
     Error,
+    Delay(Duration),
 }
 
 impl Failpoints {
@@ -74,12 +80,23 @@ impl Failpoints {
         match text.trim() {
             "pause" => Some((path, Action::Pause)),
             "error" => Some((path, Action::Error)),
+            other if other.starts_with("delay ") => match other["delay ".len()..].trim().parse() {
+                Ok(ms) => Some((path, Action::Delay(Duration::from_millis(ms)))),
+                Err(_) => {
+                    warn!(
+                        failpoint = name,
+                        action = other,
+                        "delay without milliseconds ignored"
+                    );
+                    None
+                }
+            },
             other => {
                 // A typo must not pass silently as "not armed" in a test that relies on it.
                 warn!(
                     failpoint = name,
                     action = other,
-                    "unknown failpoint action ignored (known: pause, error)"
+                    "unknown failpoint action ignored (known: pause, error, delay <ms>)"
                 );
                 None
             }
@@ -106,6 +123,14 @@ impl Failpoints {
                 tokio::time::sleep(POLL).await;
             }
             released(&path, name, migration_id);
+        }
+    }
+
+    /// The delay `name` is armed with (`delay <ms>`), if any.
+    pub fn delay(&self, name: &str) -> Option<Duration> {
+        match self.armed(name) {
+            Some((_, Action::Delay(d))) => Some(d),
+            _ => None,
         }
     }
 

@@ -256,6 +256,30 @@ pub struct MigrationRecord {
     /// every phase change and on success; kept on failure as a diagnostic.
     #[serde(default)]
     pub waiting_on: Option<String>,
+    /// Rates and lag measured during copy and catch-up (decision 0022); a progress field.
+    #[serde(default)]
+    pub rates: Rates,
+}
+
+/// What the driver measured of a migration's copy and catch-up (decision 0022): `None` until
+/// measured; kept after the phase that measured them, so a finished record shows the last
+/// values. Units as in the proto's `Migration` (bytes, bytes/s, transactions/s, milliseconds).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rates {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_total_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_bytes_per_sec: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_wal_bytes_per_sec: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_bytes_per_sec: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_txns_per_sec: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag_ms: Option<u64>,
 }
 
 impl MigrationRecord {
@@ -289,6 +313,7 @@ impl MigrationRecord {
             txns_replayed: other.txns_replayed,
             aborted_by_migration: other.aborted_by_migration,
             waiting_on: other.waiting_on.clone(),
+            rates: other.rates.clone(),
             ..self.clone()
         }
     }
@@ -432,6 +457,7 @@ impl MigrationStore {
                 finished_at_ms: None,
                 error: None,
                 waiting_on: None,
+                rates: Rates::default(),
             };
             let value = encode(&record)?;
             let record_key = self.record_key(id);
@@ -544,7 +570,8 @@ impl MigrationStore {
 
     /// Moves a running migration one step along its mode's path (see [`Phase::can_advance_to`]),
     /// recording how long the phase it leaves took, and applies `update` to the progress fields
-    /// (`rows_copied`, `bytes_copied`, `txns_replayed`, `aborted_by_migration`, `waiting_on`; an
+    /// (`rows_copied`, `bytes_copied`, `txns_replayed`, `aborted_by_migration`, `waiting_on`,
+    /// `rates`; an
     /// update that touches any other field is refused as [`MigrationError::Invalid`]).
     /// `waiting_on` is cleared before `update` runs. Advancing to [`Phase::Done`] makes the record
     /// [`Status::Succeeded`] and releases its shard locks in the same transaction.
@@ -715,7 +742,7 @@ where
     if before.with_progress_of(record) != *record {
         return Err(MigrationError::Invalid(
             "an update may change only rows_copied, bytes_copied, txns_replayed, \
-             aborted_by_migration and waiting_on"
+             aborted_by_migration, waiting_on and rates"
                 .into(),
         ));
     }
@@ -963,6 +990,7 @@ mod tests {
             finished_at_ms: None,
             error: None,
             waiting_on: Some("slot creation waits for xid 1234".into()),
+            rates: Rates::default(),
         }
     }
 

@@ -90,6 +90,7 @@ impl Propagator {
         publication: String,
         start: Lsn,
         parallelism: u32,
+        failpoints: crate::failpoint::Failpoints,
     ) -> Result<Self, PropagatorError> {
         let replay_err = |detail: String| PropagatorError::Replay {
             endpoint: replay_endpoint.to_string(),
@@ -161,6 +162,7 @@ impl Propagator {
                     start,
                     thread_tx,
                     &p,
+                    &failpoints,
                 )
             })
             .expect("spawning a thread");
@@ -240,6 +242,8 @@ impl Propagator {
     }
 }
 
+// One caller (`Propagator::start`), which names every argument it passes.
+#[allow(clippy::too_many_arguments)]
 fn stream_loop(
     migration_id: u64,
     conn: ReplicationConnection,
@@ -248,11 +252,17 @@ fn stream_loop(
     start: Lsn,
     tx: mpsc::Sender<ApplyRequest>,
     progress: &Progress,
+    failpoints: &crate::failpoint::Failpoints,
 ) -> Result<ReplicationConnection, PropagatorError> {
     let mut stream = conn.start_streaming(slot, start, publication)?;
     info!(migration_id, phase = "catchup", slot, %start, "streaming started");
     let mut assembler = TxnAssembler::new(AssemblerConfig::default());
     let mut confirmed = start;
+    // Test-only: a slower replay (failpoint `catchup.slow_replay`), looked up twice a second.
+    let mut slow_replay = (
+        std::time::Instant::now(),
+        failpoints.delay(crate::failpoint::CATCHUP_SLOW_REPLAY),
+    );
     let result = (|| -> Result<(), PropagatorError> {
         while !progress.stop.load(Ordering::Acquire) {
             // Only what the target has flushed is confirmed (it becomes the slot's
@@ -281,6 +291,15 @@ fn stream_loop(
                                 endpoint: String::new(),
                                 detail: "the replay call ended".into(),
                             });
+                        }
+                        if slow_replay.0.elapsed() >= Duration::from_millis(500) {
+                            slow_replay = (
+                                std::time::Instant::now(),
+                                failpoints.delay(crate::failpoint::CATCHUP_SLOW_REPLAY),
+                            );
+                        }
+                        if let Some(d) = slow_replay.1 {
+                            std::thread::sleep(d);
                         }
                     }
                 }

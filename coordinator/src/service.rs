@@ -111,6 +111,13 @@ impl From<MigrationRecord> for Migration {
             error: r.error,
             waiting_on: r.waiting_on,
             phase_started_at_ms: r.phase_started_at_ms,
+            copy_total_bytes: r.rates.copy_total_bytes,
+            copy_bytes_per_sec: r.rates.copy_bytes_per_sec,
+            source_wal_bytes_per_sec: r.rates.source_wal_bytes_per_sec,
+            replay_bytes_per_sec: r.rates.replay_bytes_per_sec,
+            replay_txns_per_sec: r.rates.replay_txns_per_sec,
+            lag_bytes: r.rates.lag_bytes,
+            lag_ms: r.rates.lag_ms,
         }
     }
 }

@@ -676,6 +676,7 @@ async fn grpc_list_migrations_mirrors_the_records() {
             lock_grace: std::time::Duration::from_secs(1),
             gate_timeout: std::time::Duration::from_secs(1),
             verify_handover: false,
+            catchup_converge_limit: std::time::Duration::from_secs(300),
             failpoints: coordinator::failpoint::Failpoints::disabled(),
         }),
         runtime: coordinator::service::MigrationRuntime(tokio::runtime::Handle::current()),

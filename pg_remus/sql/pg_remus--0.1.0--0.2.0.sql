@@ -15,4 +15,48 @@
 
 \echo Use "ALTER EXTENSION pg_remus UPDATE" to load this file. \quit
 
--- 0.2.0 has not changed the SQL surface of 0.1.0 yet.
+-- Decision 0022: remus_migrations gains the migration's rates and lag (copy total and rate,
+-- source WAL rate, replay rates, lag in bytes and milliseconds); remus.list_migrations returns
+-- them, so the view that reads it is dropped and made again, with its grants.
+DROP VIEW remus_migrations;
+DROP FUNCTION remus.list_migrations();
+CREATE  FUNCTION remus."list_migrations"() RETURNS TABLE (
+	"migration_id" bigint,  /* i64 */
+	"shard_ids" bigint[],  /* Vec < i64 > */
+	"source" TEXT,  /* String */
+	"target" TEXT,  /* String */
+	"mode" TEXT,  /* String */
+	"phase" TEXT,  /* String */
+	"status" TEXT,  /* String */
+	"rows_copied" bigint,  /* i64 */
+	"bytes_copied" bigint,  /* i64 */
+	"txns_replayed" bigint,  /* i64 */
+	"aborted_by_migration" bigint,  /* i64 */
+	"phase_ms" TEXT,  /* String */
+	"started_at_ms" bigint,  /* i64 */
+	"finished_at_ms" bigint,  /* Option < i64 > */
+	"waiting_on" TEXT,  /* Option < String > */
+	"error" TEXT,  /* Option < String > */
+	"copy_total_bytes" bigint,  /* Option < i64 > */
+	"copy_bytes_per_sec" bigint,  /* Option < i64 > */
+	"source_wal_bytes_per_sec" bigint,  /* Option < i64 > */
+	"replay_bytes_per_sec" bigint,  /* Option < i64 > */
+	"replay_txns_per_sec" bigint,  /* Option < i64 > */
+	"lag_bytes" bigint,  /* Option < i64 > */
+	"lag_ms" bigint  /* Option < i64 > */
+)
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'list_migrations_wrapper';
+CREATE VIEW remus_migrations AS
+    SELECT migration_id, shard_ids, source, target, mode, phase, status, rows_copied,
+           bytes_copied, txns_replayed, aborted_by_migration, phase_ms::jsonb AS phase_ms,
+           to_timestamp(started_at_ms / 1000.0) AS started_at,
+           to_timestamp(finished_at_ms / 1000.0) AS finished_at, waiting_on, error,
+           copy_total_bytes, copy_bytes_per_sec, source_wal_bytes_per_sec, replay_bytes_per_sec,
+           replay_txns_per_sec, lag_bytes, lag_ms
+      FROM remus.list_migrations();
+COMMENT ON VIEW remus_migrations IS 'Shard migrations, running and finished, as the coordinator keeps them: live phase, status, counters, rates and lag, what a running one waits on, why a failed one failed';
+REVOKE EXECUTE ON FUNCTION remus.list_migrations() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION remus.list_migrations() TO remus_admin;
+GRANT SELECT ON remus_migrations TO remus_admin;

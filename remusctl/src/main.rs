@@ -1,5 +1,6 @@
 //! remusctl: operate a pg_remus cluster.
 
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -161,14 +162,27 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             };
             let mut last: Option<remus_proto::v1::Migration> = None;
             let mut last_phase = String::new();
-            while let Some(ev) = events.message().await? {
-                let Some(m) = ev.migration else { continue };
-                if m.phase != last_phase {
-                    println!("{}", progress_line(&m));
-                    last_phase = m.phase.clone();
+            let mut live = LiveLine::new(std::io::stdout().is_terminal());
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    ev = events.message() => {
+                        let Some(ev) = ev? else { break };
+                        let Some(m) = ev.migration else { continue };
+                        if m.phase != last_phase {
+                            live.clear();
+                            println!("{}", progress_line(&m));
+                            last_phase = m.phase.clone();
+                        }
+                        last = Some(m);
+                    }
+                    _ = tick.tick() => {}
                 }
-                last = Some(m);
+                if let Some(m) = last.as_ref().filter(|m| m.status == "running") {
+                    live.show(&live_line(m, coordinator::migration::now_ms()));
+                }
             }
+            live.clear();
             let Some(m) = last else {
                 anyhow::bail!("the coordinator sent no migration record")
             };
@@ -220,6 +234,106 @@ fn progress_line(m: &remus_proto::v1::Migration) -> String {
             format!("; done: {previous}")
         }
     )
+}
+
+/// The live progress line of `remusctl migrate`: redrawn in place on a terminal; otherwise
+/// printed as a line of its own when a phase starts and then at most every [`LiveLine::EVERY`].
+struct LiveLine {
+    tty: bool,
+    shown: bool,
+    printed: Option<std::time::Instant>,
+}
+
+impl LiveLine {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(3);
+
+    fn new(tty: bool) -> Self {
+        Self {
+            tty,
+            shown: false,
+            printed: None,
+        }
+    }
+
+    fn show(&mut self, line: &str) {
+        if self.tty {
+            print!("\r\x1b[K{line}");
+            let _ = std::io::stdout().flush();
+            self.shown = true;
+        } else if self.printed.is_none_or(|t| t.elapsed() >= Self::EVERY) {
+            println!("{line}");
+            self.printed = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Removes the redrawn line before a line of its own is printed; the next line is shown
+    /// at once (a phase's first progress line is printed however short the phase).
+    fn clear(&mut self) {
+        self.printed = None;
+        if self.shown {
+            print!("\r\x1b[K");
+            let _ = std::io::stdout().flush();
+            self.shown = false;
+        }
+    }
+}
+
+/// Bytes for people: B, KiB, MiB, GiB with one decimal.
+fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = b as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// What a running migration's current phase has done so far (decision 0022): copy: bytes copied
+/// of the tables' size, rows, rate; catch-up: lag in bytes and seconds, the source's and the
+/// replay's rates; every phase: its elapsed time and what it waits on.
+fn live_line(m: &remus_proto::v1::Migration, now_ms: u64) -> String {
+    let elapsed = now_ms.saturating_sub(m.phase_started_at_ms) as f64 / 1000.0;
+    let opt = |v: Option<u64>, f: &dyn Fn(u64) -> String| v.map_or("-".to_string(), f);
+    let rate = |v: u64| format!("{}/s", human_bytes(v));
+    let mut line = format!("progress: {} {elapsed:.1} s", m.phase);
+    match m.phase.as_str() {
+        "copy" => {
+            let of = match m.copy_total_bytes {
+                Some(t) if t > 0 => format!(
+                    " of {} ({:.0}%)",
+                    human_bytes(t),
+                    m.bytes_copied as f64 * 100.0 / t as f64
+                ),
+                _ => String::new(),
+            };
+            line.push_str(&format!(
+                ": copied {}{of}, {} rows, {}",
+                human_bytes(m.bytes_copied),
+                m.rows_copied,
+                opt(m.copy_bytes_per_sec, &rate)
+            ));
+        }
+        "catchup" => line.push_str(&format!(
+            ": lag {} ({} s); source {}, replay {} ({} txn/s); {} txns replayed",
+            opt(m.lag_bytes, &human_bytes),
+            opt(m.lag_ms, &|ms| format!("{:.1}", ms as f64 / 1000.0)),
+            opt(m.source_wal_bytes_per_sec, &rate),
+            opt(m.replay_bytes_per_sec, &rate),
+            opt(m.replay_txns_per_sec, &|t| t.to_string()),
+            m.txns_replayed
+        )),
+        _ => {}
+    }
+    if let Some(w) = &m.waiting_on {
+        line.push_str(&format!(" (waiting: {w})"));
+    }
+    line
 }
 
 /// The final line of `remusctl migrate`: what the SQL function returns, as text.
@@ -427,6 +541,37 @@ mod tests {
         assert!(line.contains(" 750  target n2 unreachable"), "{line}");
         m.error = None;
         assert!(migration_line(&m, 99_999).ends_with(" 750  -"));
+    }
+
+    #[test]
+    fn live_line_per_phase() {
+        let mut m = sample();
+        m.phase = "copy".into();
+        m.phase_started_at_ms = 1_000;
+        m.bytes_copied = 512 * 1024;
+        m.rows_copied = 7;
+        m.copy_total_bytes = Some(2048 * 1024);
+        m.copy_bytes_per_sec = Some(1024);
+        assert_eq!(
+            live_line(&m, 3_500),
+            "progress: copy 2.5 s: copied 512.0 KiB of 2.0 MiB (25%), 7 rows, 1.0 KiB/s"
+        );
+        m.phase = "catchup".into();
+        m.lag_bytes = Some(300);
+        m.lag_ms = Some(1_500);
+        m.source_wal_bytes_per_sec = Some(2048);
+        m.replay_txns_per_sec = Some(40);
+        m.txns_replayed = 9;
+        assert_eq!(
+            live_line(&m, 2_000),
+            "progress: catchup 1.0 s: lag 300 B (1.5 s); source 2.0 KiB/s, replay - (40 txn/s); 9 txns replayed"
+        );
+        m.phase = "handover".into();
+        m.waiting_on = Some("writers".into());
+        assert_eq!(
+            live_line(&m, 2_000),
+            "progress: handover 1.0 s (waiting: writers)"
+        );
     }
 
     #[test]

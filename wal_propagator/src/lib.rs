@@ -49,6 +49,6 @@ pub use replication::{
 pub use session::{CancelToken, PgError, ServerError};
 pub use ship::shadow_txn;
 pub use snapshot_copy::{
-    copy_tables, copy_tables_with, qualified_name, CopyError, CopyOptions, CopyStats,
+    copy_tables, copy_tables_with, qualified_name, CopyError, CopyOptions, CopyProgress, CopyStats,
     TableCopyError,
 };

@@ -43,6 +43,17 @@ pub struct CopyOptions {
     pub dest_setup_sql: Option<String>,
     /// Stops the whole copy from another thread; nothing is committed.
     pub cancel: CancelToken,
+    /// Counts what has passed so far, across all tables, for another thread to read.
+    pub progress: std::sync::Arc<CopyProgress>,
+}
+
+/// Bytes and rows of COPY data passed so far, updated as each row passes. `rows` counts the
+/// COPY data messages, one per row (the binary format's header and trailer may count too); the
+/// exact rows are in each table's [`CopyStats`].
+#[derive(Debug, Default)]
+pub struct CopyProgress {
+    pub rows: std::sync::atomic::AtomicU64,
+    pub bytes: std::sync::atomic::AtomicU64,
 }
 
 impl Default for CopyOptions {
@@ -53,6 +64,7 @@ impl Default for CopyOptions {
             chunk_bytes: 256 * 1024,
             dest_setup_sql: None,
             cancel: CancelToken::new(),
+            progress: Default::default(),
         }
     }
 }
@@ -438,6 +450,10 @@ impl Ctx<'_> {
             match read {
                 CopyRead::Data(row) => {
                     bytes += row.len() as u64;
+                    let p = &self.options.progress;
+                    p.rows.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    p.bytes
+                        .fetch_add(row.len() as u64, std::sync::atomic::Ordering::Relaxed);
                     if buf.is_empty() && row.len() >= chunk {
                         dest.write_copy(&row, &op_in).map_err(Destination)?;
                     } else {

@@ -51,6 +51,14 @@ struct Args {
     /// Compare source and target copies before every ownership flip (full read of both).
     #[arg(long, env = "REMUS_VERIFY_HANDOVER")]
     verify_handover: bool,
+    /// Catch-up whose lag has not shrunk for this long is not converging: remus hands over
+    /// (dual execution paces the source's writers), lock_abort and wait_remaster roll back.
+    #[arg(
+        long,
+        env = "REMUS_CATCHUP_CONVERGE_LIMIT_MS",
+        default_value_t = 300_000
+    )]
+    catchup_converge_limit_ms: u64,
     /// Directory whose files arm the driver's failpoints (see `coordinator::failpoint`); none
     /// can be armed without it.
     #[arg(long)]
@@ -118,6 +126,7 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
             lock_grace: Duration::from_millis(args.lock_grace_ms),
             gate_timeout: Duration::from_millis(args.gate_timeout_ms),
             verify_handover: args.verify_handover,
+            catchup_converge_limit: Duration::from_millis(args.catchup_converge_limit_ms),
             failpoints: args
                 .failpoint_dir
                 .clone()

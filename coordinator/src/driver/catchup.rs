@@ -3,6 +3,7 @@
 //! source also captures write sets from the copy on (`remus.migration_capture`, the extension's
 //! half of catch-up), so that the sync barrier can switch it to validated commits.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
@@ -10,14 +11,20 @@ use wal_propagator::Lsn;
 
 use remus_proto::names;
 
+use super::meter::{Meter, Stall};
 use super::{quote_literal, sql, DriverError, Run};
 use crate::failpoint;
+use crate::migration::Mode;
 use crate::propagator::Propagator;
 
 /// A catch-up round this short means the target is close behind the source.
 const CATCHUP_CLOSE_ENOUGH: Duration = Duration::from_millis(500);
-/// A source that writes faster than the target applies never gets close; hand over anyway.
+/// Remus hands over after this many rounds whatever they took; so do the baselines, whose
+/// rounds are bounded in time by the convergence limit meanwhile.
 const CATCHUP_MAX_ROUNDS: u32 = 20;
+/// A baseline whose rounds stopped shrinking hands over when its last round took at most this
+/// long: writes are held about that long while the handover applies the backlog.
+const BASELINE_TOLERABLE_BACKLOG: Duration = Duration::from_secs(5);
 
 impl Run {
     /// Starts the stream (the slot's changes since the copy's snapshot, shipped to the replay
@@ -36,14 +43,18 @@ impl Run {
             self.publication(),
             self.state.start_lsn,
             self.config.apply_parallelism,
+            self.config.failpoints.clone(),
         )
         .await?;
         self.state.propagator = Some(propagator);
+        self.meter().restart();
         let mut previous = Duration::MAX;
-        for round in 1..=CATCHUP_MAX_ROUNDS {
+        let mut round = 0u32;
+        loop {
+            round += 1;
             let started = Instant::now();
             let lsn = self.sync_point().await?;
-            self.wait_applied(lsn).await?;
+            let stalled = self.wait_applied_or_stall(lsn, true).await?;
             let took = started.elapsed();
             self.config
                 .failpoints
@@ -56,21 +67,68 @@ impl Run {
                 ms = took.as_millis() as u64,
                 "catch-up round"
             );
-            match after_round(took, previous) {
+            if let Some(stall) = stalled {
+                return self.not_converging(stall).await;
+            }
+            // Remus hands over with the backlog: from the sync barrier on, every source commit
+            // on the shards waits for the stream (dual execution), which paces the source's
+            // writers to the replay. The baselines hold writes while they apply the backlog,
+            // so they go on unless one round's worth is short enough (or the limit says no).
+            let hand_over = match after_round(took, previous) {
                 Round::CloseEnough => break,
                 Round::NotConverging => {
-                    warn!(
-                        migration_id = self.id(),
-                        phase = "catchup",
-                        round,
-                        "catch-up is not converging; handing over with the backlog"
-                    );
-                    break;
+                    self.plan.mode == Mode::Remus || took <= BASELINE_TOLERABLE_BACKLOG
                 }
-                Round::Again => previous = took,
+                Round::Again => false,
+            };
+            if hand_over || round >= CATCHUP_MAX_ROUNDS {
+                warn!(
+                    migration_id = self.id(),
+                    phase = "catchup",
+                    round,
+                    ms = took.as_millis() as u64,
+                    "catch-up rounds no longer shrink; handing over with the last round's backlog"
+                );
+                break;
             }
+            previous = took;
         }
         Ok(())
+    }
+
+    /// Catch-up has not converged within the limit: Remus hands over (dual execution paces the
+    /// source's writers to the replay); the baselines fail, and the driver rolls them back.
+    async fn not_converging(&mut self, stall: Stall) -> Result<(), DriverError> {
+        let limit_ms = self.config.catchup_converge_limit.as_millis() as u64;
+        if self.plan.mode == Mode::Remus {
+            warn!(
+                migration_id = self.id(),
+                phase = "catchup",
+                source_wal_bytes_per_sec = stall.source_rate,
+                replay_bytes_per_sec = stall.replay_rate,
+                lag_bytes = stall.lag_bytes,
+                "catch-up is not converging; handing over: dual execution paces the source's writers"
+            );
+            let w = format!(
+                "catch-up not converging (source writes {} B/s of WAL, target replays {} B/s, {} transactions/s; \
+                 lag {} bytes, {} ms, not shrunk for {limit_ms} ms): handing over, dual execution paces the source's writers",
+                stall.source_rate, stall.replay_rate, stall.replay_txns, stall.lag_bytes, stall.lag_ms
+            );
+            self.state.not_converging = Some(w.clone());
+            return self
+                .reporter
+                .update(move |r| r.waiting_on = Some(w.clone()))
+                .await;
+        }
+        Err(DriverError::NotConverging {
+            mode: self.plan.mode.as_str(),
+            source_rate: stall.source_rate,
+            replay_rate: stall.replay_rate,
+            replay_txns: stall.replay_txns,
+            lag_bytes: stall.lag_bytes,
+            lag_ms: stall.lag_ms,
+            limit_ms,
+        })
     }
 
     /// Remus: the source starts capturing write sets on the shards, and notes the transactions
@@ -123,8 +181,22 @@ impl Run {
     }
 
     pub(super) async fn wait_applied(&self, lsn: Lsn) -> Result<(), DriverError> {
+        self.wait_applied_or_stall(lsn, false).await.map(|_| ())
+    }
+
+    fn meter(&self) -> std::sync::MutexGuard<'_, Meter> {
+        self.state.meter.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until the target has applied up to `lsn`, measuring once a second the source's
+    /// and the replay's rates and the lag into the record. With `detect`, gives up and returns
+    /// what was measured when the lag has not shrunk for the convergence limit.
+    async fn wait_applied_or_stall(
+        &self,
+        lsn: Lsn,
+        detect: bool,
+    ) -> Result<Option<Stall>, DriverError> {
         let propagator = self.state.propagator.as_ref().expect("propagator running");
-        let mut last_report = Instant::now();
         loop {
             match tokio::time::timeout(Duration::from_secs(1), propagator.wait_applied(lsn)).await {
                 Ok(r) => {
@@ -132,28 +204,74 @@ impl Run {
                     break;
                 }
                 Err(_) => {
-                    if last_report.elapsed() >= Duration::from_secs(1) {
-                        let applied = propagator.progress.applied();
-                        let replayed = self.txns_replayed();
-                        let w = format!("target has applied up to {applied}, waiting for {lsn}");
-                        self.reporter
-                            .update(move |r| {
-                                r.txns_replayed = replayed;
-                                r.waiting_on = Some(w.clone());
-                            })
-                            .await?;
-                        last_report = Instant::now();
+                    let applied = propagator.progress.applied();
+                    let txns = propagator.progress.txns_applied.load(Ordering::Acquire);
+                    let source_lsn = self.source_wal_position().await;
+                    let (rates, stall) = {
+                        let mut meter = self.meter();
+                        if let Some(s) = source_lsn {
+                            meter.sample(Instant::now(), s, applied, txns);
+                        }
+                        (
+                            meter.rates(Instant::now()),
+                            meter.stalled(Instant::now(), self.config.catchup_converge_limit),
+                        )
+                    };
+                    let replayed = self.txns_replayed();
+                    let mut w = format!("target has applied up to {applied}, waiting for {lsn}");
+                    if let Some(note) = &self.state.not_converging {
+                        w.push_str("; ");
+                        w.push_str(note);
+                    }
+                    self.reporter
+                        .update(move |r| {
+                            r.txns_replayed = replayed;
+                            r.waiting_on = Some(w.clone());
+                            rates.write_to(&mut r.rates);
+                        })
+                        .await?;
+                    if detect {
+                        if let Some(stall) = stall {
+                            return Ok(Some(stall));
+                        }
                     }
                 }
             }
         }
         let replayed = self.txns_replayed();
+        let rates = {
+            let mut meter = self.meter();
+            let applied = propagator.progress.applied();
+            let txns = propagator.progress.txns_applied.load(Ordering::Acquire);
+            // The sync point is reached: the source was at most there when it was emitted.
+            meter.caught_up(Instant::now(), applied, txns);
+            meter.rates(Instant::now())
+        };
         self.reporter
             .update(move |r| {
                 r.txns_replayed = replayed;
                 r.waiting_on = None;
+                rates.write_to(&mut r.rates);
             })
+            .await?;
+        Ok(None)
+    }
+
+    /// The source's current WAL position; `None` when the source does not answer (the wait
+    /// goes on; a source that is gone fails the stream).
+    async fn source_wal_position(&self) -> Option<Lsn> {
+        let source = self
+            .config
+            .connector
+            .connect(&self.plan.source)
             .await
+            .ok()?;
+        let lsn: String = source
+            .query_one("SELECT pg_catalog.pg_current_wal_lsn()::text", &[])
+            .await
+            .ok()?
+            .get(0);
+        lsn.parse().ok()
     }
 
     pub(super) fn txns_replayed(&self) -> u64 {

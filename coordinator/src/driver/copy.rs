@@ -3,8 +3,11 @@
 //! included), and the slot's exported snapshot is copied into them under a replication origin
 //! of the migration. The extension's half is `remus.migration_begin` (registration, DDL refusal).
 
-use tracing::info;
-use wal_propagator::{CopyOptions, ReplicationConnection, ReplicationOptions};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+use wal_propagator::{CopyOptions, CopyProgress, ReplicationConnection, ReplicationOptions};
 
 use remus_proto::names;
 
@@ -94,7 +97,27 @@ impl Run {
             "{} || pg_catalog.pg_backend_pid()",
             quote_literal(&names::copy_origin_prefix(id))
         );
+        // What the copy has to pass, for its progress: the tables' size on the source (heap,
+        // TOAST, indexes), an upper bound for the binary COPY bytes counted as rows pass.
+        let total: i64 = source
+            .query_one(
+                &format!(
+                    "SELECT coalesce(sum(pg_catalog.pg_total_relation_size(t)), 0)::bigint \
+                       FROM unnest({}) AS t",
+                    self.regclass_array()
+                ),
+                &[],
+            )
+            .await
+            .map_err(sql(&self.plan.source))?
+            .get(0);
+        let total = total.max(0) as u64;
+        self.reporter
+            .update(move |r| r.rates.copy_total_bytes = Some(total))
+            .await?;
+        let progress = std::sync::Arc::new(CopyProgress::default());
         let copy_options = CopyOptions {
+            progress: progress.clone(),
             dest_setup_sql: Some(format!(
                 "SELECT pg_catalog.pg_replication_origin_create({origin}) \
                   WHERE pg_catalog.pg_replication_origin_oid({origin}) IS NULL; \
@@ -104,8 +127,9 @@ impl Run {
             ..CopyOptions::default()
         };
         self.state.slot = Some(slot.clone());
+        let copy_started = std::time::Instant::now();
         let failpoints = self.config.failpoints.clone();
-        let (conn, created, stats) = tokio::task::spawn_blocking(move || {
+        let copying = tokio::task::spawn_blocking(move || {
             let mut conn =
                 ReplicationConnection::connect_with(&repl_conninfo, ReplicationOptions::default())?;
             let exported = conn.create_slot_exporting_snapshot(&slot)?;
@@ -120,14 +144,15 @@ impl Run {
             );
             let created = exported.release();
             Ok::<_, DriverError>((conn, created, stats?))
-        })
-        .await
-        .map_err(|source| DriverError::Thread {
+        });
+        let copied = self.report_copy(copying, &progress).await;
+        let (conn, created, stats) = copied.map_err(|source| DriverError::Thread {
             what: "copy",
             source,
         })??;
         let rows: u64 = stats.iter().map(|s| s.rows).sum();
         let bytes: u64 = stats.iter().map(|s| s.bytes).sum();
+        let copy_ms = copy_started.elapsed().as_millis().max(1) as u64;
         info!(
             migration_id = id, phase = "copy", rows, bytes,
             slot_wait_ms = created.creation_time.as_millis() as u64,
@@ -137,12 +162,50 @@ impl Run {
             .update(|r| {
                 r.rows_copied = rows;
                 r.bytes_copied = bytes;
+                r.rates.copy_bytes_per_sec = Some(bytes * 1000 / copy_ms);
                 r.waiting_on = None;
             })
             .await?;
         *self.state.repl.get_mut().unwrap_or_else(|p| p.into_inner()) = Some(conn);
         self.state.start_lsn = created.consistent_point;
         Ok(())
+    }
+}
+
+impl Run {
+    /// Waits for the copy thread, recording every second what it has passed so far (rows,
+    /// bytes, the rate over the last second) in the migration's record.
+    async fn report_copy<T>(
+        &self,
+        mut copying: tokio::task::JoinHandle<T>,
+        progress: &CopyProgress,
+    ) -> Result<T, tokio::task::JoinError> {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.tick().await;
+        let mut last = (Instant::now(), 0u64);
+        loop {
+            tokio::select! {
+                done = &mut copying => return done,
+                _ = tick.tick() => {
+                    let rows = progress.rows.load(Ordering::Relaxed);
+                    let bytes = progress.bytes.load(Ordering::Relaxed);
+                    let ms = last.0.elapsed().as_millis().max(1) as u64;
+                    let rate = bytes.saturating_sub(last.1) * 1000 / ms;
+                    last = (Instant::now(), bytes);
+                    let reported = self
+                        .reporter
+                        .update(move |r| {
+                            r.rows_copied = rows;
+                            r.bytes_copied = bytes;
+                            r.rates.copy_bytes_per_sec = Some(rate);
+                        })
+                        .await;
+                    if let Err(e) = reported {
+                        warn!(migration_id = self.id(), error = %e, "could not record the copy's progress");
+                    }
+                }
+            }
+        }
     }
 }
 

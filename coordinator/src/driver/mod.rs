@@ -55,6 +55,7 @@ mod cleanup;
 mod copy;
 mod dual;
 mod handover;
+mod meter;
 mod resume;
 mod rollback;
 
@@ -79,6 +80,10 @@ pub struct DriverConfig {
     /// (row count and a digest over all columns) and fail the migration on any difference.
     /// Costs a full read of both copies inside the handover window, so it is off by default.
     pub verify_handover: bool,
+    /// Catch-up whose lag has not come back to its smallest value for this long is not
+    /// converging: Remus hands over (dual execution paces the source's writers to the
+    /// replay), the baselines roll back (decision 0022).
+    pub catchup_converge_limit: Duration,
     /// Named places where a test can stop a migration (`failpoint`).
     pub failpoints: Failpoints,
 }
@@ -123,6 +128,23 @@ pub enum DriverError {
          (remus.gate_drain_timeout, at most the gate's own timeout); the handover is rolled back"
     )]
     GateDrainTimeout { node: String, ms: u64 },
+    /// lock_abort, wait_remaster: catch-up did not converge within
+    /// [`DriverConfig::catchup_converge_limit`]; the migration is rolled back (decision 0022).
+    #[error(
+        "catch-up is not converging: the source writes {source_rate} B/s of WAL and the target replays {replay_rate} B/s \
+         ({replay_txns} transactions/s); the lag of {lag_bytes} bytes ({lag_ms} ms) has not shrunk for {limit_ms} ms \
+         ({mode} holds writes while it applies the backlog, so it does not hand over with one; \
+         the remus mode paces the source's writers instead); the migration is rolled back"
+    )]
+    NotConverging {
+        mode: &'static str,
+        source_rate: u64,
+        replay_rate: u64,
+        replay_txns: u64,
+        lag_bytes: u64,
+        lag_ms: u64,
+        limit_ms: u64,
+    },
     /// Cleanup was about to drop the source's copy of shards that the source's own map does
     /// not give to the target: Tm did not commit there, so that copy may be the only one.
     #[error(
@@ -484,6 +506,10 @@ struct State {
     /// Remus: transactions (virtual xids) that held a write lock on the shards when capture
     /// started; their write sets are incomplete, so the sync barrier waits for them.
     pre_capture_writers: Vec<String>,
+    /// The catch-up's rates and lag, sampled while the driver waits for the stream.
+    meter: std::sync::Mutex<meter::Meter>,
+    /// Remus: catch-up did not converge; said with every later wait for the stream.
+    not_converging: Option<String>,
 }
 
 struct Run {

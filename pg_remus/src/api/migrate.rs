@@ -223,6 +223,13 @@ mod remus {
             name!(finished_at_ms, Option<i64>),
             name!(waiting_on, Option<String>),
             name!(error, Option<String>),
+            name!(copy_total_bytes, Option<i64>),
+            name!(copy_bytes_per_sec, Option<i64>),
+            name!(source_wal_bytes_per_sec, Option<i64>),
+            name!(replay_bytes_per_sec, Option<i64>),
+            name!(replay_txns_per_sec, Option<i64>),
+            name!(lag_bytes, Option<i64>),
+            name!(lag_ms, Option<i64>),
         ),
     > {
         let result = address().and_then(|address| {
@@ -264,6 +271,13 @@ mod remus {
                     m.finished_at_ms.map(|v| v as i64),
                     m.waiting_on,
                     m.error,
+                    m.copy_total_bytes.map(|v| v as i64),
+                    m.copy_bytes_per_sec.map(|v| v as i64),
+                    m.source_wal_bytes_per_sec.map(|v| v as i64),
+                    m.replay_bytes_per_sec.map(|v| v as i64),
+                    m.replay_txns_per_sec.map(|v| v as i64),
+                    m.lag_bytes.map(|v| v as i64),
+                    m.lag_ms.map(|v| v as i64),
                 )
             })
             .collect();
@@ -277,9 +291,11 @@ CREATE VIEW remus_migrations AS
     SELECT migration_id, shard_ids, source, target, mode, phase, status, rows_copied,
            bytes_copied, txns_replayed, aborted_by_migration, phase_ms::jsonb AS phase_ms,
            to_timestamp(started_at_ms / 1000.0) AS started_at,
-           to_timestamp(finished_at_ms / 1000.0) AS finished_at, waiting_on, error
+           to_timestamp(finished_at_ms / 1000.0) AS finished_at, waiting_on, error,
+           copy_total_bytes, copy_bytes_per_sec, source_wal_bytes_per_sec, replay_bytes_per_sec,
+           replay_txns_per_sec, lag_bytes, lag_ms
       FROM remus.list_migrations();
-COMMENT ON VIEW remus_migrations IS 'Shard migrations, running and finished, as the coordinator keeps them: live phase, status, counters, what a running one waits on, why a failed one failed';
+COMMENT ON VIEW remus_migrations IS 'Shard migrations, running and finished, as the coordinator keeps them: live phase, status, counters, rates and lag, what a running one waits on, why a failed one failed';
 "#,
     name = "migrations_view",
     requires = [list_migrations],
