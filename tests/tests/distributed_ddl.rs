@@ -647,3 +647,57 @@ fn the_table_owner_role_changes_the_schema_through_any_node() {
     );
     assert_eq!(prepared_everywhere(&c), 0);
 }
+
+/// A routed statement with parameters is prepared once per shape on each node it reaches and
+/// kept there for the backend's life. After ALTER COLUMN … TYPE changes what such a statement
+/// returns, the same statement through the same session still runs (PostgreSQL refuses to reuse
+/// a prepared plan whose result type changed: the stale one is dropped and prepared again).
+#[test]
+fn a_routed_statement_prepared_before_a_type_change_runs_after_it() {
+    let c = TestCluster::start(2).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE typed (id int PRIMARY KEY, v int);
+         INSERT INTO typed SELECT g, g FROM generate_series(1, 20) g;
+         SELECT remus_create_distributed_table('typed', 'id', 4);",
+    )
+    .unwrap();
+    // Keys whose shard n2 owns: reached from n1 as a prepared statement on n2.
+    let remote: Vec<i32> = (1..=20)
+        .filter(|k| {
+            n1.query_one(
+                "SELECT node_name FROM remus_shards WHERE shard_id = remus_shard_id_for('typed', $1::int)",
+                &[k],
+            )
+            .unwrap()
+            .get::<_, String>(0)
+                == "n2"
+        })
+        .collect();
+    assert!(!remote.is_empty());
+    let k = remote[0];
+    let before: i32 = n1
+        .query_one("SELECT v FROM typed WHERE id = $1", &[&k])
+        .unwrap()
+        .get(0);
+    assert_eq!(before, k);
+    c.connect("n2")
+        .unwrap()
+        .batch_execute("ALTER TABLE typed ALTER COLUMN v TYPE bigint")
+        .unwrap();
+    // Autocommit, then inside a transaction block.
+    let after: i64 = n1
+        .query_one("SELECT v FROM typed WHERE id = $1", &[&k])
+        .unwrap()
+        .get(0);
+    assert_eq!(after, i64::from(k));
+    n1.batch_execute("ALTER TABLE typed ALTER COLUMN v TYPE numeric")
+        .unwrap();
+    let mut tx = n1.transaction().unwrap();
+    let in_block: String = tx
+        .query_one("SELECT v::text FROM typed WHERE id = $1", &[&k])
+        .unwrap()
+        .get(0);
+    assert_eq!(in_block, k.to_string());
+    tx.commit().unwrap();
+}

@@ -53,6 +53,8 @@ pub struct RemoteConnection {
     /// Statements prepared on this session, by text and parameter types: a routed statement
     /// with parameters (a prepared statement's, usually) is parsed and planned there once.
     prepared: HashMap<(String, Vec<u32>), CString>,
+    /// The [`PREPARED_EPOCH`] `prepared` belongs to.
+    prepared_epoch: u64,
     /// The role the peer session runs this backend's statements as (`remus.forwarded_role`
     /// there, see `cluster::forwarded_role`); None: the node user it authenticated as.
     role: Option<pg_sys::Oid>,
@@ -76,6 +78,18 @@ enum Interrupts {
 thread_local! {
     // Backends are single-threaded; the map lives as long as the backend.
     static CONNECTIONS: RefCell<HashMap<String, RemoteConnection>> = RefCell::new(HashMap::new());
+    /// Bumped when a distributed table's definition may have changed; a connection whose
+    /// prepared statements are from an older epoch drops them before preparing again.
+    static PREPARED_EPOCH: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Forgets every statement this backend prepared on other nodes (a relcache invalidation of a
+/// distributed table, e.g. after ALTER COLUMN … TYPE): PostgreSQL refuses to run a prepared
+/// statement whose result type changed ("cached plan must not change result type"), so each
+/// connection deallocates its statements before its next prepared one. Safe in a relcache
+/// callback: it only bumps a counter.
+pub(crate) fn forget_prepared_statements() {
+    PREPARED_EPOCH.with(|e| e.set(e.get() + 1));
 }
 
 /// Runs `f` with the cached connection to `addr`, connecting first if needed.
@@ -268,6 +282,7 @@ impl RemoteConnection {
             close_at_transaction_end: false,
             cancel_forwarded: false,
             prepared: HashMap::new(),
+            prepared_epoch: PREPARED_EPOCH.with(|e| e.get()),
             role: None,
         };
         // SAFETY: conn is a live PGconn owned by `me`.
@@ -519,6 +534,14 @@ impl RemoteConnection {
     /// first if needed. Prepared statements outlive transactions, so a rolled-back transaction
     /// keeps them; an error preparing leaves nothing behind.
     fn prepared_statement(&mut self, sql: &str, types: &[u32]) -> Result<CString, RemusError> {
+        let epoch = PREPARED_EPOCH.with(|e| e.get());
+        if self.prepared_epoch != epoch {
+            if !self.prepared.is_empty() {
+                self.exec("DEALLOCATE ALL")?;
+                self.prepared.clear();
+            }
+            self.prepared_epoch = epoch;
+        }
         let key = (sql.to_string(), types.to_vec());
         if let Some(name) = self.prepared.get(&key) {
             return Ok(name.clone());

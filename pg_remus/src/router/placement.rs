@@ -70,10 +70,15 @@ pub(crate) fn forget_relation(relid: pg_sys::Oid) {
         let mut c = c.borrow_mut();
         if relid == pg_sys::InvalidOid {
             c.clear();
+            crate::cluster::remote::forget_prepared_statements();
             map_cache::clear();
             SHARD_IDS.with(|s| s.borrow_mut().clear());
         } else {
-            c.remove(&relid.to_u32());
+            // A distributed table's definition may have changed (distributed DDL): statements
+            // prepared on other nodes for it may now return other types.
+            if matches!(c.remove(&relid.to_u32()), Some(Some(_))) {
+                crate::cluster::remote::forget_prepared_statements();
+            }
             map_cache::forget(relid.to_u32());
             SHARD_IDS.with(|s| s.borrow_mut().remove(&relid.to_u32()));
         }
