@@ -190,6 +190,29 @@ fn ddl_reaches_every_node_and_shard() {
     );
     columns_match_everywhere(&c, "account");
 
+    // SET SCHEMA moves every node's shell; the shard tables stay where they are.
+    for n in c.node_names() {
+        c.connect(&n)
+            .unwrap()
+            .batch_execute("CREATE SCHEMA app")
+            .unwrap();
+    }
+    n2.batch_execute("ALTER TABLE account SET SCHEMA app")
+        .unwrap();
+    assert_eq!(
+        value_on_every_node::<String>(&c, "SELECT 'app.account'::regclass::text", &[]),
+        vec!["app.account"; 3]
+    );
+    assert_eq!(
+        count(
+            &mut n3,
+            "SELECT balance::int8 FROM app.account WHERE acct_id = 5"
+        ),
+        51
+    );
+    n1.batch_execute("ALTER TABLE app.account SET SCHEMA public")
+        .unwrap();
+
     // COMMENT and OWNER reach every node's shell.
     for n in c.node_names() {
         c.connect(&n)
@@ -256,6 +279,11 @@ fn ddl_reaches_every_node_and_shard() {
             "0A000",
         ),
         ("DROP TABLE account, plain", "0A000"),
+        (
+            "CREATE TRIGGER t BEFORE INSERT ON account FOR EACH ROW EXECUTE FUNCTION suppress_redundant_updates_trigger()",
+            "0A000",
+        ),
+        ("CREATE RULE r AS ON INSERT TO account DO INSTEAD NOTHING", "0A000"),
         ("DROP INDEX acct_pkey, plain_pkey", "0A000"),
     ] {
         let e = n2.batch_execute(sql).expect_err(sql);

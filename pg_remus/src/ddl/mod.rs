@@ -31,7 +31,7 @@ mod alter_table;
 mod objects;
 mod target;
 
-use target::{copy_node, shard_range_var, target, ShardWork, Target};
+use target::{copy_node, refused, shard_range_var, target, ShardWork, Target};
 
 /// A statement on a shell, between [`prepare`] and [`finish`].
 pub(crate) struct Pending {
@@ -106,6 +106,45 @@ pub(crate) unsafe fn prepare(
             pg_sys::NodeTag::T_DropStmt => drop_stmt(stmt as *mut pg_sys::DropStmt)?,
             pg_sys::NodeTag::T_RenameStmt => rename(stmt as *mut pg_sys::RenameStmt)?,
             pg_sys::NodeTag::T_CommentStmt => comment(stmt as *mut pg_sys::CommentStmt)?,
+            pg_sys::NodeTag::T_AlterObjectSchemaStmt => {
+                let a = stmt as *mut pg_sys::AlterObjectSchemaStmt;
+                if (*a).objectType != pg_sys::ObjectType::OBJECT_TABLE {
+                    return Ok(None);
+                }
+                let Some(t) = target(relid_of((*a).relation))? else {
+                    return Ok(None);
+                };
+                check_not_migrating(&t)?;
+                // The shell moves on every node; shard tables stay in `remus_shards`.
+                Some((Vec::new(), Vec::new()))
+            }
+            // The rows are in the shard tables: a trigger or rule on the shell would never act.
+            pg_sys::NodeTag::T_CreateTrigStmt => {
+                let c = stmt as *mut pg_sys::CreateTrigStmt;
+                let own = !(*c).trigname.is_null()
+                    && CStr::from_ptr((*c).trigname)
+                        .to_bytes()
+                        .starts_with(b"remus_");
+                match target(relid_of((*c).relation))? {
+                    Some(t) if !own => return Err(refused(
+                        "CREATE TRIGGER (rows live in the shard tables, where it would not fire)",
+                        &t,
+                    )),
+                    _ => return Ok(None),
+                }
+            }
+            pg_sys::NodeTag::T_RuleStmt => {
+                let r = stmt as *mut pg_sys::RuleStmt;
+                match target(relid_of((*r).relation))? {
+                    Some(t) => {
+                        return Err(refused(
+                            "CREATE RULE (rows live in the shard tables, where it would not act)",
+                            &t,
+                        ))
+                    }
+                    None => return Ok(None),
+                }
+            }
             _ => None,
         };
         let Some((shard_work, catalog)) = planned else {
