@@ -83,70 +83,69 @@ pub(crate) unsafe fn prepare(
         {
             return Ok(None);
         }
-        let planned = match (*stmt).type_ {
-            pg_sys::NodeTag::T_AlterTableStmt => {
-                let a = stmt as *mut pg_sys::AlterTableStmt;
-                if (*a).objtype != pg_sys::ObjectType::OBJECT_TABLE {
-                    return Ok(None);
+        let planned =
+            match (*stmt).type_ {
+                pg_sys::NodeTag::T_AlterTableStmt => {
+                    let a = stmt as *mut pg_sys::AlterTableStmt;
+                    if (*a).objtype != pg_sys::ObjectType::OBJECT_TABLE {
+                        return Ok(None);
+                    }
+                    let Some(t) = target(relid_of((*a).relation))? else {
+                        return Ok(None);
+                    };
+                    check_not_migrating(&t)?;
+                    Some((alter_table::plan(a, &t)?, Vec::new()))
                 }
-                let Some(t) = target(relid_of((*a).relation))? else {
-                    return Ok(None);
-                };
-                check_not_migrating(&t)?;
-                Some((alter_table::plan(a, &t)?, Vec::new()))
-            }
-            pg_sys::NodeTag::T_IndexStmt => {
-                let i = stmt as *mut pg_sys::IndexStmt;
-                let Some(t) = target(relid_of((*i).relation))? else {
-                    return Ok(None);
-                };
-                check_not_migrating(&t)?;
-                Some((objects::create_index(i, &t)?, Vec::new()))
-            }
-            pg_sys::NodeTag::T_DropStmt => drop_stmt(stmt as *mut pg_sys::DropStmt)?,
-            pg_sys::NodeTag::T_RenameStmt => rename(stmt as *mut pg_sys::RenameStmt)?,
-            pg_sys::NodeTag::T_CommentStmt => comment(stmt as *mut pg_sys::CommentStmt)?,
-            pg_sys::NodeTag::T_AlterObjectSchemaStmt => {
-                let a = stmt as *mut pg_sys::AlterObjectSchemaStmt;
-                if (*a).objectType != pg_sys::ObjectType::OBJECT_TABLE {
-                    return Ok(None);
+                pg_sys::NodeTag::T_IndexStmt => {
+                    let i = stmt as *mut pg_sys::IndexStmt;
+                    let Some(t) = target(relid_of((*i).relation))? else {
+                        return Ok(None);
+                    };
+                    check_not_migrating(&t)?;
+                    Some((objects::create_index(i, &t)?, Vec::new()))
                 }
-                let Some(t) = target(relid_of((*a).relation))? else {
-                    return Ok(None);
-                };
-                check_not_migrating(&t)?;
-                // The shell moves on every node; shard tables stay in `remus_shards`.
-                Some((Vec::new(), Vec::new()))
-            }
-            // The rows are in the shard tables: a trigger or rule on the shell would never act.
-            pg_sys::NodeTag::T_CreateTrigStmt => {
-                let c = stmt as *mut pg_sys::CreateTrigStmt;
-                let own = !(*c).trigname.is_null()
-                    && CStr::from_ptr((*c).trigname)
-                        .to_bytes()
-                        .starts_with(b"remus_");
-                match target(relid_of((*c).relation))? {
+                pg_sys::NodeTag::T_DropStmt => drop_stmt(stmt as *mut pg_sys::DropStmt)?,
+                pg_sys::NodeTag::T_RenameStmt => rename(stmt as *mut pg_sys::RenameStmt)?,
+                pg_sys::NodeTag::T_CommentStmt => comment(stmt as *mut pg_sys::CommentStmt)?,
+                pg_sys::NodeTag::T_AlterObjectSchemaStmt => {
+                    let a = stmt as *mut pg_sys::AlterObjectSchemaStmt;
+                    if (*a).objectType != pg_sys::ObjectType::OBJECT_TABLE {
+                        return Ok(None);
+                    }
+                    let Some(t) = target(relid_of((*a).relation))? else {
+                        return Ok(None);
+                    };
+                    check_not_migrating(&t)?;
+                    // The shell moves on every node; shard tables stay in `remus_shards`.
+                    Some((Vec::new(), Vec::new()))
+                }
+                // The rows are in the shard tables: a trigger or rule on the shell would never act.
+                pg_sys::NodeTag::T_CreateTrigStmt => {
+                    let c = stmt as *mut pg_sys::CreateTrigStmt;
+                    let own = !(*c).trigname.is_null()
+                        && CStr::from_ptr((*c).trigname)
+                            .to_bytes()
+                            .starts_with(b"remus_");
+                    match target(relid_of((*c).relation))? {
                     Some(t) if !own => return Err(refused(
                         "CREATE TRIGGER (rows live in the shard tables, where it would not fire)",
                         &t,
                     )),
                     _ => return Ok(None),
                 }
-            }
-            pg_sys::NodeTag::T_RuleStmt => {
-                let r = stmt as *mut pg_sys::RuleStmt;
-                match target(relid_of((*r).relation))? {
-                    Some(t) => {
-                        return Err(refused(
+                }
+                pg_sys::NodeTag::T_RuleStmt => {
+                    let r = stmt as *mut pg_sys::RuleStmt;
+                    match target(relid_of((*r).relation))? {
+                        Some(t) => return Err(refused(
                             "CREATE RULE (rows live in the shard tables, where it would not act)",
                             &t,
-                        ))
+                        )),
+                        None => return Ok(None),
                     }
-                    None => return Ok(None),
                 }
-            }
-            _ => None,
-        };
+                _ => None,
+            };
         let Some((shard_work, catalog)) = planned else {
             return Ok(None);
         };
