@@ -223,11 +223,7 @@ unsafe fn run_utility(node: *mut pg_sys::Node, query_string: *const c_char) {
 /// DDL on a table with a shard that a migration is moving: 55006 (the migration's copy and
 /// replay work on the shard's current shape).
 fn check_not_migrating(t: &Target) -> Result<(), RemusError> {
-    let ids: Vec<i64> = crate::catalog::shard_ids(t.table.relid)?
-        .into_iter()
-        .map(|(_, id)| id)
-        .collect();
-    crate::migration::copy::check_ddl(&t.table.qualified_name, &ids)
+    crate::migration::copy::check_ddl(&t.table.qualified_name, &t.shard_ids)
 }
 
 type Planned = Option<(Vec<ShardWork>, Vec<String>)>;

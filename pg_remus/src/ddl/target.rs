@@ -22,6 +22,8 @@ pub(super) struct Target {
     pub(super) table: DistTable,
     /// (shard id, unquoted shard table name) of each shard table present on this node.
     pub(super) local_shards: Vec<(i64, String)>,
+    /// Every shard id of the table, wherever it lives.
+    pub(super) shard_ids: Vec<i64>,
 }
 
 impl Target {
@@ -38,12 +40,15 @@ pub(super) fn target(relid: pg_sys::Oid) -> Result<Option<Target>, RemusError> {
     let Some(table) = crate::router::placement::dist_table(relid)? else {
         return Ok(None);
     };
-    let ids = crate::catalog::shard_ids(relid)?;
+    let shard_ids: Vec<i64> = crate::catalog::shard_ids(relid)?
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect();
     let mut local_shards = Vec::new();
     // SAFETY: catalog lookups by name; the strings outlive the calls.
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
-        for (_, id) in ids {
+        for &id in &shard_ids {
             let name = format!("{}_{id}", table.rel_name);
             let c = CString::new(name.as_str()).expect("no NUL in names");
             if nsp != pg_sys::InvalidOid
@@ -57,6 +62,7 @@ pub(super) fn target(relid: pg_sys::Oid) -> Result<Option<Target>, RemusError> {
     Ok(Some(Target {
         table,
         local_shards,
+        shard_ids,
     }))
 }
 
