@@ -43,6 +43,23 @@ pub fn start_tpcb(c: &TestCluster, node: &str, clients: u32, seconds: u32) -> Ch
     .unwrap()
 }
 
+/// Waits until the TPC-B load has committed at least `transactions` (rows of `pgbench_history`,
+/// read through `node`): a migration started right after `start_tpcb` can otherwise find the
+/// stream still empty, because pgbench connects and prepares before its first commit.
+pub fn wait_committing(c: &TestCluster, node: &str, transactions: i64) {
+    let mut db = c.connect(node).unwrap();
+    remus_test_support::wait_until(
+        std::time::Duration::from_secs(120),
+        std::time::Duration::from_millis(100),
+        || {
+            db.query_one("SELECT count(*) FROM pgbench_history", &[])
+                .map(|r| r.get::<_, i64>(0) >= transactions)
+                .unwrap_or(false)
+        },
+        || format!("pgbench on {node} committed fewer than {transactions} transactions"),
+    );
+}
+
 pub struct PgbenchResult {
     pub processed: u64,
     pub failed: u64,
