@@ -137,6 +137,12 @@ named_enum! {
         LockAbort => "lock_abort",
         /// Baseline: stop new transactions on the shards, wait for running ones to finish.
         WaitRemaster => "wait_remaster",
+        /// Seed baseline (Squall, seed 000): ownership moves first, the target pulls the data
+        /// in chunks, on demand and in the background (issue 19).
+        Squall => "squall",
+        /// Seed baseline (ElasTraS's Albatross, seed 003): iterative copy, then a short
+        /// handover that suspends the shards' new transactions (issue 19).
+        Albatross => "albatross",
     }
 }
 
@@ -198,7 +204,7 @@ impl Phase {
     pub fn path(mode: Mode) -> &'static [Phase] {
         match mode {
             Mode::Remus => REMUS_PATH,
-            Mode::LockAbort | Mode::WaitRemaster => BASELINE_PATH,
+            Mode::LockAbort | Mode::WaitRemaster | Mode::Squall | Mode::Albatross => BASELINE_PATH,
         }
     }
 
@@ -864,7 +870,7 @@ mod tests {
         assert_eq!(err.value, "Remus");
         assert_eq!(
             err.to_string(),
-            "invalid migration mode \"Remus\" (expected remus | lock_abort | wait_remaster)"
+            "invalid migration mode \"Remus\" (expected remus | lock_abort | wait_remaster | squall | albatross)"
         );
         assert!("".parse::<Mode>().is_err());
         assert!("lock-abort".parse::<Mode>().is_err());

@@ -93,6 +93,15 @@ impl Refusal {
         )
     }
 
+    /// A known mode this build cannot run yet.
+    pub fn mode_not_available(mode: Mode) -> Self {
+        Self::new(
+            Code::Unimplemented,
+            SqlState::FEATURE_NOT_SUPPORTED,
+            format!("migration mode {mode} is not available in this build"),
+        )
+    }
+
     pub fn no_shard_given() -> Self {
         Self::new(
             Code::InvalidArgument,
@@ -225,7 +234,11 @@ impl Refusal {
 
 pub fn parse_mode(mode: &str) -> Result<Mode, Refusal> {
     let mode = if mode.is_empty() { "remus" } else { mode };
-    mode.parse::<Mode>().map_err(Refusal::unknown_mode)
+    let mode = mode.parse::<Mode>().map_err(Refusal::unknown_mode)?;
+    match mode {
+        Mode::Squall | Mode::Albatross => Err(Refusal::mode_not_available(mode)),
+        _ => Ok(mode),
+    }
 }
 
 /// Checks the request against the registry and the target's catalog and resolves co-location.

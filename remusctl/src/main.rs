@@ -38,7 +38,7 @@ enum Cmd {
         /// Target node name.
         #[arg(long)]
         to: String,
-        /// remus | lock_abort | wait_remaster
+        /// remus | lock_abort | wait_remaster | squall | albatross
         #[arg(long, default_value = "remus")]
         mode: String,
     },

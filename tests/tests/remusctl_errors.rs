@@ -128,7 +128,7 @@ fn wrong_calls_are_refused_with_their_sqlstate_and_change_nothing() {
         (
             "unknown mode",
             vec!["--shard", &s1, "--to", &away, "--mode", "bogus"],
-            "migration refused: invalid migration mode \"bogus\" (expected remus | lock_abort | wait_remaster) (SQLSTATE 22023)",
+            "migration refused: invalid migration mode \"bogus\" (expected remus | lock_abort | wait_remaster | squall | albatross) (SQLSTATE 22023)",
         ),
         (
             "already on the target",

@@ -92,6 +92,9 @@ pub struct DriverConfig {
 pub enum DriverError {
     #[error(transparent)]
     Store(#[from] MigrationError),
+    /// A mode this build plans but cannot run (refused earlier, by `plan::parse_mode`).
+    #[error("migration mode {0} is not available in this build")]
+    ModeNotAvailable(Mode),
     #[error(transparent)]
     Connect(#[from] NodeConnError),
     #[error("on node {node}: {source}")]
@@ -593,6 +596,10 @@ impl Run {
             Mode::WaitRemaster => {
                 self.reporter.advance(Phase::Handover).await?;
                 self.handover_wait_remaster().await?
+            }
+            // Refused when the migration is planned (`plan::parse_mode`) until they are built.
+            Mode::Squall | Mode::Albatross => {
+                return Err(DriverError::ModeNotAvailable(self.plan.mode))
             }
             Mode::Remus => {
                 self.reporter.advance(Phase::Barrier).await?;
