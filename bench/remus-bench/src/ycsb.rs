@@ -134,7 +134,9 @@ pub async fn client(
                 match c.prepare(sql).await {
                     Ok(s) => stmts.push(s),
                     Err(e) => {
-                        errors.push(format!("preparing {sql}: {}", describe(&e)));
+                        if errors.len() < 20 {
+                            errors.push(format!("preparing {sql}: {}", describe(&e)));
+                        }
                         break;
                     }
                 }
@@ -202,6 +204,8 @@ pub async fn ingest(
     let mut errors = Vec::new();
     let mut db: Option<Client> = None;
     let mut next = first;
+    // The first key of the batch whose last try failed.
+    let mut failed_at: Option<i64> = None;
     while !ctx.over() {
         if db.as_ref().is_none_or(Client::is_closed) {
             db = connect(&ctx, &conninfo, &mut events).await;
@@ -211,13 +215,31 @@ pub async fn ingest(
         }
         let c = db.as_ref().expect("connected");
         let rows = copy_rows(&mut rng, next, next + batch);
-        // The same batch until it commits.
+        // The same batch until it commits. A unique violation after a failed try means that
+        // try committed and only its answer was lost (COPY is atomic, and nobody else writes
+        // these keys): the batch is in.
         loop {
             let started = Instant::now();
             let r = copy(c, rows.clone()).await;
             let latency_us = started.elapsed().as_micros() as u64;
             let at_us = ctx.now_us();
+            let lost_answer = failed_at == Some(next)
+                && matches!(&r, Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION));
             match r {
+                _ if lost_answer => {
+                    counters.commits.fetch_add(1, Ordering::Relaxed);
+                    errors.push(format!(
+                        "keys {next}.. were committed by a try whose answer was lost"
+                    ));
+                    events.push(Event {
+                        at_us,
+                        latency_us,
+                        outcome: Outcome::Commit,
+                        units: batch as u64,
+                    });
+                    next += batch;
+                    break;
+                }
                 Ok(_) => {
                     counters.commits.fetch_add(1, Ordering::Relaxed);
                     events.push(Event {
@@ -240,6 +262,7 @@ pub async fn ingest(
                         outcome: Outcome::Retried(class_of(&e)),
                         units: 0,
                     });
+                    failed_at = Some(next);
                     if ctx.over() || c.is_closed() {
                         break;
                     }
