@@ -265,6 +265,11 @@ pub struct MigrationRecord {
     /// Rates and lag measured during copy and catch-up (decision 0022); a progress field.
     #[serde(default)]
     pub rates: Rates,
+    /// Milliseconds the moved shards' new transactions could not be served during the handover
+    /// (albatross: suspended, decision 0024); `None` where the mode does not measure it. A
+    /// progress field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable_ms: Option<u64>,
 }
 
 /// What the driver measured of a migration's copy and catch-up (decision 0022): `None` until
@@ -320,6 +325,7 @@ impl MigrationRecord {
             aborted_by_migration: other.aborted_by_migration,
             waiting_on: other.waiting_on.clone(),
             rates: other.rates.clone(),
+            unavailable_ms: other.unavailable_ms,
             ..self.clone()
         }
     }
@@ -464,6 +470,7 @@ impl MigrationStore {
                 error: None,
                 waiting_on: None,
                 rates: Rates::default(),
+                unavailable_ms: None,
             };
             let value = encode(&record)?;
             let record_key = self.record_key(id);
@@ -997,6 +1004,7 @@ mod tests {
             error: None,
             waiting_on: Some("slot creation waits for xid 1234".into()),
             rates: Rates::default(),
+            unavailable_ms: None,
         }
     }
 

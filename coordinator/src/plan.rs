@@ -236,7 +236,7 @@ pub fn parse_mode(mode: &str) -> Result<Mode, Refusal> {
     let mode = if mode.is_empty() { "remus" } else { mode };
     let mode = mode.parse::<Mode>().map_err(Refusal::unknown_mode)?;
     match mode {
-        Mode::Squall | Mode::Albatross => Err(Refusal::mode_not_available(mode)),
+        Mode::Squall => Err(Refusal::mode_not_available(mode)),
         _ => Ok(mode),
     }
 }

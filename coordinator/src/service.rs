@@ -118,6 +118,7 @@ impl From<MigrationRecord> for Migration {
             replay_txns_per_sec: r.rates.replay_txns_per_sec,
             lag_bytes: r.rates.lag_bytes,
             lag_ms: r.rates.lag_ms,
+            unavailable_ms: r.unavailable_ms,
         }
     }
 }

@@ -677,6 +677,7 @@ async fn grpc_list_migrations_mirrors_the_records() {
             gate_timeout: std::time::Duration::from_secs(1),
             verify_handover: false,
             catchup_converge_limit: std::time::Duration::from_secs(300),
+            albatross_max_rounds: 10,
             failpoints: coordinator::failpoint::Failpoints::disabled(),
         }),
         runtime: coordinator::service::MigrationRuntime(tokio::runtime::Handle::current()),

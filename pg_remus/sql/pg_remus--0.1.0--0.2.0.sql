@@ -17,7 +17,8 @@
 
 -- Decision 0022: remus_migrations gains the migration's rates and lag (copy total and rate,
 -- source WAL rate, replay rates, lag in bytes and milliseconds); remus.list_migrations returns
--- them, so the view that reads it is dropped and made again, with its grants.
+-- them, so the view that reads it is dropped and made again, with its grants. Decision 0024
+-- adds unavailable_ms (how long the moved shards' new transactions waited in the handover).
 DROP VIEW remus_migrations;
 DROP FUNCTION remus.list_migrations();
 CREATE  FUNCTION remus."list_migrations"() RETURNS TABLE (
@@ -43,7 +44,8 @@ CREATE  FUNCTION remus."list_migrations"() RETURNS TABLE (
 	"replay_bytes_per_sec" bigint,  /* Option < i64 > */
 	"replay_txns_per_sec" bigint,  /* Option < i64 > */
 	"lag_bytes" bigint,  /* Option < i64 > */
-	"lag_ms" bigint  /* Option < i64 > */
+	"lag_ms" bigint,  /* Option < i64 > */
+	"unavailable_ms" bigint  /* Option < i64 > */
 )
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
@@ -54,9 +56,34 @@ CREATE VIEW remus_migrations AS
            to_timestamp(started_at_ms / 1000.0) AS started_at,
            to_timestamp(finished_at_ms / 1000.0) AS finished_at, waiting_on, error,
            copy_total_bytes, copy_bytes_per_sec, source_wal_bytes_per_sec, replay_bytes_per_sec,
-           replay_txns_per_sec, lag_bytes, lag_ms
+           replay_txns_per_sec, lag_bytes, lag_ms, unavailable_ms
       FROM remus.list_migrations();
 COMMENT ON VIEW remus_migrations IS 'Shard migrations, running and finished, as the coordinator keeps them: live phase, status, counters, rates and lag, what a running one waits on, why a failed one failed';
 REVOKE EXECUTE ON FUNCTION remus.list_migrations() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION remus.list_migrations() TO remus_admin;
 GRANT SELECT ON remus_migrations TO remus_admin;
+
+-- albatross mode (decision 0024): the per-shard suspension of a handover, on every node.
+CREATE  FUNCTION remus."albatross_suspend"(
+	"migration_id" bigint, /* i64 */
+	"shard_ids" bigint[], /* Vec < i64 > */
+	"timeout_ms" INT /* i32 */
+) RETURNS timestamp with time zone /* TimestampWithTimeZone */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'albatross_suspend_wrapper';
+CREATE  FUNCTION remus."albatross_resume"(
+	"migration_id" bigint /* i64 */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'albatross_resume_wrapper';
+CREATE  FUNCTION remus."albatross_waiting"(
+	"migration_id" bigint /* i64 */
+) RETURNS INT[] /* Vec < i32 > */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'albatross_waiting_wrapper';
+REVOKE EXECUTE ON FUNCTION remus.albatross_suspend(bigint, bigint[], int) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION remus.albatross_resume(bigint) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION remus.albatross_waiting(bigint) FROM PUBLIC;

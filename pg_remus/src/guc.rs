@@ -200,7 +200,7 @@ pub fn register() {
     );
     GucRegistry::define_int_guc(
         c"remus.gate_drain_timeout",
-        c"Longest wait of a wait_remaster handover for the transactions admitted before its admission gate closed.",
+        c"Longest wait of a wait_remaster or albatross handover for the transactions in flight when it closed its gate or suspended its shards.",
         c"While the gate is closed, new transactions wait at it and the handover waits for the ones already running (named in remus_migrations.waiting_on); past this (and at most the gate's own timeout) the handover is rolled back and the gate reopens.",
         &GATE_DRAIN_TIMEOUT_MS,
         100,

@@ -59,6 +59,10 @@ struct Args {
         default_value_t = 300_000
     )]
     catchup_converge_limit_ms: u64,
+    /// albatross: the iterative copy ends after at most this many catch-up rounds, also while
+    /// their deltas still shrink (decision 0024).
+    #[arg(long, env = "REMUS_ALBATROSS_MAX_ROUNDS", default_value_t = 10)]
+    albatross_max_rounds: u32,
     /// Directory whose files arm the driver's failpoints (see `coordinator::failpoint`); none
     /// can be armed without it.
     #[arg(long)]
@@ -127,6 +131,7 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
             gate_timeout: Duration::from_millis(args.gate_timeout_ms),
             verify_handover: args.verify_handover,
             catchup_converge_limit: Duration::from_millis(args.catchup_converge_limit_ms),
+            albatross_max_rounds: args.albatross_max_rounds,
             failpoints: args
                 .failpoint_dir
                 .clone()

@@ -48,6 +48,9 @@ impl Run {
         .await?;
         self.state.propagator = Some(propagator);
         self.meter().restart();
+        if self.plan.mode == Mode::Albatross {
+            return self.albatross_rounds().await;
+        }
         let mut previous = Duration::MAX;
         let mut round = 0u32;
         loop {
@@ -98,7 +101,7 @@ impl Run {
 
     /// Catch-up has not converged within the limit: Remus hands over (dual execution paces the
     /// source's writers to the replay); the baselines fail, and the driver rolls them back.
-    async fn not_converging(&mut self, stall: Stall) -> Result<(), DriverError> {
+    pub(super) async fn not_converging(&mut self, stall: Stall) -> Result<(), DriverError> {
         let limit_ms = self.config.catchup_converge_limit.as_millis() as u64;
         if self.plan.mode == Mode::Remus {
             warn!(
@@ -191,7 +194,7 @@ impl Run {
     /// Waits until the target has applied up to `lsn`, measuring once a second the source's
     /// and the replay's rates and the lag into the record. With `detect`, gives up and returns
     /// what was measured when the lag has not shrunk for the convergence limit.
-    async fn wait_applied_or_stall(
+    pub(super) async fn wait_applied_or_stall(
         &self,
         lsn: Lsn,
         detect: bool,

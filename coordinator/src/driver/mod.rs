@@ -9,7 +9,7 @@
 //! | `catchup` | `catchup.rs` | starts the stream to the replay worker and waits until a round of it is short; Remus: starts write-set capture |
 //! | `barrier` | `barrier.rs` | Remus: the sync barrier, after which every source commit on the shards is validated on the target |
 //! | `dual` | `dual.rs` | Remus: dual execution runs on the nodes; the driver resolves or drops the prepared shadows it leaves |
-//! | `handover` | `handover/mod.rs` | per mode (`handover/lock_abort.rs`, `handover/wait_remaster.rs`, `handover/remus.rs`), ending in Tm |
+//! | `handover` | `handover/mod.rs` | per mode (`handover/lock_abort.rs`, `handover/wait_remaster.rs`, `handover/albatross.rs`, `handover/remus.rs`), ending in Tm |
 //! | `cleanup` | `cleanup.rs` | drain, stream and slot stopped, the source's copy, publication and origins dropped, registration ended |
 //! | — | `rollback.rs` | undoes everything a migration failed before the Tm decision built |
 //! | — | `resume.rs` | a restarted coordinator completes (past the decision) or rolls back (before it) a migration |
@@ -84,6 +84,9 @@ pub struct DriverConfig {
     /// converging: Remus hands over (dual execution paces the source's writers to the
     /// replay), the baselines roll back (decision 0022).
     pub catchup_converge_limit: Duration,
+    /// albatross: the iterative copy's rounds end after at most this many, also while their
+    /// deltas still shrink (decision 0024).
+    pub albatross_max_rounds: u32,
     /// Named places where a test can stop a migration (`failpoint`).
     pub failpoints: Failpoints,
 }
@@ -131,6 +134,13 @@ pub enum DriverError {
          (remus.gate_drain_timeout, at most the gate's own timeout); the handover is rolled back"
     )]
     GateDrainTimeout { node: String, ms: u64 },
+    /// albatross: transactions in flight on the suspended shards still ran when the drain's
+    /// bound passed; the handover is rolled back (the suspension lifted, nothing aborted).
+    #[error(
+        "albatross: transactions in flight on the suspended shards still ran on {node} after {ms} ms \
+         (remus.gate_drain_timeout, at most the suspension's own timeout); the handover is rolled back"
+    )]
+    SuspensionDrainTimeout { node: String, ms: u64 },
     /// lock_abort, wait_remaster: catch-up did not converge within
     /// [`DriverConfig::catchup_converge_limit`]; the migration is rolled back (decision 0022).
     #[error(
@@ -597,9 +607,11 @@ impl Run {
                 self.reporter.advance(Phase::Handover).await?;
                 self.handover_wait_remaster().await?
             }
-            // Refused when the migration is planned (`plan::parse_mode`) until they are built.
-            Mode::Squall | Mode::Albatross => {
-                return Err(DriverError::ModeNotAvailable(self.plan.mode))
+            // Refused when the migration is planned (`plan::parse_mode`) until it is built.
+            Mode::Squall => return Err(DriverError::ModeNotAvailable(self.plan.mode)),
+            Mode::Albatross => {
+                self.reporter.advance(Phase::Handover).await?;
+                self.handover_albatross().await?
             }
             Mode::Remus => {
                 self.reporter.advance(Phase::Barrier).await?;

@@ -230,6 +230,7 @@ mod remus {
             name!(replay_txns_per_sec, Option<i64>),
             name!(lag_bytes, Option<i64>),
             name!(lag_ms, Option<i64>),
+            name!(unavailable_ms, Option<i64>),
         ),
     > {
         let result = address().and_then(|address| {
@@ -278,6 +279,7 @@ mod remus {
                     m.replay_txns_per_sec.map(|v| v as i64),
                     m.lag_bytes.map(|v| v as i64),
                     m.lag_ms.map(|v| v as i64),
+                    m.unavailable_ms.map(|v| v as i64),
                 )
             })
             .collect();
@@ -293,7 +295,7 @@ CREATE VIEW remus_migrations AS
            to_timestamp(started_at_ms / 1000.0) AS started_at,
            to_timestamp(finished_at_ms / 1000.0) AS finished_at, waiting_on, error,
            copy_total_bytes, copy_bytes_per_sec, source_wal_bytes_per_sec, replay_bytes_per_sec,
-           replay_txns_per_sec, lag_bytes, lag_ms
+           replay_txns_per_sec, lag_bytes, lag_ms, unavailable_ms
       FROM remus.list_migrations();
 COMMENT ON VIEW remus_migrations IS 'Shard migrations, running and finished, as the coordinator keeps them: live phase, status, counters, rates and lag, what a running one waits on, why a failed one failed';
 "#,

@@ -30,6 +30,7 @@ mod remus {
     #[pg_extern(volatile, parallel_unsafe)]
     fn migration_end(migration_id: i64) -> i64 {
         require_superuser("remus.migration_end");
+        crate::migration::handover::albatross::forget(migration_id);
         let mut s = STATE.exclusive();
         let mut aborts = 0;
         for m in s

@@ -41,6 +41,7 @@ pub(crate) mod state;
 pub(crate) fn init_shmem() {
     durable::init_shmem();
     handover::restart::init_shmem();
+    handover::albatross::init_shmem();
 }
 
 #[cfg(any(test, feature = "pg_test"))]

@@ -294,6 +294,7 @@ fn read_placements(relid: pg_sys::Oid, defer: bool) -> Result<Vec<ShardPlacement
             if let Some(d) = deferred.iter().find(|d| d.shard_id == p.shard_id) {
                 DEFERRED.with(|m| m.borrow_mut().insert(p.shard_id, *d));
             } else if !defer {
+                wait_if_suspended(p)?;
                 p.node_name = pinned_owner(p.shard_id, &p.node_name);
             }
         }
@@ -306,6 +307,7 @@ fn read_placements(relid: pg_sys::Oid, defer: bool) -> Result<Vec<ShardPlacement
 /// node and reads the owner with a snapshot taken after it.
 pub(crate) fn settle(mut p: ShardPlacement) -> Result<ShardPlacement, RemusError> {
     let Some(d) = DEFERRED.with(|m| m.borrow_mut().remove(&p.shard_id)) else {
+        wait_if_suspended(&mut p)?;
         p.node_name = pinned_owner(p.shard_id, &p.node_name);
         return Ok(p);
     };
@@ -318,6 +320,39 @@ pub(crate) fn settle(mut p: ShardPlacement) -> Result<ShardPlacement, RemusError
     }
     p.node_name = pinned_owner(p.shard_id, &p.node_name);
     Ok(p)
+}
+
+/// albatross (`migration::handover::albatross`, decision 0024): before this transaction routes
+/// `p`'s shard for the first time, waits while a handover suspends it. After a wait a READ
+/// COMMITTED transaction routes by the map as a snapshot taken now reads it (after Tm: the new
+/// owner); one that keeps its snapshot (REPEATABLE READ, SERIALIZABLE) and would still route
+/// to the old owner fails with 40001, as after wait_remaster's gate.
+fn wait_if_suspended(p: &mut ShardPlacement) -> Result<(), RemusError> {
+    if is_pinned(p.shard_id) {
+        return Ok(());
+    }
+    let Some(migration_id) = handover::albatross::wait_if_suspended(p.shard_id, is_pinned) else {
+        return Ok(());
+    };
+    let now = looking_up(|| {
+        with_latest_snapshot(|| {
+            crate::pg::spi::read_one::<String>(
+                "SELECT max(node_name) FROM remus.shard_map WHERE shard_id = $1",
+                &[p.shard_id.into()],
+            )
+        })
+    })?;
+    if let Some(owner) = now {
+        if handover::routes_at_latest() {
+            p.node_name = owner;
+        } else if owner != p.node_name {
+            return Err(handover::albatross::refuse_old_snapshot(
+                p.shard_id,
+                migration_id,
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The distributed table whose shard `d` is.

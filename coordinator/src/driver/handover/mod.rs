@@ -14,6 +14,7 @@ use crate::migration::{Mode, Phase};
 use crate::node_registry::NodeRecord;
 use crate::plan::MigrationPlan;
 
+pub(super) mod albatross;
 pub(super) mod lock_abort;
 pub(super) mod remus;
 pub(super) mod wait_remaster;

@@ -1,4 +1,4 @@
-//! Handover, node side: the primitives the coordinator's three handover modes use, and what
+//! Handover, node side: the primitives the coordinator's handover modes use, and what
 //! every statement of the node checks while a migration is registered.
 //!
 //! - [`lock_abort`]: the write fence (`remus.migration_fence`) and the writer abort
@@ -11,6 +11,9 @@
 //! - [`wait_remaster`]: the admission gate (`remus.close_gate` / `remus.open_gate`): client
 //!   transactions that start after the gate closed wait at their next statement; transactions
 //!   already running (and 2PC participants working for them) are never held.
+//! - [`albatross`]: the per-shard suspension (`remus.albatross_suspend` / `_resume`): a client
+//!   transaction that routes a suspended shard for the first time waits at that decision and
+//!   then routes by the map as it is after the wait.
 //! - [`remus`]: from Tm until the migration ends, the node the shards left (the drain source),
 //!   and the wait of a newer writer on the new owner for the row's older writers there.
 //!
@@ -25,6 +28,7 @@ use pgrx::pg_sys;
 use crate::error::RemusError;
 use crate::migration::state::{active, exempt};
 
+pub(crate) mod albatross;
 pub(crate) mod lock_abort;
 pub(crate) mod remus;
 pub(crate) mod restart;

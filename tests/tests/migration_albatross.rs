@@ -1,0 +1,342 @@
+//! The albatross mode (issue 19 item 2, decision 0024): iterative copy, then a short handover in
+//! which the migrating shards' new transactions wait (suspended, not aborted), the ones in
+//! flight drain on the source, the last delta is applied, ownership flips and the suspended
+//! work goes on at the target.
+//!
+//! - `albatross_moves_and_consolidates_under_tpcb`: pgbench TPC-B on all three nodes (no
+//!   retries) while two account shards move and then every shard of n3 moves to n1 and n2.
+//!   Afterwards every balance equals its history deltas row by row, one history row per
+//!   committed transaction, every migration succeeded with its unavailability window recorded,
+//!   n3 owns nothing, nothing of the migrations is left on any node, and pgbench's failures are
+//!   exactly the sum of the migrations' `aborted_by_migration` (0 expected: a READ COMMITTED
+//!   transaction that waited routes by the new map).
+//! - `albatross_rolls_back_when_the_drain_bound_passes`: a transaction held open on the shard
+//!   (a row written, not committed) keeps the drain waiting past `remus.gate_drain_timeout`:
+//!   the migration is rolled back, the shard stays on the source with nothing left behind, the
+//!   held transaction commits, and a new transaction on the shard that arrived during the
+//!   suspension waited and then committed on the source (nothing aborted).
+
+use std::time::{Duration, Instant};
+
+use integration::consistency::assert_tpcb_consistent;
+use integration::pgbench::{finish, init_tpcb, prepared_everywhere, start_tpcb, wait_committing};
+use integration::shards::owners;
+use remus_test_support::cluster::TestCluster;
+
+struct Moved {
+    migration_id: i64,
+    status: String,
+    aborted: i64,
+    unavailable_ms: Option<i64>,
+    error: Option<String>,
+}
+
+fn migrate(c: &TestCluster, via: &str, shard: i64, target: &str) -> Moved {
+    let mut db = c.connect(via).unwrap();
+    let row = db
+        .query_one(
+            "SELECT migration_id, status, aborted_by_migration, handover_ms, total_ms
+               FROM remus_migrate_shard($1, $2, 'albatross')",
+            &[&shard, &target],
+        )
+        .unwrap_or_else(|e| panic!("migrating shard {shard} to {target} (albatross): {e:?}"));
+    let id: i64 = row.get(0);
+    let listed = db
+        .query_one(
+            "SELECT unavailable_ms, error FROM remus_migrations WHERE migration_id = $1",
+            &[&id],
+        )
+        .unwrap();
+    let m = Moved {
+        migration_id: id,
+        status: row.get(1),
+        aborted: row.get(2),
+        unavailable_ms: listed.get(0),
+        error: listed.get(1),
+    };
+    println!(
+        "migration {id} shard {shard} -> {target} (albatross): {} handover {} ms, total {} ms, unavailable {:?} ms, aborted {}",
+        m.status,
+        row.get::<_, i64>(3),
+        row.get::<_, i64>(4),
+        m.unavailable_ms,
+        m.aborted
+    );
+    m
+}
+
+#[test]
+fn albatross_moves_and_consolidates_under_tpcb() {
+    let started = Instant::now();
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 2);
+    let before = owners(&c, "pgbench_accounts");
+    assert!(before.len() >= 6, "{before:?}");
+
+    let loads: Vec<_> = c
+        .node_names()
+        .iter()
+        .map(|n| start_tpcb(&c, n, 4, 45))
+        .collect();
+    wait_committing(&c, "n1", 200);
+
+    let mut moved = Vec::new();
+    // Two account shards (with their co-located history), each to the next node, through
+    // different nodes.
+    for (i, (shard, owner)) in before.iter().take(2).enumerate() {
+        let target = match owner.as_str() {
+            "n1" => "n2",
+            "n2" => "n3",
+            _ => "n1",
+        };
+        moved.push(migrate(&c, &format!("n{}", i % 3 + 1), *shard, target));
+    }
+    // Consolidation: every shard of n3 (all tables) to n1 and n2, alternating.
+    let mut k = 0;
+    for table in ["pgbench_accounts", "pgbench_branches", "pgbench_tellers"] {
+        for (shard, owner) in owners(&c, table) {
+            if owner == "n3" {
+                let target = if k % 2 == 0 { "n1" } else { "n2" };
+                k += 1;
+                moved.push(migrate(&c, "n2", shard, target));
+            }
+        }
+    }
+    let migrations_done = started.elapsed();
+    let results: Vec<_> = loads.into_iter().map(finish).collect();
+
+    for m in &moved {
+        assert_eq!(
+            m.status, "succeeded",
+            "migration {}: {:?}",
+            m.migration_id, m.error
+        );
+        assert!(
+            m.unavailable_ms.is_some(),
+            "migration {} recorded no unavailability window",
+            m.migration_id
+        );
+    }
+    let failed: u64 = results.iter().map(|r| r.failed).sum();
+    let processed: u64 = results.iter().map(|r| r.processed).sum();
+    let aborted: i64 = moved.iter().map(|m| m.aborted).sum();
+    let windows: Vec<i64> = moved.iter().filter_map(|m| m.unavailable_ms).collect();
+    println!(
+        "albatross: {} migrations (done after {} s), pgbench {processed} committed, {failed} failed; aborted_by_migration {aborted}; unavailable ms: max {}, sum {}",
+        moved.len(),
+        migrations_done.as_secs(),
+        windows.iter().max().copied().unwrap_or(0),
+        windows.iter().sum::<i64>()
+    );
+    for r in &results {
+        assert_eq!(r.aborted_clients, 0, "a pgbench client died: {}", r.output);
+        assert!(r.processed > 0, "{}", r.output);
+    }
+    assert_eq!(
+        failed as i64, aborted,
+        "pgbench failures must be exactly the migrations' aborts"
+    );
+
+    assert_tpcb_consistent(&c, "n1", processed, "after albatross migrations");
+    for table in [
+        "pgbench_accounts",
+        "pgbench_branches",
+        "pgbench_tellers",
+        "pgbench_history",
+    ] {
+        assert!(
+            owners(&c, table).iter().all(|(_, o)| o != "n3"),
+            "n3 still owns a shard of {table}"
+        );
+    }
+    let left = c.migration_artifacts();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_eq!(prepared_everywhere(&c), 0);
+}
+
+#[test]
+fn albatross_rolls_back_when_the_drain_bound_passes() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    for n in c.node_names() {
+        c.connect(&n)
+            .unwrap()
+            .simple_query("ALTER SYSTEM SET remus.gate_drain_timeout = '1500ms'")
+            .and_then(|_| {
+                c.connect(&n)
+                    .unwrap()
+                    .simple_query("SELECT pg_reload_conf()")
+            })
+            .unwrap();
+    }
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .expect("n1 holds an account shard");
+    let target = "n2";
+    let mut on_source = c.connect(&source).unwrap();
+    let aids: Vec<i32> = on_source
+        .query(
+            &format!("SELECT aid FROM remus_shards.pgbench_accounts_{shard} ORDER BY aid LIMIT 2"),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let (held_aid, new_aid) = (aids[0], aids[1]);
+
+    // The migration pauses in its first copy round (a transaction holding an xid when the slot
+    // is made would hold up the copy, not the handover).
+    c.arm_pause("catchup.running").unwrap();
+    let call = {
+        let mut db = c.connect("n2").unwrap();
+        std::thread::spawn(move || {
+            db.query_one(
+                "SELECT status FROM remus_migrate_shard($1, $2, 'albatross')",
+                &[&shard, &target],
+            )
+            .map(|r| r.get::<_, String>(0))
+        })
+    };
+    let id = c
+        .wait_paused_at("catchup.running", Duration::from_secs(60))
+        .unwrap();
+    // In flight on the shard: a row written through n3 (so the source runs it for n3's
+    // transaction), not committed.
+    let mut held = c.connect("n3").unwrap();
+    held.batch_execute(&format!(
+        "BEGIN; UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = {held_aid}"
+    ))
+    .unwrap();
+    c.release_failpoint("catchup.running").unwrap();
+    // Once the shard is suspended (the handover waits for the held transaction), a new
+    // transaction on the shard through n3 waits too.
+    let mut watcher = c.connect("n1").unwrap();
+    remus_test_support::wait_for(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            let w: Option<String> = watcher
+                .query_one(
+                    "SELECT waiting_on FROM remus_migrations WHERE migration_id = $1",
+                    &[&id],
+                )
+                .ok()?
+                .get(0);
+            w.filter(|w| w.contains("in flight on the suspended shards"))
+        },
+        || "the handover did not wait for the held transaction".to_string(),
+    );
+    let newcomer = {
+        let mut db = c.connect("n3").unwrap();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            let r = db.batch_execute(&format!(
+                "BEGIN; UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = {new_aid};
+                 INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (1, 1, {new_aid}, 5, now());
+                 COMMIT"
+            ));
+            (r, t.elapsed())
+        })
+    };
+    // It waits at the suspension (n3's list of waiting backends names it) while the
+    // migration still runs.
+    let mut n3 = c.connect("n3").unwrap();
+    let seen_waiting = remus_test_support::wait_for(
+        Duration::from_secs(30),
+        Duration::from_millis(10),
+        || {
+            let waiting: i32 = n3
+                .query_one(
+                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
+                    &[],
+                )
+                .ok()?
+                .get::<_, Option<i32>>(0)
+                .unwrap_or(0);
+            let running: bool = watcher
+                .query_one(
+                    "SELECT status = 'running' FROM remus_migrations WHERE migration_id = $1",
+                    &[&id],
+                )
+                .ok()?
+                .get(0);
+            (waiting > 0 || !running).then_some(waiting > 0 && running)
+        },
+        || "neither a waiting backend nor the migration's end was seen".to_string(),
+    );
+    assert!(
+        seen_waiting,
+        "the new transaction on the suspended shard did not wait"
+    );
+
+    let refused = call
+        .join()
+        .unwrap()
+        .expect_err("the migration must not succeed");
+    assert!(
+        format!("{refused:?}").contains("rolled_back"),
+        "{refused:?}"
+    );
+    let (new_result, waited) = newcomer.join().unwrap();
+    let mut n1 = c.connect("n1").unwrap();
+    let row = n1
+        .query_one(
+            "SELECT migration_id, status, error, aborted_by_migration, unavailable_ms
+               FROM remus_migrations ORDER BY migration_id DESC LIMIT 1",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), id);
+    let status: String = row.get(1);
+    let error: Option<String> = row.get(2);
+    let aborted: i64 = row.get(3);
+    let unavailable: Option<i64> = row.get(4);
+    println!(
+        "migration {id}: {status}, error {error:?}; aborted {aborted}; unavailable {unavailable:?} ms; the new transaction waited {waited:?}"
+    );
+    assert_eq!(status, "rolled_back");
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.contains("albatross: transactions in flight")),
+        "{error:?}"
+    );
+    assert_eq!(aborted, 0);
+    assert!(unavailable.is_some_and(|ms| ms >= 1500), "{unavailable:?}");
+    new_result.expect("the suspended transaction commits once the suspension lifts");
+
+    // The held transaction was never aborted; it commits on the source.
+    held.batch_execute("COMMIT").unwrap();
+    assert_eq!(
+        owners(&c, "pgbench_accounts")
+            .into_iter()
+            .find(|(s, _)| *s == shard)
+            .map(|(_, o)| o),
+        Some(source.clone())
+    );
+    let balances: Vec<(i32, i32)> = n1
+        .query(
+            "SELECT aid, abalance FROM pgbench_accounts WHERE aid = ANY($1) ORDER BY aid",
+            &[&vec![held_aid, new_aid]],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(balances, vec![(held_aid, 7), (new_aid, 5)]);
+    let target_tables: i64 = c
+        .connect(target)
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'remus_shards' AND tablename LIKE $1",
+            &[&format!("%\\_{shard}")],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(target_tables, 0, "the target's copy is gone");
+    let left = c.migration_artifacts();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_eq!(prepared_everywhere(&c), 0);
+}
