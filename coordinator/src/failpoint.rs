@@ -198,6 +198,10 @@ pub const BARRIER_SET: &str = "barrier.set";
 /// Tm is prepared on every node and not decided yet (the record is still in `handover`).
 pub const HANDOVER_TM_PREPARED: &str = "handover.tm_prepared";
 
+/// albatross: the shards are suspended on every node and the transactions in flight on them
+/// have drained; the last delta and Tm are still to come.
+pub const HANDOVER_ALBATROSS_DRAINED: &str = "handover.albatross_drained";
+
 /// Tm is committed on every node and cleanup has not begun its drain yet.
 pub const CLEANUP_STARTED: &str = "cleanup.started";
 

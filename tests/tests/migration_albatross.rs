@@ -15,6 +15,10 @@
 //!   the migration is rolled back, the shard stays on the source with nothing left behind, the
 //!   held transaction commits, and a new transaction on the shard that arrived during the
 //!   suspension waited and then committed on the source (nothing aborted).
+//! - `albatross_coordinator_killed_before_the_flip_rolls_back`: the coordinator killed while
+//!   the shards are suspended and drained (before the last delta and Tm); started again, it
+//!   rolls the migration back, and a transaction that waited at the suspension through the
+//!   restart commits on the source; nothing left, nothing aborted.
 
 use std::time::{Duration, Instant};
 
@@ -336,6 +340,117 @@ fn albatross_rolls_back_when_the_drain_bound_passes() {
         .unwrap()
         .get(0);
     assert_eq!(target_tables, 0, "the target's copy is gone");
+    let left = c.migration_artifacts();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_eq!(prepared_everywhere(&c), 0);
+}
+
+/// The coordinator killed while the shards are suspended and drained (failpoint
+/// `handover.albatross_drained`, before the last delta and Tm): the coordinator started again
+/// rolls the migration back; a transaction that waited at the suspension through the restart
+/// goes on and commits on the source; nothing is left and nothing was aborted.
+#[test]
+fn albatross_coordinator_killed_before_the_flip_rolls_back() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .expect("n1 holds an account shard");
+    let aid: i32 = c
+        .connect(&source)
+        .unwrap()
+        .query_one(
+            &format!("SELECT min(aid) FROM remus_shards.pgbench_accounts_{shard}"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let failpoint = "handover.albatross_drained";
+    c.arm_pause(failpoint).unwrap();
+    let call = {
+        let mut db = c.connect("n2").unwrap();
+        std::thread::spawn(move || {
+            db.query_one(
+                "SELECT status FROM remus_migrate_shard($1, 'n3', 'albatross')",
+                &[&shard],
+            )
+            .map(|r| r.get::<_, String>(0))
+        })
+    };
+    let id = c
+        .wait_paused_at(failpoint, Duration::from_secs(60))
+        .unwrap();
+    let newcomer = {
+        let mut db = c.connect("n2").unwrap();
+        std::thread::spawn(move || {
+            db.batch_execute(&format!(
+                "BEGIN; UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = {aid};
+                 INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (1, 1, {aid}, 5, now());
+                 COMMIT"
+            ))
+        })
+    };
+    let mut n2 = c.connect("n2").unwrap();
+    remus_test_support::wait_for(
+        Duration::from_secs(30),
+        Duration::from_millis(10),
+        || {
+            let n: i32 = n2
+                .query_one(
+                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
+                    &[],
+                )
+                .ok()?
+                .get::<_, Option<i32>>(0)
+                .unwrap_or(0);
+            (n > 0).then_some(())
+        },
+        || "the new transaction did not wait at the suspension".to_string(),
+    );
+
+    c.kill_coordinator().unwrap();
+    // The caller's call ends with the coordinator it waited on.
+    assert!(call.join().unwrap().is_err());
+    c.release_failpoint(failpoint).unwrap();
+    let started = Instant::now();
+    while let Err(e) = c.start_coordinator_again() {
+        assert!(
+            e.to_string().contains("in use") && started.elapsed() < Duration::from_secs(30),
+            "{e}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (status, error) =
+        integration::migrations::wait_ended(&c, "n1", id, Duration::from_secs(120));
+    println!("migration {id}: {status} ({error:?})");
+    assert_eq!(status, "rolled_back");
+    newcomer
+        .join()
+        .unwrap()
+        .expect("the suspended transaction commits after the rollback");
+
+    let mut n1 = c.connect("n1").unwrap();
+    let row = n1
+        .query_one(
+            "SELECT aborted_by_migration FROM remus_migrations WHERE migration_id = $1",
+            &[&id],
+        )
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 0);
+    assert_eq!(
+        integration::shards::owners_everywhere(&c, shard),
+        vec![source.clone(); 3],
+        "the shard stays on the source on every node"
+    );
+    let balance: i32 = n1
+        .query_one(
+            "SELECT abalance FROM pgbench_accounts WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(balance, 5);
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(prepared_everywhere(&c), 0);

@@ -185,6 +185,10 @@ impl Run {
             drain_ms = drained.elapsed().as_millis() as u64,
             "transactions in flight on the shards finished"
         );
+        self.config
+            .failpoints
+            .pause(failpoint::HANDOVER_ALBATROSS_DRAINED, id)
+            .await;
         let lsn = self.sync_point().await?;
         self.wait_applied(lsn).await?;
         self.verify().await?;
