@@ -19,6 +19,10 @@
 //!   the shards are suspended and drained (before the last delta and Tm); started again, it
 //!   rolls the migration back, and a transaction that waited at the suspension through the
 //!   restart commits on the source; nothing left, nothing aborted.
+//! - `albatross_waiters_route_to_the_new_owner_or_fail_with_40001`: paused after the drain, a
+//!   READ COMMITTED and a REPEATABLE READ transaction (snapshot taken) wait at the suspension;
+//!   after the flip the first commits on the new owner, the second fails with 40001 and is
+//!   counted in `aborted_by_migration`.
 
 use std::time::{Duration, Instant};
 
@@ -454,4 +458,107 @@ fn albatross_coordinator_killed_before_the_flip_rolls_back() {
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(prepared_everywhere(&c), 0);
+}
+
+/// Isolation after the wait (decision 0024 item 5): with the shards suspended and drained
+/// (paused at `handover.albatross_drained`), a READ COMMITTED transaction and a REPEATABLE READ
+/// one that has taken its snapshot each route the moving shard for the first time and wait.
+/// After the flip the READ COMMITTED one runs on the new owner and commits; the REPEATABLE READ
+/// one, whose snapshot still names the old owner, fails with 40001 and is the one transaction
+/// the migration counts as aborted.
+#[test]
+fn albatross_waiters_route_to_the_new_owner_or_fail_with_40001() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .expect("n1 holds an account shard");
+    let aids: Vec<i32> = c
+        .connect(&source)
+        .unwrap()
+        .query(
+            &format!("SELECT aid FROM remus_shards.pgbench_accounts_{shard} ORDER BY aid LIMIT 2"),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let failpoint = "handover.albatross_drained";
+    c.arm_pause(failpoint).unwrap();
+    let call = {
+        let mut db = c.connect("n2").unwrap();
+        std::thread::spawn(move || {
+            db.query_one(
+                "SELECT status, aborted_by_migration FROM remus_migrate_shard($1, 'n3', 'albatross')",
+                &[&shard],
+            )
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+        })
+    };
+    let id = c
+        .wait_paused_at(failpoint, Duration::from_secs(60))
+        .unwrap();
+    let waiter = |isolation: &'static str, aid: i32| {
+        let mut db = c.connect("n2").unwrap();
+        std::thread::spawn(move || {
+            db.batch_execute(&format!(
+                "BEGIN ISOLATION LEVEL {isolation};
+                 SELECT count(*) FROM pgbench_branches;
+                 UPDATE pgbench_accounts SET abalance = abalance + 3 WHERE aid = {aid};
+                 COMMIT"
+            ))
+        })
+    };
+    let read_committed = waiter("READ COMMITTED", aids[0]);
+    let repeatable_read = waiter("REPEATABLE READ", aids[1]);
+    let mut n2 = c.connect("n2").unwrap();
+    remus_test_support::wait_for(
+        Duration::from_secs(30),
+        Duration::from_millis(10),
+        || {
+            let n: i32 = n2
+                .query_one(
+                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
+                    &[],
+                )
+                .ok()?
+                .get::<_, Option<i32>>(0)
+                .unwrap_or(0);
+            (n == 2).then_some(())
+        },
+        || "the two transactions did not wait at the suspension".to_string(),
+    );
+    c.release_failpoint(failpoint).unwrap();
+    let (status, aborted) = call.join().unwrap().expect("the migration succeeds");
+    assert_eq!(status, "succeeded");
+    read_committed
+        .join()
+        .unwrap()
+        .expect("READ COMMITTED routes to the new owner after the wait");
+    let e = repeatable_read
+        .join()
+        .unwrap()
+        .expect_err("REPEATABLE READ with a snapshot from before the flip");
+    assert_eq!(remus_test_support::sqlstate(&e), "40001", "{e:?}");
+    assert_eq!(aborted, 1, "the REPEATABLE READ transaction is counted");
+    let balances: Vec<(i32, i32)> = c
+        .connect("n3")
+        .unwrap()
+        .query(
+            &format!("SELECT aid, abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = ANY($1) ORDER BY aid"),
+            &[&aids],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        balances,
+        vec![(aids[0], 3), (aids[1], 0)],
+        "on the new owner"
+    );
+    let left = c.migration_artifacts();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
