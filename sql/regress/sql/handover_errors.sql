@@ -18,6 +18,8 @@ SELECT remus.migration_begin(77, ARRAY[1]::bigint[]);
 \echo :LAST_ERROR_SQLSTATE
 SELECT remus.close_gate(77, 1000);
 \echo :LAST_ERROR_SQLSTATE
+SELECT remus.albatross_suspend(77, ARRAY[1]::bigint[], 1000);
+\echo :LAST_ERROR_SQLSTATE
 SET remus.migration_session = on;
 \echo :LAST_ERROR_SQLSTATE
 RESET ROLE;
@@ -70,3 +72,12 @@ INSERT INTO ho_t VALUES (:k_id, 1);
 CREATE INDEX ho_v ON :shard_table (v);
 DROP INDEX remus_shards.ho_v;
 SELECT count(*) AS rows_after FROM ho_t;
+-- albatross (decision 0024): a suspension holds at most 128 shards; one past its timeout lets a
+-- statement on its shard through with a WARNING and lifts; nobody waits at it afterwards.
+SELECT remus.albatross_suspend(80, array(SELECT generate_series(1, 200))::bigint[], 1000);
+\echo :LAST_ERROR_SQLSTATE
+SELECT remus.albatross_suspend(80, ARRAY[:s1]::bigint[], 0) IS NOT NULL AS suspended;
+SELECT v AS passes_after_timeout FROM ho_t WHERE id = :k_id;
+SELECT v AS passes_without_warning FROM ho_t WHERE id = :k_id;
+SELECT remus.albatross_waiting(80) AS waiting;
+SELECT remus.albatross_resume(80);
