@@ -357,6 +357,10 @@ fn summary_line(m: &remus_proto::v1::Migration) -> String {
         m.txns_replayed,
         m.aborted_by_migration
     );
+    // Modes that suspend the shards' new transactions (albatross, decision 0024).
+    if let Some(u) = m.unavailable_ms {
+        line.push_str(&format!(", unavailable {u} ms"));
+    }
     if let Some(e) = &m.error {
         line.push_str(&format!("; error: {e}"));
     }
@@ -571,6 +575,21 @@ mod tests {
         assert_eq!(
             live_line(&m, 2_000),
             "progress: handover 1.0 s (waiting: writers)"
+        );
+    }
+
+    #[test]
+    fn summary_shows_the_unavailability_window_where_measured() {
+        let mut m = sample();
+        m.status = "succeeded".into();
+        m.aborted_by_migration = 0;
+        assert!(summary_line(&m).ends_with("aborted_by_migration 0"));
+        m.mode = "albatross".into();
+        m.unavailable_ms = Some(284);
+        assert!(
+            summary_line(&m).ends_with("aborted_by_migration 0, unavailable 284 ms"),
+            "{}",
+            summary_line(&m)
         );
     }
 
