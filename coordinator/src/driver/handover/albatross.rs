@@ -72,16 +72,7 @@ impl Run {
             if let Some(stall) = stalled {
                 return self.not_converging(stall).await;
             }
-            let why = if delta == 0 {
-                Some("the round had nothing to apply")
-            } else if previous.is_some_and(|p| delta >= p) {
-                Some("the round's delta is no smaller than the one before")
-            } else if round >= max {
-                Some("the maximum number of rounds is reached")
-            } else {
-                None
-            };
-            if let Some(why) = why {
+            if let Some(why) = rounds_end(delta, previous, round, max) {
                 info!(
                     migration_id = id,
                     phase = "catchup",
@@ -279,5 +270,39 @@ impl Run {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+}
+
+/// Why the iterative copy ends after round `round` (of at most `max`) whose delta was `delta`,
+/// the round before having had `previous`; `None`: another round.
+fn rounds_end(delta: u64, previous: Option<u64>, round: u32, max: u32) -> Option<&'static str> {
+    if delta == 0 {
+        Some("the round had nothing to apply")
+    } else if previous.is_some_and(|p| delta >= p) {
+        Some("the round's delta is no smaller than the one before")
+    } else if round >= max {
+        Some("the maximum number of rounds is reached")
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rounds_end;
+
+    #[test]
+    fn iterative_copy_ends_when_rounds_stop_shrinking_or_at_the_maximum() {
+        // Shrinking deltas go on until the maximum.
+        assert_eq!(rounds_end(900, None, 1, 10), None);
+        assert_eq!(rounds_end(300, Some(900), 2, 10), None);
+        assert!(rounds_end(100, Some(300), 10, 10).is_some_and(|w| w.contains("maximum")));
+        // A delta no smaller than the one before ends them, whatever its size.
+        assert!(rounds_end(300, Some(300), 3, 10).is_some_and(|w| w.contains("no smaller")));
+        assert!(rounds_end(5000, Some(40), 3, 10).is_some_and(|w| w.contains("no smaller")));
+        // Nothing to apply: the target is caught up.
+        assert!(rounds_end(0, None, 1, 10).is_some_and(|w| w.contains("nothing")));
+        // A maximum of one round hands over after the first.
+        assert!(rounds_end(900, None, 1, 1).is_some_and(|w| w.contains("maximum")));
     }
 }
