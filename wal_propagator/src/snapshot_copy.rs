@@ -17,6 +17,14 @@
 //!
 //! Binary COPY requires the destination tables to have the same columns, in the same order and
 //! of the same types, as the source tables.
+//!
+//! With [`CopyOptions::indexes_after_rows`] (the default) each destination table is copied into
+//! without its indexes: in the worker's destination transaction, before the COPY, the table's
+//! index-backed constraints (primary key, unique, exclusion) and its other indexes are read as
+//! DDL (`pg_get_constraintdef`, `pg_get_indexdef`, with their comments) and dropped; after the
+//! COPY they are created again from that DDL, same names. The table is the migration's new,
+//! empty copy, which nothing else uses before the copy commits, so nothing can see it without
+//! its indexes, and catch-up (which looks rows up by the primary key) starts after the commit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -45,6 +53,11 @@ pub struct CopyOptions {
     pub cancel: CancelToken,
     /// Counts what has passed so far, across all tables, for another thread to read.
     pub progress: std::sync::Arc<CopyProgress>,
+    /// Builds each destination table's indexes after its rows are in: in the destination
+    /// transaction, the indexes and the constraints they back are dropped before the COPY and
+    /// created again, with the same names and definitions, after it (one sorted build per
+    /// index instead of an insertion per row and index).
+    pub indexes_after_rows: bool,
 }
 
 /// Bytes and rows of COPY data passed so far, updated as each row passes. `rows` counts the
@@ -65,6 +78,7 @@ impl Default for CopyOptions {
             dest_setup_sql: None,
             cancel: CancelToken::new(),
             progress: Default::default(),
+            indexes_after_rows: true,
         }
     }
 }
@@ -412,16 +426,6 @@ impl Ctx<'_> {
         let chunk = self.options.chunk_bytes;
         let idle = self.options.idle_timeout;
 
-        let op_in = format!("COPY {dest_table} FROM STDIN");
-        let r = dest
-            .exec(
-                &format!("COPY {dest_table} FROM STDIN (FORMAT binary)"),
-                &op_in,
-            )
-            .map_err(Destination)?;
-        if r.status() != ResultStatus::CopyIn {
-            return Err(Destination(dest.unexpected(&r, &op_in, "COPY IN")));
-        }
         let op_out = format!("COPY {source_table} TO STDOUT");
         let r = src
             .exec(
@@ -433,6 +437,23 @@ impl Ctx<'_> {
             return Err(Source(src.unexpected(&r, &op_out, "COPY OUT")));
         }
 
+        // The source answers first (a missing table or a bad snapshot is named before the
+        // destination is touched); its rows wait in the socket meanwhile.
+        let rebuild = if self.options.indexes_after_rows {
+            drop_indexes(dest, dest_table).map_err(Destination)?
+        } else {
+            Vec::new()
+        };
+        let op_in = format!("COPY {dest_table} FROM STDIN");
+        let r = dest
+            .exec(
+                &format!("COPY {dest_table} FROM STDIN (FORMAT binary)"),
+                &op_in,
+            )
+            .map_err(Destination)?;
+        if r.status() != ResultStatus::CopyIn {
+            return Err(Destination(dest.unexpected(&r, &op_in, "COPY IN")));
+        }
         let mut buf: Vec<u8> = Vec::with_capacity(chunk);
         let mut bytes = 0u64;
         let source_rows = loop {
@@ -488,6 +509,10 @@ impl Ctx<'_> {
             )));
         }
         let dest_rows = result.cmd_tuples();
+        for ddl in &rebuild {
+            dest.exec_ok(ddl, "rebuilding an index after the copy")
+                .map_err(Destination)?;
+        }
         let (Some(source_rows), Some(dest_rows)) = (source_rows, dest_rows) else {
             return Err(TableCopyError::RowCountMismatch {
                 source_rows: source_rows.unwrap_or(0),
@@ -510,4 +535,56 @@ impl Ctx<'_> {
         debug!(?stats, "table copied");
         Ok(stats)
     }
+}
+
+/// The DDL that drops `table`'s indexes and index-backed constraints, and the DDL that creates
+/// them again (with their comments), read from the catalog in `dest`'s transaction.
+const INDEX_DDL: &str = "
+WITH rel AS (SELECT $1::regclass AS oid),
+cons AS (
+    SELECT c.conname, c.conindid, pg_catalog.pg_get_constraintdef(c.oid) AS def,
+           pg_catalog.obj_description(c.oid, 'pg_constraint') AS comment
+      FROM pg_catalog.pg_constraint c, rel
+     WHERE c.conrelid = rel.oid AND c.contype IN ('p', 'u', 'x') AND c.conindid <> 0),
+idx AS (
+    SELECT i.indexrelid, pg_catalog.pg_get_indexdef(i.indexrelid) AS def,
+           pg_catalog.obj_description(i.indexrelid, 'pg_class') AS comment
+      FROM pg_catalog.pg_index i, rel
+     WHERE i.indrelid = rel.oid AND i.indexrelid NOT IN (SELECT conindid FROM cons))
+SELECT 1, format('ALTER TABLE %s DROP CONSTRAINT %I', rel.oid, conname), NULL FROM cons, rel
+UNION ALL
+SELECT 1, format('DROP INDEX %s', indexrelid::regclass), NULL FROM idx
+UNION ALL
+SELECT 2, format('ALTER TABLE %s ADD CONSTRAINT %I %s', rel.oid, conname, def),
+       CASE WHEN comment IS NOT NULL
+            THEN format('COMMENT ON CONSTRAINT %I ON %s IS %L', conname, rel.oid, comment) END
+  FROM cons, rel
+UNION ALL
+SELECT 2, def,
+       CASE WHEN comment IS NOT NULL
+            THEN format('COMMENT ON INDEX %s IS %L', indexrelid::regclass, comment) END
+  FROM idx
+ORDER BY 1";
+
+/// Drops `table`'s indexes (and the constraints they back) in `dest`'s open transaction and
+/// returns the statements that create them again, in order.
+fn drop_indexes(dest: &mut Session, table: &str) -> Result<Vec<String>, PgError> {
+    let literal = format!("'{}'", table.replace('\'', "''"));
+    let sql = INDEX_DDL.replace("$1", &literal);
+    let r = dest.exec_ok(&sql, "reading the destination's indexes")?;
+    let mut rebuild = Vec::new();
+    for row in 0..r.ntuples() {
+        let (Some(step), Some(ddl)) = (r.value(row, 0), r.value(row, 1)) else {
+            continue;
+        };
+        if step == "1" {
+            dest.exec_ok(&ddl, "dropping an index before the copy")?;
+        } else {
+            rebuild.push(ddl);
+            if let Some(comment) = r.value(row, 2) {
+                rebuild.push(comment);
+            }
+        }
+    }
+    Ok(rebuild)
 }
