@@ -6,7 +6,8 @@
 # migration was in its handover window (barrier/dual/handover for remus, handover for the
 # baselines) next to the steady state (no migration running). Measurement only (bench/README.md).
 #
-#   MODES (default "lock_abort wait_remaster remus")  SCALE (default 4)
+#   MODES (default "lock_abort wait_remaster albatross squall remus"; a mode the build refuses
+#   with 0A000 is reported as refused)  SCALE (default 4)
 #   CLIENTS (default 4 per node)  WARMUP (default 5 s)  BASE_PORT (default 25801)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -16,7 +17,7 @@ cd "$REPO_ROOT"
 # running cluster (servers are stopped before the .so is replaced).
 [ "${REMUS_SETUP_DONE:-0}" = 1 ] || "$REPO_ROOT/scripts/setup.sh" >/dev/null
 
-modes=${MODES:-lock_abort wait_remaster remus}
+modes=${MODES:-lock_abort wait_remaster albatross squall remus}
 scale=${SCALE:-4}
 clients=${CLIENTS:-4}
 warmup=${WARMUP:-5}
@@ -43,12 +44,25 @@ for mode in $modes; do
             --log-prefix="$mode-$n" > "$out/out-$mode-$n.txt" 2>&1) &
     done
     sleep "$warmup"
-    k=0
+    k=0 refused=""
     for shard in $(on n1 psql -XAtc "SELECT shard_id FROM remus_shards WHERE node_name = 'n3'
                                         AND table_name <> 'pgbench_history' ORDER BY shard_id"); do
         target=$([ $((k % 2)) -eq 0 ] && echo n1 || echo n2); k=$((k + 1))
-        on n2 psql -XAtq -c "SELECT status FROM remus_migrate_shard($shard, '$target', '$mode')" >/dev/null
+        if ! err=$(on n2 psql -XAtq -v ON_ERROR_STOP=1 \
+                -c "SELECT status FROM remus_migrate_shard($shard, '$target', '$mode')" 2>&1 >/dev/null); then
+            case "$err" in
+                *"not available in this build"*) refused=$err; break ;;
+                *) log "$mode: shard $shard: $err" ;;
+            esac
+        fi
     done
+    if [ -n "$refused" ]; then
+        pkill -TERM -f "pgbench -n -c $clients -j 2 -T 3600" || true
+        wait
+        log "$mode: refused by this build: $refused"
+        printf '%-14s %s\n' "$mode" "refused (0A000: not available in this build)" >> "$table"
+        continue
+    fi
     sleep "$warmup"
     # TERM, not INT: started from a background job (`cmd &` in a script, nohup), this script and
     # its pgbench clients inherit SIGINT ignored, and pgbench would run on for its whole -T.
