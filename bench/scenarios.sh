@@ -25,7 +25,7 @@
 #   SCENARIOS  (default "consolidation load_balancing scale_out")
 #   CONSOLIDATION_WORKLOADS (default "hybrid-a hybrid-b")
 #   RUN_SECONDS (20)  START_AFTER (5)  CLIENTS (4, plus one for a hybrid's second client)
-#   RECORDS (20000 YCSB rows, ~1 KB each)  SHARDS (6 YCSB shards, 9 for load balancing)
+#   RECORDS (20000 YCSB rows, ~1 KB each)  SHARDS (6 YCSB shards)  LB_SHARDS (9, load balancing)
 #   PER_MIGRATION (1)  HOT_MOVES (2)  WAREHOUSES (6)  TPCC_SHARDS (12)  BATCH_ROWS (500)
 #   BASE_PORT (31000)  OUT (/var/tmp/remus-scenarios)  DIR (/var/tmp/remus-scenarios-cluster)
 # Exit status: 0 when every run that was not refused ended ok (remus-bench's checks), else 1.
