@@ -5,7 +5,9 @@ set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
 cd "$REPO_ROOT"
-"$REPO_ROOT/scripts/setup.sh"
+# REMUS_SETUP_DONE=1: the build and the extension are already installed (setup.sh would stop
+# every running pg_remus server on the machine to reinstall the library).
+[ "${REMUS_SETUP_DONE:-0}" = 1 ] || "$REPO_ROOT/scripts/setup.sh"
 
 dir=${REMUS_DIR:-.remus/cluster}
 # The servers run as the postgres OS user, which must be able to reach the data directories.
@@ -96,6 +98,29 @@ psql -XAtc "SELECT format('balances after the moves: accounts %s, branches %s, t
 log "handover modes compared (short run: scale 1, 2 clients per node)"
 REMUS_SETUP_DONE=1 SCALE=1 CLIENTS=2 WARMUP=2 BASE_PORT=$(( ${REMUS_BASE_PORT:-6001} + 500 )) \
     OUT_DIR=/var/tmp/remus-demo-modes "$REPO_ROOT/bench/handover_modes.sh" | tail -5
+
+# Consolidation under the paper's hybrid workload B (issue 20): YCSB (zipfian) plus the
+# duplicate-key query, whose answer must be 0 every time, while scripts/drain-node.sh moves all
+# of n3's shards to n1 and n2 in mode remus, on a throwaway cluster with remus-bench's own table
+# (bench/scenarios.sh has the three scenarios in every mode).
+log "consolidation under hybrid workload B (remus-bench, ${REMUS_DEMO_BENCH_SECONDS:-20} s, drain n3 in mode remus)"
+bdir=/var/tmp/remus-demo-bench
+bout=/var/tmp/remus-demo-bench-out
+"$ctl" cluster down --dir "$bdir" >/dev/null 2>&1 || true
+rm -rf "$bdir" "$bout"
+trap '"$ctl" cluster down --dir "$bdir" >/dev/null 2>&1 || true' EXIT
+"$ctl" cluster up --nodes 3 --dir "$bdir" --base-port $(( ${REMUS_BASE_PORT:-6001} + 600 )) >/dev/null
+"$REPO_ROOT/target/release/remus-bench" --cluster-dir "$bdir" load ycsb --records 10000 --shards 6
+(sleep 5; eval "$("$ctl" cluster env --dir "$bdir")"; "$REPO_ROOT/scripts/drain-node.sh" n3 --mode remus) &
+"$REPO_ROOT/target/release/remus-bench" --cluster-dir "$bdir" run hybrid-b --dist zipfian \
+    --seconds "${REMUS_DEMO_BENCH_SECONDS:-20}" --clients 4 --out "$bout" > "$bout.log" 2>&1 || true
+wait
+tail -n 1 "$bout.log"
+# The summaries, the migration windows and Table 3 (Table 2 needs hybrid A's ingestion).
+if [ -f "$bout/tables.md" ]; then cat "$bout/tables.md"; else tail -n 20 "$bout.log"; fi
+echo "(plot: $bout/throughput.png; series: $bout/series.csv; summary: $bout/summary.json)"
+"$ctl" cluster down --dir "$bdir" >/dev/null 2>&1 || true
+trap - EXIT
 
 cat <<MSG
 
