@@ -97,7 +97,7 @@ psql -XAtc "SELECT format('balances after the moves: accounts %s, branches %s, t
 # on a separate throwaway cluster per mode (bench/handover_modes.sh has the full version).
 log "handover modes compared (short run: scale 1, 2 clients per node)"
 REMUS_SETUP_DONE=1 SCALE=1 CLIENTS=2 WARMUP=2 BASE_PORT=$(( ${REMUS_BASE_PORT:-6001} + 500 )) \
-    OUT_DIR=/var/tmp/remus-demo-modes "$REPO_ROOT/bench/handover_modes.sh" | tail -5
+    OUT_DIR=/var/tmp/remus-demo-modes "$REPO_ROOT/bench/handover_modes.sh" | tail -7
 
 # Consolidation under the paper's hybrid workload B (issue 20): YCSB (zipfian) plus the
 # duplicate-key query, whose answer must be 0 every time, while scripts/drain-node.sh moves all
