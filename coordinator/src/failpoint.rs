@@ -48,6 +48,11 @@ pub const END_UNRECORDED: &str = "end.unrecorded";
 /// convergence limit, decision 0022). Read again every 500 ms while the stream runs.
 pub const CATCHUP_SLOW_REPLAY: &str = "catchup.slow_replay";
 
+/// `delay <ms>`: squall's background pullers pause this long between two pulls instead of the
+/// paper's 200 ms (a test of the reactive pull: a target transaction that needs the shard cuts
+/// the pause short). Read again before every pause.
+pub const SQUALL_SLOW_PULL: &str = "squall.slow_pull";
+
 /// The failpoints of one coordinator.
 #[derive(Clone, Debug, Default)]
 pub struct Failpoints {

@@ -18,7 +18,8 @@
 //! Phases follow [`Phase::can_advance_to`]: Remus runs
 //! `Pending → Copy → Catchup → Barrier → Dual → Handover → Cleanup → Done`; the baselines
 //! ([`Mode::LockAbort`], [`Mode::WaitRemaster`]) skip `Barrier` and `Dual`
-//! (`Catchup → Handover`). A running migration may fail from any phase; it then keeps the phase it
+//! (`Catchup → Handover`); [`Mode::Squall`] also skips `Catchup` (`Copy → Handover`) and pulls
+//! the data in `Cleanup`. A running migration may fail from any phase; it then keeps the phase it
 //! failed in and takes status [`Status::Failed`] or [`Status::RolledBack`]. A record whose status
 //! is not [`Status::Running`] is terminal and never changes again.
 
@@ -199,12 +200,23 @@ const BASELINE_PATH: &[Phase] = &[
     Phase::Done,
 ];
 
+/// squall: ownership first (`handover`), then the pull (`cleanup`); `copy` only creates the
+/// target's empty tables and plans the chunks; there is no catch-up.
+const SQUALL_PATH: &[Phase] = &[
+    Phase::Pending,
+    Phase::Copy,
+    Phase::Handover,
+    Phase::Cleanup,
+    Phase::Done,
+];
+
 impl Phase {
     /// The phases a migration in `mode` passes through, in order.
     pub fn path(mode: Mode) -> &'static [Phase] {
         match mode {
             Mode::Remus => REMUS_PATH,
-            Mode::LockAbort | Mode::WaitRemaster | Mode::Squall | Mode::Albatross => BASELINE_PATH,
+            Mode::Squall => SQUALL_PATH,
+            Mode::LockAbort | Mode::WaitRemaster | Mode::Albatross => BASELINE_PATH,
         }
     }
 
@@ -949,6 +961,22 @@ mod tests {
             assert!(!Dual.can_advance_to(Handover, mode));
             assert_eq!(Barrier.next(mode), None);
         }
+    }
+
+    #[test]
+    fn squall_path_hands_over_before_the_data() {
+        use Phase::*;
+        let steps = [Pending, Copy, Handover, Cleanup, Done];
+        for w in steps.windows(2) {
+            assert!(
+                w[0].can_advance_to(w[1], Mode::Squall),
+                "{} -> {}",
+                w[0],
+                w[1]
+            );
+        }
+        assert!(!Copy.can_advance_to(Catchup, Mode::Squall));
+        assert_eq!(Catchup.next(Mode::Squall), None);
     }
 
     #[test]

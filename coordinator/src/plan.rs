@@ -234,11 +234,7 @@ impl Refusal {
 
 pub fn parse_mode(mode: &str) -> Result<Mode, Refusal> {
     let mode = if mode.is_empty() { "remus" } else { mode };
-    let mode = mode.parse::<Mode>().map_err(Refusal::unknown_mode)?;
-    match mode {
-        Mode::Squall => Err(Refusal::mode_not_available(mode)),
-        _ => Ok(mode),
-    }
+    mode.parse::<Mode>().map_err(Refusal::unknown_mode)
 }
 
 /// Checks the request against the registry and the target's catalog and resolves co-location.

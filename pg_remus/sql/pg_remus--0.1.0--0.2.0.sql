@@ -63,6 +63,21 @@ REVOKE EXECUTE ON FUNCTION remus.list_migrations() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION remus.list_migrations() TO remus_admin;
 GRANT SELECT ON remus_migrations TO remus_admin;
 
+-- squall mode (decision 0025): the chunk catalog of the shards a migration pulls to this node.
+CREATE TABLE remus.squall_chunks (
+    migration_id bigint NOT NULL,
+    shard_id     bigint NOT NULL,
+    chunk        int    NOT NULL,
+    hash_lo      int    NOT NULL,
+    hash_hi      int    NOT NULL,
+    pulled       bool   NOT NULL DEFAULT false,
+    rows_pulled  bigint NOT NULL DEFAULT 0,
+    bytes_pulled bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (migration_id, shard_id, chunk),
+    CHECK (hash_lo <= hash_hi)
+);
+COMMENT ON TABLE remus.squall_chunks IS 'squall migrations: the chunks of each shard being pulled to this node, and whether each is pulled';
+
 -- albatross mode (decision 0024): the per-shard suspension of a handover, on every node.
 CREATE  FUNCTION remus."albatross_suspend"(
 	"migration_id" bigint, /* i64 */

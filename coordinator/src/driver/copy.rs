@@ -40,41 +40,7 @@ impl Run {
             .map_err(sql(&self.plan.source))?;
         self.state.publication = true;
 
-        // The target's tables, with every index and constraint, before any row arrives: the
-        // replay applies by primary key and the shard may serve right after the handover.
-        let target = self.config.connector.connect(&self.plan.target).await?;
-        let mut ddl = String::new();
-        for t in &self.plan.tables {
-            // The shard table has the column numbers of the target's shell (the router plans
-            // on the shell and runs the plan on the shard): `LIKE` renumbers the columns when
-            // the shell has dropped ones (a distributed ALTER TABLE … DROP COLUMN), so then
-            // the table is built column by column with the dropped ones in place.
-            let created: String = target
-                .query_one(SHARD_TABLE_DDL, &[&t.shell, &t.qualified()])
-                .await
-                .map_err(sql(&self.plan.target))?
-                .get(0);
-            // The write-set capture trigger comes with the table, as on the source: a later
-            // migration of this shard must not need DDL on a hot table. ALWAYS, as
-            // `catalog::shard_ddl` makes it: replica-role sessions are captured too (F14).
-            ddl.push_str(&format!(
-                "{created}\n\
-                 CREATE TRIGGER {} AFTER INSERT OR UPDATE OR DELETE ON {q} \
-                 FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n\
-                 ALTER TABLE {q} ENABLE ALWAYS TRIGGER {};\n",
-                names::CAPTURE_TRIGGER,
-                t.shard_id,
-                names::CAPTURE_TRIGGER,
-                q = t.qualified()
-            ));
-        }
-        // One transaction: either every table exists afterwards (and is ours to drop on
-        // rollback) or none was created (and a table that was already there is left alone).
-        target
-            .batch_execute(&format!("BEGIN;\n{ddl}COMMIT;"))
-            .await
-            .map_err(sql(&self.plan.target))?;
-        self.state.target_tables = true;
+        self.create_target_tables().await?;
 
         // Slot first (it waits for the source's running transactions), then the copy sessions
         // import its snapshot. Both block: run them on a blocking thread.
@@ -173,6 +139,45 @@ impl Run {
 }
 
 impl Run {
+    /// The target's tables, with every index and constraint, before any row arrives: the
+    /// replay applies by primary key and the shard may serve right after the handover.
+    pub(super) async fn create_target_tables(&mut self) -> Result<(), DriverError> {
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        let mut ddl = String::new();
+        for t in &self.plan.tables {
+            // The shard table has the column numbers of the target's shell (the router plans
+            // on the shell and runs the plan on the shard): `LIKE` renumbers the columns when
+            // the shell has dropped ones (a distributed ALTER TABLE … DROP COLUMN), so then
+            // the table is built column by column with the dropped ones in place.
+            let created: String = target
+                .query_one(SHARD_TABLE_DDL, &[&t.shell, &t.qualified()])
+                .await
+                .map_err(sql(&self.plan.target))?
+                .get(0);
+            // The write-set capture trigger comes with the table, as on the source: a later
+            // migration of this shard must not need DDL on a hot table. ALWAYS, as
+            // `catalog::shard_ddl` makes it: replica-role sessions are captured too (F14).
+            ddl.push_str(&format!(
+                "{created}\n\
+                 CREATE TRIGGER {} AFTER INSERT OR UPDATE OR DELETE ON {q} \
+                 FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{}');\n\
+                 ALTER TABLE {q} ENABLE ALWAYS TRIGGER {};\n",
+                names::CAPTURE_TRIGGER,
+                t.shard_id,
+                names::CAPTURE_TRIGGER,
+                q = t.qualified()
+            ));
+        }
+        // One transaction: either every table exists afterwards (and is ours to drop on
+        // rollback) or none was created (and a table that was already there is left alone).
+        target
+            .batch_execute(&format!("BEGIN;\n{ddl}COMMIT;"))
+            .await
+            .map_err(sql(&self.plan.target))?;
+        self.state.target_tables = true;
+        Ok(())
+    }
+
     /// Waits for the copy thread, recording every second what it has passed so far (rows,
     /// bytes, the rate over the last second) in the migration's record.
     async fn report_copy<T>(

@@ -10,6 +10,7 @@
 //! | `barrier` | `barrier.rs` | Remus: the sync barrier, after which every source commit on the shards is validated on the target |
 //! | `dual` | `dual.rs` | Remus: dual execution runs on the nodes; the driver resolves or drops the prepared shadows it leaves |
 //! | `handover` | `handover/mod.rs` | per mode (`handover/lock_abort.rs`, `handover/wait_remaster.rs`, `handover/albatross.rs`, `handover/remus.rs`), ending in Tm |
+//! | squall | `squall.rs` | squall mode's own pipeline: empty target tables and chunk plan (`copy`), gate, fence and Tm (`handover`), the pulls (`cleanup`) |
 //! | `cleanup` | `cleanup.rs` | drain, stream and slot stopped, the source's copy, publication and origins dropped, registration ended |
 //! | — | `rollback.rs` | undoes everything a migration failed before the Tm decision built |
 //! | — | `resume.rs` | a restarted coordinator completes (past the decision) or rolls back (before it) a migration |
@@ -58,6 +59,7 @@ mod handover;
 mod meter;
 mod resume;
 mod rollback;
+mod squall;
 
 /// After the Tm decision, how long the driver keeps retrying a node that does not answer (a
 /// crashed target restarting) before the migration ends `failed`.
@@ -594,6 +596,10 @@ impl Run {
     }
 
     async fn phases(&mut self) -> Result<(), DriverError> {
+        if self.plan.mode == Mode::Squall {
+            // Ownership first, then the pull: no snapshot copy, no catch-up (`squall.rs`).
+            return self.squall().await;
+        }
         self.reporter.advance(Phase::Copy).await?;
         self.copy().await?;
         self.reporter.advance(Phase::Catchup).await?;
@@ -607,7 +613,7 @@ impl Run {
                 self.reporter.advance(Phase::Handover).await?;
                 self.handover_wait_remaster().await?
             }
-            // Refused when the migration is planned (`plan::parse_mode`) until it is built.
+            // Driven by `squall()` above.
             Mode::Squall => return Err(DriverError::ModeNotAvailable(self.plan.mode)),
             Mode::Albatross => {
                 self.reporter.advance(Phase::Handover).await?;

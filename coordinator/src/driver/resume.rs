@@ -33,7 +33,7 @@ impl Run {
         self.state.slot = Some(self.slot());
         self.state.target_tables = true;
         self.state.tm_prepared = true;
-        self.state.gate_closed = self.plan.mode == Mode::WaitRemaster;
+        self.state.gate_closed = matches!(self.plan.mode, Mode::WaitRemaster | Mode::Squall);
         self.state.capturing = self.plan.mode == Mode::Remus;
         // Read-through is held per migration id and ending it is idempotent (F13): a rollback
         // ends this migration's hold wherever it is; `crate::resume` also ends every hold on
@@ -235,7 +235,14 @@ impl Run {
                 .await?;
         }
         self.drop_slot(None).await?;
+        if self.plan.mode == Mode::Squall {
+            // Past the flip the pulls go on: the source's copy goes only once all is pulled.
+            self.squall_pull_all().await?;
+        }
         let aborted = self.finish_after_drain().await? + self.state.terminated;
+        if self.plan.mode == Mode::Squall {
+            self.squall_forget_chunks().await?;
+        }
         self.reporter
             .update(move |r| r.aborted_by_migration = aborted)
             .await?;

@@ -73,6 +73,9 @@ impl Run {
         if self.plan.mode == Mode::Remus && self.state.target_tables {
             note(self.drop_shadows().await);
         }
+        if self.plan.mode == Mode::Squall && self.state.target_tables {
+            note(self.squall_forget_chunks().await);
+        }
         if self.state.target_tables {
             let r = async {
                 let c = self.connect_when_up(&self.plan.target).await?;

@@ -270,6 +270,10 @@ pub enum RemusError {
     /// ownership change it waited for (review finding F20).
     #[error("this transaction waited at the admission gate of shard migration {migration_id} and its snapshot predates the ownership change; retry the transaction (it will run on the new owner)")]
     GateWaitedWithOldSnapshot { migration_id: i64 },
+    /// squall: a REPEATABLE READ or SERIALIZABLE transaction waited for the pull of a shard
+    /// whose rows its snapshot cannot see (decision 0025).
+    #[error("this transaction waited for shard {shard_id} to be pulled by shard migration {migration_id} (squall) and its snapshot predates the pull; retry the transaction")]
+    PulledAfterSnapshot { shard_id: i64, migration_id: i64 },
     /// A co-located join whose tables this transaction routes to different nodes (one used
     /// before an ownership change, one first after it; review finding F12).
     #[error("this transaction reads shard {shard_id} on node {node} but co-located shard {other_shard_id} on node {other_node} (an ownership change happened in between); a join of both cannot run on one node; retry the transaction")]
@@ -412,6 +416,7 @@ impl RemusError {
             | Self::ShardMoved { .. }
             | Self::ShardMovedAcrossRestart { .. }
             | Self::GateWaitedWithOldSnapshot { .. }
+            | Self::PulledAfterSnapshot { .. }
             | Self::ColocatedShardsApart { .. }
             | Self::MigrationConflict { .. } => SqlState::SERIALIZATION_FAILURE.code(),
             // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.

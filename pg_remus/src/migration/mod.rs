@@ -13,6 +13,7 @@
 //! | handover, lock_abort | [`handover::lock_abort`]: write fence, writer abort, cancel rewrite | `coordinator/src/driver/handover/lock_abort.rs` |
 //! | handover, wait_remaster | [`handover::wait_remaster`]: the admission gate | `coordinator/src/driver/handover/wait_remaster.rs` |
 //! | handover, remus (Tm) | [`handover::remus`]: the drain source and the drain wait | `coordinator/src/driver/handover/remus.rs` |
+//! | squall (pull after Tm) | [`squall`]: the chunk catalog, the wait for unpulled chunks | `coordinator/src/driver/squall.rs` |
 //! | cleanup | [`cleanup`]: `remus.migration_end`, `remus.migration_aborts` | `coordinator/src/driver/cleanup.rs` |
 //!
 //! Rollback and resume (`coordinator/src/driver/{rollback,resume}.rs`) have no node side of
@@ -35,6 +36,7 @@ pub(crate) mod copy;
 pub(crate) mod dual;
 pub(crate) mod durable;
 pub(crate) mod handover;
+pub(crate) mod squall;
 pub(crate) mod state;
 
 /// Reserves the shared memory; must run while the library is preloaded.

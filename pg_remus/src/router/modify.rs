@@ -819,6 +819,8 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         // The spliced local plan runs in this executor when execution chose its very shard;
         // the executor then counts what it changes and returns its RETURNING rows.
         if let Some(w) = mine {
+            // squall: a shard still being pulled here is waited for first.
+            crate::migration::squall::wait_for_pulls_in(estate, &[w.placement.shard_id])?;
             if let Some((child, shard)) =
                 spliced_of(cscan).filter(|(_, shard)| *shard == w.placement.shard_id)
             {
@@ -1017,6 +1019,8 @@ unsafe fn run_select(
             )?;
         }
         if crate::guc::is_this_node(&placement.node_name) {
+            // squall: a shard still being pulled here is waited for first.
+            crate::migration::squall::wait_for_pulls_in(estate, &[placement.shard_id])?;
             if let Some((child, _)) = spliced_of(ps.plan as *mut pg_sys::CustomScan)
                 .filter(|(_, shard)| *shard == placement.shard_id)
             {

@@ -38,6 +38,15 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
         if stmt.is_null() {
             return Ok(());
         }
+        // squall: a statement on shards still being pulled to this node waits for them, also
+        // one that executes a routing decision (`migration::squall`).
+        if crate::migration::state::active() {
+            crate::migration::squall::wait_for_pulls(
+                query_desc,
+                &shard_ids(stmt),
+                crate::router::local::decided(),
+            )?;
+        }
         // A read that executes a routing decision has nothing left to check (the checks below
         // that are not exempt for it are for writes): the local plan's nested statement. A
         // `RemusRouter` plan makes the decision itself: its range table names the shells (no
@@ -50,26 +59,7 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
         {
             return Ok(());
         }
-        let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
-        if shard_nsp == pg_sys::InvalidOid {
-            return Ok(());
-        }
-        let mut shards = Vec::new();
-        for rte in crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
-            if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
-                || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
-            {
-                continue;
-            }
-            let name = pg_sys::get_rel_name((*rte).relid);
-            if name.is_null() {
-                continue;
-            }
-            let name = CStr::from_ptr(name).to_string_lossy();
-            if let Some(id) = name.rsplit('_').next().and_then(|s| s.parse::<i64>().ok()) {
-                shards.push(id);
-            }
-        }
+        let shards = shard_ids(stmt);
         if shards.is_empty() {
             return Ok(());
         }
@@ -100,4 +90,36 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
         }
         Ok(())
     }
+}
+
+/// The shard ids of the shard tables (`remus_shards.*`) in `stmt`'s range table.
+///
+/// # Safety
+/// `stmt` must be a valid PlannedStmt.
+unsafe fn shard_ids(stmt: *mut pg_sys::PlannedStmt) -> Vec<i64> {
+    let mut shards = Vec::new();
+    // SAFETY: the caller upholds this function's `# Safety` contract; catalog lookups run
+    // inside the statement's transaction.
+    unsafe {
+        let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        if shard_nsp == pg_sys::InvalidOid {
+            return shards;
+        }
+        for rte in crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
+            if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
+                || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
+            {
+                continue;
+            }
+            let name = pg_sys::get_rel_name((*rte).relid);
+            if name.is_null() {
+                continue;
+            }
+            let name = CStr::from_ptr(name).to_string_lossy();
+            if let Some(id) = name.rsplit('_').next().and_then(|s| s.parse::<i64>().ok()) {
+                shards.push(id);
+            }
+        }
+    }
+    shards
 }

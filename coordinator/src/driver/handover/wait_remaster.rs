@@ -12,6 +12,21 @@ impl Run {
     /// DynaMast-style: stop admitting new transactions on every node, wait for the ones in
     /// flight, final catch-up, Tm, reopen.
     pub(in crate::driver) async fn handover_wait_remaster(&mut self) -> Result<(), DriverError> {
+        self.close_gates_and_drain().await?;
+        let lsn = self.sync_point().await?;
+        self.wait_applied(lsn).await?;
+        let tm = match self.verify().await {
+            Ok(()) => self.tm().await,
+            Err(e) => Err(e),
+        };
+        self.open_gates().await?;
+        tm
+    }
+
+    /// Closes the admission gate on every node and waits for the transactions admitted before
+    /// it, for at most `remus.gate_drain_timeout` (then [`DriverError::GateDrainTimeout`]: the
+    /// caller rolls back, which reopens the gates). Also squall's start (`driver/squall.rs`).
+    pub(in crate::driver) async fn close_gates_and_drain(&mut self) -> Result<(), DriverError> {
         let id = self.id();
         let timeout_ms = self.config.gate_timeout.as_millis() as i64;
         let mut closed_at = Vec::new();
@@ -68,14 +83,7 @@ impl Run {
             drain_ms = started.elapsed().as_millis() as u64,
             "in-flight transactions finished"
         );
-        let lsn = self.sync_point().await?;
-        self.wait_applied(lsn).await?;
-        let tm = match self.verify().await {
-            Ok(()) => self.tm().await,
-            Err(e) => Err(e),
-        };
-        self.open_gates().await?;
-        tm
+        Ok(())
     }
 
     /// Closes the gate of `node` for this migration. A node has one gate: while another
@@ -128,7 +136,7 @@ impl Run {
         }
     }
 
-    async fn open_gates(&mut self) -> Result<(), DriverError> {
+    pub(in crate::driver) async fn open_gates(&mut self) -> Result<(), DriverError> {
         if !self.state.gate_closed {
             return Ok(());
         }
