@@ -334,11 +334,18 @@ impl TestCluster {
 
     /// `pgbench <args>` with libpq pointed at `node` (password from the cluster's pgpass).
     pub fn pgbench(&self, node: &str, args: &[&str]) -> Command {
+        let mut cmd = self.libpq_command(node, "pgbench");
+        cmd.args(args);
+        cmd
+    }
+
+    /// `program` with libpq's environment pointed at `node` as the cluster's superuser
+    /// (PGHOST, PGPORT, PGUSER, PGDATABASE, and PGPASSFILE for the password).
+    pub fn libpq_command(&self, node: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let state = self.state().unwrap();
         let n = state.node(node).unwrap();
-        let mut cmd = Command::new("pgbench");
-        cmd.args(args)
-            .env("PGHOST", &n.host)
+        let mut cmd = Command::new(program);
+        cmd.env("PGHOST", &n.host)
             .env("PGPORT", n.port.to_string())
             .env("PGUSER", "postgres")
             .env("PGDATABASE", "postgres")

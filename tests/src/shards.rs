@@ -19,6 +19,25 @@ pub fn owners(c: &TestCluster, table: &str) -> Vec<(i64, String)> {
     shards_of(&mut c.connect("n1").unwrap(), table)
 }
 
+/// The four tables of `pgbench -i`, distributed as `sql/pgbench_distribute.sql` does.
+pub const TPCB_TABLES: [&str; 4] = [
+    "pgbench_accounts",
+    "pgbench_branches",
+    "pgbench_tellers",
+    "pgbench_history",
+];
+
+/// Panics unless `node` owns no shard of any of `tables` (as n1 sees the map): a consolidated
+/// node.
+pub fn assert_owns_no_shard(c: &TestCluster, node: &str, tables: &[&str]) {
+    for table in tables {
+        assert!(
+            owners(c, table).iter().all(|(_, o)| o != node),
+            "{node} still owns a shard of {table}"
+        );
+    }
+}
+
 /// The one value `sql` (with `params`) returns on each node, in node order.
 pub fn value_on_every_node<T: postgres::types::FromSqlOwned>(
     c: &TestCluster,

@@ -20,17 +20,10 @@ use remus_test_support::wait_until;
 /// `bash scripts/drain-node.sh <args>` with libpq pointed at `via`, in a process group of its
 /// own (so that killing the group takes its psql too).
 fn drain(c: &TestCluster, via: &str, args: &[&str]) -> Command {
-    let state = c.state().unwrap();
-    let n = state.node(via).unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/drain-node.sh");
-    let mut cmd = Command::new("bash");
+    let mut cmd = c.libpq_command(via, "bash");
     cmd.arg(script)
         .args(args)
-        .env("PGHOST", &n.host)
-        .env("PGPORT", n.port.to_string())
-        .env("PGUSER", "postgres")
-        .env("PGDATABASE", "postgres")
-        .env("PGPASSFILE", &state.pgpass)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use integration::consistency::assert_tpcb_consistent;
 use integration::pgbench::{finish, init_tpcb, prepared_everywhere, start_tpcb, wait_committing};
-use integration::shards::owners;
+use integration::shards::{assert_owns_no_shard, owners, TPCB_TABLES};
 use remus_test_support::cluster::TestCluster;
 
 struct Moved {
@@ -146,17 +146,7 @@ fn albatross_moves_and_consolidates_under_tpcb() {
     );
 
     assert_tpcb_consistent(&c, "n1", processed, "after albatross migrations");
-    for table in [
-        "pgbench_accounts",
-        "pgbench_branches",
-        "pgbench_tellers",
-        "pgbench_history",
-    ] {
-        assert!(
-            owners(&c, table).iter().all(|(_, o)| o != "n3"),
-            "n3 still owns a shard of {table}"
-        );
-    }
+    assert_owns_no_shard(&c, "n3", &TPCB_TABLES);
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(prepared_everywhere(&c), 0);

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
-use integration::shards::owners;
+use integration::shards::{assert_owns_no_shard, owners, TPCB_TABLES};
 use remus_test_support::cluster::TestCluster;
 
 struct Moved {
@@ -143,17 +143,7 @@ fn run(mode: &str) {
         history as u64, processed,
         "one history row per committed transaction"
     );
-    for table in [
-        "pgbench_accounts",
-        "pgbench_branches",
-        "pgbench_tellers",
-        "pgbench_history",
-    ] {
-        assert!(
-            owners(&c, table).iter().all(|(_, o)| o != "n3"),
-            "n3 still owns a shard of {table}"
-        );
-    }
+    assert_owns_no_shard(&c, "n3", &TPCB_TABLES);
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(prepared_everywhere(&c), 0);

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use coordinator::failpoint::{COPY_SNAPSHOT_EXPORTED, DUAL_STARTED, HANDOVER_DECIDED};
 use integration::pgbench::{balances, finish, init_tpcb, prepared_everywhere};
-use integration::shards::{owners, owners_everywhere};
+use integration::shards::{assert_owns_no_shard, owners, owners_everywhere, TPCB_TABLES};
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::{wait_for, wait_until};
 
@@ -197,17 +197,7 @@ fn remus_moves_and_consolidates_under_tpcb_without_failures() {
         balance_mismatches(&c, "pgbench_branches", "bid", "bbalance"),
         0
     );
-    for table in [
-        "pgbench_accounts",
-        "pgbench_branches",
-        "pgbench_tellers",
-        "pgbench_history",
-    ] {
-        assert!(
-            owners(&c, table).iter().all(|(_, o)| o != "n3"),
-            "n3 still owns a shard of {table}"
-        );
-    }
+    assert_owns_no_shard(&c, "n3", &TPCB_TABLES);
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(prepared_everywhere(&c), 0);

@@ -17,7 +17,7 @@ use coordinator::failpoint::SQUALL_SLOW_PULL;
 use integration::consistency::assert_tpcb_consistent;
 use integration::migrations::wait_ended;
 use integration::pgbench::{finish, init_tpcb, prepared_everywhere, wait_committing};
-use integration::shards::owners;
+use integration::shards::{assert_owns_no_shard, owners, TPCB_TABLES};
 use remus_test_support::cluster::TestCluster;
 
 /// Chunks of 64 kB: an account shard of the test's scale has several.
@@ -180,17 +180,7 @@ fn squall_moves_and_consolidates_under_tpcb() {
         "pgbench failures must be exactly the migrations' aborts"
     );
     assert_tpcb_consistent(&c, "n1", processed, "after the squall migrations");
-    for table in [
-        "pgbench_accounts",
-        "pgbench_branches",
-        "pgbench_tellers",
-        "pgbench_history",
-    ] {
-        assert!(
-            owners(&c, table).iter().all(|(_, o)| o != "n3"),
-            "n3 still owns a shard of {table}"
-        );
-    }
+    assert_owns_no_shard(&c, "n3", &TPCB_TABLES);
     let accounts: i64 = c
         .connect("n3")
         .unwrap()
