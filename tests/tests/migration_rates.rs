@@ -18,7 +18,7 @@ use std::process::Child;
 use std::sync::Once;
 use std::time::Duration;
 
-use coordinator::failpoint::CATCHUP_SLOW_REPLAY;
+use coordinator::failpoint::{CATCHUP_SLOW_REPLAY, COPY_SNAPSHOT_EXPORTED};
 use integration::migrations::wait_ended;
 use integration::pgbench::{init_tpcb, start_tpcb, wait_committing};
 use integration::shards::owners;
@@ -49,6 +49,35 @@ fn loaded_cluster(seconds: u32) -> (TestCluster, i64, Child) {
     // run of a2fbc76 found an empty stream (pgbench not yet committing) and went to the barrier.
     wait_committing(&c, "n1", 200);
     (c, shard, bench)
+}
+
+/// Holds the migration just after its copy's snapshot is exported and commits `n` transactions,
+/// each an update of one account row of `shard` (balance unchanged), through n1: the stream then
+/// holds at least `n` transactions of the shard whatever pgbench's pace, so the first catch-up
+/// round cannot be short. (The CI run of af35203 found no write of the shard between the
+/// snapshot and the first sync point: the round took 53 ms and went to the barrier.)
+fn writes_after_snapshot(c: &TestCluster, shard: i64, n: i64) {
+    c.wait_paused_at(COPY_SNAPSHOT_EXPORTED, LIMIT)
+        .expect("the copy exports its snapshot");
+    let mut db = c.connect("n1").unwrap();
+    let aids: Vec<i32> = db
+        .query(
+            &format!("SELECT aid FROM remus_shards.pgbench_accounts_{shard} ORDER BY aid LIMIT $1"),
+            &[&n],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(aids.len() as i64, n, "shard {shard} has {n} rows");
+    for aid in aids {
+        db.execute(
+            "UPDATE pgbench_accounts SET abalance = abalance + 0 WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap();
+    }
+    c.release_failpoint(COPY_SNAPSHOT_EXPORTED).unwrap();
 }
 
 fn slow_replay(c: &TestCluster, ms_per_txn: u32) {
@@ -105,6 +134,7 @@ fn read(db: &mut postgres::Client, id: Option<i64>) -> Option<Seen> {
 fn remus_reports_rates_and_hands_over_when_catch_up_does_not_converge() {
     let (c, shard, mut bench) = loaded_cluster(600);
     slow_replay(&c, 2000);
+    c.arm_pause(COPY_SNAPSHOT_EXPORTED).unwrap();
     let dir = c.dir_str();
     let shard_arg = shard.to_string();
     let ctl = std::thread::spawn(move || {
@@ -112,6 +142,8 @@ fn remus_reports_rates_and_hands_over_when_catch_up_does_not_converge() {
             "migrate", "--shard", &shard_arg, "--to", "n2", "--mode", "remus", "--dir", &dir,
         ])
     });
+
+    writes_after_snapshot(&c, shard, 10);
 
     // Catch-up, measured, and declared not converging (the replay is slow).
     let mut db = c.connect("n1").unwrap();
@@ -207,13 +239,18 @@ fn remus_reports_rates_and_hands_over_when_catch_up_does_not_converge() {
 fn lock_abort_rolls_back_when_catch_up_does_not_converge() {
     let (c, shard, mut bench) = loaded_cluster(600);
     slow_replay(&c, 2000);
+    c.arm_pause(COPY_SNAPSHOT_EXPORTED).unwrap();
     let mut db = c.connect("n1").unwrap();
-    let err = db
-        .query_one(
+    let call = std::thread::spawn(move || {
+        db.query_one(
             "SELECT status FROM remus_migrate_shard($1, 'n2', 'lock_abort')",
             &[&shard],
         )
-        .map(|r| r.get::<_, String>(0));
+        .map(|r| r.get::<_, String>(0))
+    });
+    writes_after_snapshot(&c, shard, 10);
+    let err = call.join().unwrap();
+    let mut db = c.connect("n1").unwrap();
     let _ = bench.kill();
     let _ = bench.wait();
     let seen = read(&mut db, None).expect("the migration is recorded");
