@@ -8,8 +8,11 @@
 //!
 //! A second test checks the reactive pull: with the background pullers paused for a minute
 //! between pulls (failpoint `squall.slow_pull`), a keyed read on the new owner of a shard whose
-//! chunks are not all pulled returns the right row at once (the read asks for the pull and waits
-//! for it), and the migration then completes.
+//! chunks are not all pulled returns the right row at once: the read asks for the pull of the
+//! chunk that holds its key and waits for that chunk only (other chunks are still not pulled
+//! after it). A REPEATABLE READ transaction whose snapshot predates that pull gets 40001 for the
+//! same read; one that begins after it reads the row. A read of the whole shard table then waits
+//! for every remaining chunk and sees all the shard's rows, and the migration completes.
 
 use std::time::{Duration, Instant};
 
@@ -214,7 +217,7 @@ fn squall_moves_and_consolidates_under_tpcb() {
 }
 
 #[test]
-fn a_keyed_read_pulls_its_shard_before_the_background_puller() {
+fn a_keyed_read_pulls_its_chunk_before_the_background_puller() {
     let c = cluster();
     init_tpcb(&c, 1);
     let dir = c.state().unwrap().failpoint_dir();
@@ -225,18 +228,19 @@ fn a_keyed_read_pulls_its_shard_before_the_background_puller() {
     let (shard, owner) = owners(&c, "pgbench_accounts")[0].clone();
     let target = if owner == "n1" { "n2" } else { "n1" };
     let mut db = c.connect(target).unwrap();
-    // An account of that shard and its balance, read before the move.
-    let (aid, balance): (i32, i32) = {
+    // An account of that shard and its balance, and the shard's rows, read before the move.
+    let (aid, balance, shard_rows): (i32, i32, i64) = {
         let mut src = c.connect(&owner).unwrap();
         let r = src
             .query_one(
                 &format!(
-                    "SELECT aid, abalance FROM remus_shards.pgbench_accounts_{shard} ORDER BY aid DESC LIMIT 1"
+                    "SELECT aid, abalance, (SELECT count(*) FROM remus_shards.pgbench_accounts_{shard})
+                       FROM remus_shards.pgbench_accounts_{shard} ORDER BY aid DESC LIMIT 1"
                 ),
                 &[],
             )
             .unwrap();
-        (r.get(0), r.get(1))
+        (r.get(0), r.get(1), r.get(2))
     };
     db.execute(
         "UPDATE pgbench_accounts SET abalance = abalance + 7 WHERE aid = $1",
@@ -275,6 +279,11 @@ fn a_keyed_read_pulls_its_shard_before_the_background_puller() {
         .unwrap()
         .get(0);
     assert!(left_before > 0);
+    // A REPEATABLE READ transaction on the target whose snapshot is older than the pull.
+    let mut old_snapshot = c.connect(target).unwrap();
+    old_snapshot
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .unwrap();
     // The shard belongs to the target already: the keyed read runs there, asks for the pull,
     // and sees the row as it was (not an empty result).
     let started = Instant::now();
@@ -289,15 +298,72 @@ fn a_keyed_read_pulls_its_shard_before_the_background_puller() {
         .get(0);
     let waited = started.elapsed();
     assert_eq!(read, balance + 7, "the row of account {aid} after the pull");
+    // Its chunk was pulled for it, and not the whole shard: the puller went back to its
+    // minute-long pause with chunks left.
+    let (key_chunk_pulled, left_after): (bool, i64) = {
+        let r = db
+            .query_one(
+                "SELECT bool_or(pulled) FILTER (WHERE remus.key_hash($2::int4) BETWEEN hash_lo AND hash_hi),
+                        count(*) FILTER (WHERE NOT pulled)
+                   FROM remus.squall_chunks WHERE migration_id = $1",
+                &[&id, &aid],
+            )
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert!(key_chunk_pulled, "the chunk of account {aid} is pulled");
+    assert!(
+        left_after > 0,
+        "a keyed read waits for its chunk, not the shard ({left_before} chunks were left)"
+    );
     println!(
-        "reactive read of account {aid} on {target}: {} ms ({left_before} chunks were left)",
+        "reactive read of account {aid} on {target}: {} ms ({left_before} chunks were left, {left_after} after)",
         waited.as_millis()
     );
-    // Released by the read, the puller finished without its minute-long pauses.
-    let (status, error) = wait_ended(&c, "n2", id, Duration::from_secs(30));
+    // The pull is not in the older snapshot: that transaction cannot read the account (40001,
+    // retryable); one that starts after the pull reads it (its snapshot sees the pull).
+    let err = old_snapshot
+        .query_one(
+            "SELECT abalance FROM pgbench_accounts WHERE aid = $1",
+            &[&aid],
+        )
+        .expect_err("a snapshot older than the pull does not read the pulled chunk");
+    assert_eq!(
+        err.code(),
+        Some(&postgres::error::SqlState::T_R_SERIALIZATION_FAILURE),
+        "{err:?}"
+    );
+    let mut new_snapshot = c.connect(target).unwrap();
+    let mut tx = new_snapshot
+        .build_transaction()
+        .isolation_level(postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .unwrap();
+    let again: i32 = tx
+        .query_one(
+            "SELECT abalance FROM pgbench_accounts WHERE aid = $1",
+            &[&aid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(again, balance + 7);
+    tx.commit().unwrap();
+    // A read of the whole shard (no key) asks for the rest: the puller stops pausing (the
+    // failpoint gone, its later pauses are the cluster's 20 ms) and the read sees every row.
+    std::fs::remove_file(dir.join(SQUALL_SLOW_PULL)).unwrap();
+    let all: i64 = c
+        .connect(target)
+        .unwrap()
+        .query_one(
+            &format!("SELECT count(*) FROM remus_shards.pgbench_accounts_{shard}"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(all, shard_rows, "every row of shard {shard} after the pull");
+    let (status, error) = wait_ended(&c, "n2", id, Duration::from_secs(60));
     assert_eq!(status, "succeeded", "{error:?}");
     call.join().unwrap().unwrap();
-    std::fs::remove_file(dir.join(SQUALL_SLOW_PULL)).unwrap();
     no_chunks_left(&c);
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");

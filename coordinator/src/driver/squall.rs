@@ -14,8 +14,8 @@
 //!   chunk, each in one target transaction that holds the chunk's range lock (a transaction
 //!   advisory lock `(shard_id, chunk)`), inserts its rows (read from the source as text of the row type) and
 //!   marks it pulled; between pulls it paces ([`DEFAULT_PACE`], the paper's 200 ms) unless a
-//!   target transaction asks for the shard (`migration::squall` on the node: it waits for the
-//!   remaining chunks, so the puller stops pacing). A failed pull is retried (a fresh session)
+//!   target transaction asks for a chunk or the shard (`migration::squall` on the node): the
+//!   puller stops pacing and pulls a chunk asked for first, Squall's reactive pull. A failed pull is retried (a fresh session)
 //!   for up to [`NODE_WAIT`] of consecutive failures. Then the drain of transactions older
 //!   than Tm, the source's copy dropped, the registration ended, the chunk catalog emptied.
 
@@ -414,11 +414,20 @@ impl Puller {
         pulled: &Pulled,
     ) -> Result<bool, DriverError> {
         let t = sql(&self.target);
+        // A chunk a target transaction waits for first (its request: a shared advisory lock
+        // `(shard, -2 - chunk)`, `migration::squall` on the node), else the next in order.
         let next = target
             .query_opt(
-                "SELECT chunk, hash_lo, hash_hi FROM remus.squall_chunks
-                  WHERE migration_id = $1 AND shard_id = $2 AND NOT pulled
-                  ORDER BY chunk LIMIT 1",
+                "SELECT c.chunk, c.hash_lo, c.hash_hi FROM remus.squall_chunks c
+                  WHERE c.migration_id = $1 AND c.shard_id = $2 AND NOT c.pulled
+                  ORDER BY EXISTS (SELECT 1 FROM pg_catalog.pg_locks l
+                                    WHERE l.locktype = 'advisory' AND l.objsubid = 2
+                                      AND l.database = (SELECT oid FROM pg_catalog.pg_database
+                                                         WHERE datname = current_database())
+                                      AND l.classid = ($2::bigint % 2147483647)::oid
+                                      AND l.objid = (4294967294 - c.chunk)::oid) DESC,
+                           c.chunk
+                  LIMIT 1",
                 &[&(self.migration_id as i64), &self.shard_id],
             )
             .await
@@ -510,7 +519,9 @@ impl Puller {
     }
 
     /// The pause between two background pulls: [`pace`] (or the `squall.slow_pull` failpoint's
-    /// delay), cut short as soon as a target transaction waits for this shard.
+    /// delay), cut short as soon as a target transaction waits for this shard: for one of its
+    /// chunks (`(shard, -2 - chunk)`) or for all of them (`(shard, -1)`), the negative second
+    /// keys, which `pg_locks` shows as `objid` of 2^31 and above.
     async fn pace(&self, target: &tokio_postgres::Client) {
         let pause = self
             .failpoints
@@ -537,7 +548,7 @@ impl Puller {
                                        AND database = (SELECT oid FROM pg_catalog.pg_database
                                                         WHERE datname = current_database())
                                        AND classid = ($1::bigint % 2147483647)::oid
-                                       AND objid = 4294967295::oid)",
+                                       AND objid >= 2147483648::oid)",
                     &[&self.shard_id],
                 )
                 .await

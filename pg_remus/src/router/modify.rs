@@ -819,11 +819,12 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         // The spliced local plan runs in this executor when execution chose its very shard;
         // the executor then counts what it changes and returns its RETURNING rows.
         if let Some(w) = mine {
-            // squall: a shard still being pulled here is waited for first.
-            crate::migration::squall::wait_for_pulls_in(estate, &[w.placement.shard_id])?;
             if let Some((child, shard)) =
                 spliced_of(cscan).filter(|(_, shard)| *shard == w.placement.shard_id)
             {
+                // squall: the chunks of a shard still being pulled here are waited for first
+                // (a local plan run in a nested executor waits in its ExecutorStart).
+                crate::migration::squall::wait_for_pulls_in(estate, (*estate).es_plannedstmt)?;
                 wait_for_the_fence(&table, w, &params, &mut text_params)?;
                 // The handover's checks that ExecutorStart runs for a nested write (the
                 // ownership check leaves a router plan to the router): the fence of a moved
@@ -1019,11 +1020,13 @@ unsafe fn run_select(
             )?;
         }
         if crate::guc::is_this_node(&placement.node_name) {
-            // squall: a shard still being pulled here is waited for first.
-            crate::migration::squall::wait_for_pulls_in(estate, &[placement.shard_id])?;
+            // squall: the chunks of a shard still being pulled here are waited for before a
+            // local plan starts in this executor (one run in a nested executor waits in its
+            // ExecutorStart).
             if let Some((child, _)) = spliced_of(ps.plan as *mut pg_sys::CustomScan)
                 .filter(|(_, shard)| *shard == placement.shard_id)
             {
+                crate::migration::squall::wait_for_pulls_in(estate, (*estate).es_plannedstmt)?;
                 start_child(s, child);
                 (*s).ran = Ran::LocalPlan;
                 return Ok(());
@@ -1040,6 +1043,9 @@ unsafe fn run_select(
                 )?,
             };
             let outputs = pg_sys::list_length((*ps.plan).targetlist) as usize;
+            if let Some(stmt) = stmt {
+                crate::migration::squall::wait_for_pulls_in(estate, stmt)?;
+            }
             if let Some(child) =
                 stmt.and_then(|stmt| super::local::spliced_at_execution(stmt, estate, outputs))
             {

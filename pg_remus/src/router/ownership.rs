@@ -41,11 +41,7 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
         // squall: a statement on shards still being pulled to this node waits for them, also
         // one that executes a routing decision (`migration::squall`).
         if crate::migration::state::active() {
-            crate::migration::squall::wait_for_pulls(
-                query_desc,
-                &shard_ids(stmt),
-                crate::router::local::decided(),
-            )?;
+            crate::migration::squall::wait_for_pulls(query_desc)?;
         }
         // A read that executes a routing decision has nothing left to check (the checks below
         // that are not exempt for it are for writes): the local plan's nested statement. A
@@ -97,6 +93,19 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
 /// # Safety
 /// `stmt` must be a valid PlannedStmt.
 unsafe fn shard_ids(stmt: *mut pg_sys::PlannedStmt) -> Vec<i64> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe { shard_rtes(stmt) }
+        .into_iter()
+        .map(|(_, _, shard_id)| shard_id)
+        .collect()
+}
+
+/// The shard tables (`remus_shards.*`) in `stmt`'s range table: range-table index, relation,
+/// shard id.
+///
+/// # Safety
+/// `stmt` must be a valid PlannedStmt.
+pub(crate) unsafe fn shard_rtes(stmt: *mut pg_sys::PlannedStmt) -> Vec<(i32, pg_sys::Oid, i64)> {
     let mut shards = Vec::new();
     // SAFETY: the caller upholds this function's `# Safety` contract; catalog lookups run
     // inside the statement's transaction.
@@ -105,7 +114,8 @@ unsafe fn shard_ids(stmt: *mut pg_sys::PlannedStmt) -> Vec<i64> {
         if shard_nsp == pg_sys::InvalidOid {
             return shards;
         }
-        for rte in crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
+        let rtes = crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable);
+        for (i, rte) in rtes.into_iter().enumerate() {
             if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
                 || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
             {
@@ -117,7 +127,7 @@ unsafe fn shard_ids(stmt: *mut pg_sys::PlannedStmt) -> Vec<i64> {
             }
             let name = CStr::from_ptr(name).to_string_lossy();
             if let Some(id) = name.rsplit('_').next().and_then(|s| s.parse::<i64>().ok()) {
-                shards.push(id);
+                shards.push(((i + 1) as i32, (*rte).relid, id));
             }
         }
     }
