@@ -23,9 +23,15 @@
 //!   READ COMMITTED and a REPEATABLE READ transaction (snapshot taken) wait at the suspension;
 //!   after the flip the first commits on the new owner, the second fails with 40001 and is
 //!   counted in `aborted_by_migration`.
+//! - `a_read_that_waited_on_the_new_owner_sees_the_last_delta`: a write in flight on the shard
+//!   commits during the drain and reaches the target only with the last delta (the replay slowed
+//!   by `catchup.slow_replay`); a READ COMMITTED read of that row on the target, which took its
+//!   snapshot before the last delta and waited at the suspension, runs on the target after the
+//!   flip and returns the row as written (its local plan takes a snapshot after the wait).
 
 use std::time::{Duration, Instant};
 
+use coordinator::failpoint::{CATCHUP_SLOW_REPLAY, HANDOVER_ALBATROSS_DRAINED};
 use integration::consistency::assert_tpcb_consistent;
 use integration::pgbench::{finish, init_tpcb, prepared_everywhere, start_tpcb, wait_committing};
 use integration::shards::{assert_owns_no_shard, owners, TPCB_TABLES};
@@ -549,6 +555,168 @@ fn albatross_waiters_route_to_the_new_owner_or_fail_with_40001() {
         vec![(aids[0], 3), (aids[1], 0)],
         "on the new owner"
     );
+    let left = c.migration_artifacts();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// Sets `remus.gate_drain_timeout` on every node (reloaded).
+fn drain_timeout(c: &TestCluster, value: &str) {
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        db.simple_query(&format!(
+            "ALTER SYSTEM SET remus.gate_drain_timeout = '{value}'"
+        ))
+        .unwrap();
+        db.simple_query("SELECT pg_reload_conf()").unwrap();
+    }
+}
+
+#[test]
+fn a_read_that_waited_on_the_new_owner_sees_the_last_delta() {
+    let c = TestCluster::start(3).expect("cluster up");
+    init_tpcb(&c, 1);
+    // The drain waits for the two writes below as long as the test needs.
+    drain_timeout(&c, "5min");
+    let (shard, source) = owners(&c, "pgbench_accounts")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .expect("n1 holds an account shard");
+    let target = "n3";
+    let aids: Vec<i32> = c
+        .connect(&source)
+        .unwrap()
+        .query(
+            &format!("SELECT aid FROM remus_shards.pgbench_accounts_{shard} ORDER BY aid LIMIT 2"),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let (first_aid, aid) = (aids[0], aids[1]);
+
+    // Two writes in flight on the shard, opened during catch-up (an xid held when the slot is
+    // made would hold up the copy), committed during the drain.
+    c.arm_pause("catchup.running").unwrap();
+    c.arm_pause(HANDOVER_ALBATROSS_DRAINED).unwrap();
+    let call = {
+        let mut db = c.connect("n2").unwrap();
+        std::thread::spawn(move || {
+            db.query_one(
+                "SELECT status, aborted_by_migration FROM remus_migrate_shard($1, $2, 'albatross')",
+                &[&shard, &target],
+            )
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+        })
+    };
+    let id = c
+        .wait_paused_at("catchup.running", Duration::from_secs(60))
+        .unwrap();
+    let mut first = c.connect(&source).unwrap();
+    first
+        .batch_execute(&format!(
+            "BEGIN; UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = {first_aid}"
+        ))
+        .unwrap();
+    let mut last = c.connect(&source).unwrap();
+    last.batch_execute(&format!(
+        "BEGIN; UPDATE pgbench_accounts SET abalance = abalance + 5 WHERE aid = {aid}"
+    ))
+    .unwrap();
+    c.release_failpoint("catchup.running").unwrap();
+    let mut watcher = c.connect("n1").unwrap();
+    remus_test_support::wait_for(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            let w: Option<String> = watcher
+                .query_one(
+                    "SELECT waiting_on FROM remus_migrations WHERE migration_id = $1",
+                    &[&id],
+                )
+                .ok()?
+                .get(0);
+            w.filter(|w| w.contains("in flight on the suspended shards"))
+        },
+        || "the handover did not wait for the writes in flight".to_string(),
+    );
+    // The replay waits 20 s after shipping the first commit: the second, committed next, is
+    // still not on the target when the drain is over.
+    let fp = c.state().unwrap().failpoint_dir();
+    std::fs::write(fp.join(CATCHUP_SLOW_REPLAY), "delay 20000").unwrap();
+    // The propagator looks at the failpoint at most twice a second, when it ships something.
+    std::thread::sleep(Duration::from_secs(1));
+    first.batch_execute("COMMIT").unwrap();
+    last.batch_execute("COMMIT").unwrap();
+    c.wait_paused_at(HANDOVER_ALBATROSS_DRAINED, Duration::from_secs(60))
+        .unwrap();
+    let on_target = |c: &TestCluster| -> i32 {
+        let mut db = c.connect(target).unwrap();
+        db.batch_execute("SET remus.migration_session = on")
+            .unwrap();
+        db.query_one(
+            &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
+            &[&aid],
+        )
+        .unwrap()
+        .get(0)
+    };
+    // A read of that row through the target: its snapshot is taken now, it waits at the
+    // suspension.
+    let reader = {
+        let mut db = c.connect(target).unwrap();
+        std::thread::spawn(move || {
+            db.query_one(
+                "SELECT abalance FROM pgbench_accounts WHERE aid = $1",
+                &[&aid],
+            )
+            .map(|r| r.get::<_, i32>(0))
+        })
+    };
+    let mut n3 = c.connect(target).unwrap();
+    remus_test_support::wait_for(
+        Duration::from_secs(30),
+        Duration::from_millis(10),
+        || {
+            let n: i32 = n3
+                .query_one(
+                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
+                    &[],
+                )
+                .ok()?
+                .get::<_, Option<i32>>(0)
+                .unwrap_or(0);
+            (n == 1).then_some(())
+        },
+        || "the read did not wait at the suspension".to_string(),
+    );
+    // What the test is about: the last write is not on the target yet, so the waiting read's
+    // snapshot (older than this check) does not see it there.
+    assert_eq!(
+        on_target(&c),
+        0,
+        "the second write is still to come with the last delta"
+    );
+    std::fs::remove_file(fp.join(CATCHUP_SLOW_REPLAY)).unwrap();
+    c.release_failpoint(HANDOVER_ALBATROSS_DRAINED).unwrap();
+    let (status, aborted) = call.join().unwrap().expect("the migration succeeds");
+    assert_eq!((status.as_str(), aborted), ("succeeded", 0));
+    assert_eq!(
+        owners(&c, "pgbench_accounts")
+            .iter()
+            .find(|(s, _)| *s == shard)
+            .map(|(_, o)| o.as_str()),
+        Some(target)
+    );
+    let read = reader
+        .join()
+        .unwrap()
+        .expect("the read goes on after the flip");
+    assert_eq!(
+        read, 5,
+        "the read on the new owner sees the write that came with the last delta"
+    );
+    assert_eq!(on_target(&c), 5);
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
 }

@@ -39,10 +39,9 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
             return Ok(());
         }
         // squall: a statement on shards still being pulled to this node waits for them, also
-        // one that executes a routing decision (`migration::squall`).
-        if crate::migration::state::active() {
-            crate::migration::squall::wait_for_pulls(query_desc)?;
-        }
+        // one that executes a routing decision (`migration::squall`); a statement that waited
+        // for a migration (squall's pull, albatross's suspension) runs with a newer snapshot.
+        crate::migration::squall::wait_for_pulls(query_desc)?;
         // A read that executes a routing decision has nothing left to check (the checks below
         // that are not exempt for it are for writes): the local plan's nested statement. A
         // `RemusRouter` plan makes the decision itself: its range table names the shells (no

@@ -204,7 +204,29 @@ pub(crate) fn wait_if_suspended(shard_id: i64, routed: impl Fn(i64) -> bool) -> 
         crate::pg::latch::wait_ms(POLL_MS);
     }
     drop(guard);
+    if waited.is_some() {
+        // SAFETY: reads the start time of the current statement (a backend global).
+        let statement = unsafe { pg_sys::GetCurrentStatementStartTimestamp() };
+        WAITED_IN.with(|w| w.set(Some(statement)));
+    }
     waited
+}
+
+thread_local! {
+    /// The start (`statement_timestamp`) of the last statement that waited at a suspension.
+    static WAITED_IN: std::cell::Cell<Option<pg_sys::TimestampTz>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Did the current statement wait at a suspension? Its snapshot then predates the wait, and
+/// with it the last delta's commits on the new owner: a READ COMMITTED statement that goes on
+/// to run a local plan there takes a snapshot after the wait (`migration::squall::
+/// wait_for_pulls`, which replaces the snapshot of every local plan start), or it could read
+/// rows as they were before the last delta.
+pub(crate) fn statement_waited() -> bool {
+    // SAFETY: reads the start time of the current statement (a backend global).
+    let statement = unsafe { pg_sys::GetCurrentStatementStartTimestamp() };
+    WAITED_IN.with(|w| w.get()) == Some(statement)
 }
 
 /// After a wait at a suspension: the transaction's snapshot still names the shard's old owner

@@ -72,7 +72,7 @@ pub(crate) unsafe fn wait_for_pulls(query_desc: *mut pg_sys::QueryDesc) -> Resul
         )
     };
     // SAFETY: the QueryDesc's plan, parameters and snapshot are live while it starts.
-    if unsafe { wait(stmt, params, snapshot)? } {
+    if unsafe { wait(stmt, params, snapshot)? } || waited_at_suspension() {
         // SAFETY: the QueryDesc's snapshot was registered by CreateQueryDesc and is
         // unregistered by FreeQueryDesc: the old one is unregistered here and a registered one
         // put in its place, before standard_ExecutorStart copies it into the EState.
@@ -99,7 +99,7 @@ pub(crate) unsafe fn wait_for_pulls_in(
     // SAFETY: the caller upholds this function's `# Safety` contract.
     let (params, snapshot) = unsafe { ((*estate).es_param_list_info, (*estate).es_snapshot) };
     // SAFETY: the executor's plan, parameters and snapshot are live while it runs.
-    if unsafe { wait(stmt, params, snapshot)? } {
+    if unsafe { wait(stmt, params, snapshot)? } || waited_at_suspension() {
         // SAFETY: standard_ExecutorStart registered es_snapshot and standard_ExecutorEnd
         // unregisters it: the old one is unregistered here and a registered one put in place.
         unsafe {
@@ -109,6 +109,13 @@ pub(crate) unsafe fn wait_for_pulls_in(
         }
     }
     Ok(())
+}
+
+/// albatross: a READ COMMITTED statement that waited at a suspension takes a new snapshot for
+/// its local plans too (`migration::handover::albatross::statement_waited`; decision 0024).
+fn waited_at_suspension() -> bool {
+    crate::migration::handover::albatross::statement_waited()
+        && crate::pg::isolation::routes_at_latest()
 }
 
 /// The wait itself; true when the statement must go on with a new snapshot (it does not see a
