@@ -267,13 +267,40 @@ impl TestCluster {
         Ok(port)
     }
 
-    /// `remusctl cluster start-coordinator`: the coordinator again, the rest as it is.
+    /// A connection to node `name` as a session of the migration machinery
+    /// (`remus.migration_session`), which a closed admission gate does not hold: a test's own
+    /// observations must not wait at the gate they observe. The setting comes with the
+    /// connection's startup packet: a `SET` is a statement of a transaction that starts after
+    /// the gate closed, so it would wait at the gate itself, until the gate's timeout.
+    pub fn connect_migration_session(&self, name: &str) -> Result<postgres::Client> {
+        let state = self.state()?;
+        let node = state.node(name)?;
+        postgres::Client::connect(
+            &format!(
+                "{} options='-c remus.migration_session=on'",
+                node.conninfo(&state.password()?)
+            ),
+            postgres::NoTls,
+        )
+        .with_context(|| format!("connecting to {name} as a migration session"))
+    }
+
+    /// `remusctl cluster start-coordinator`: the coordinator again, the rest as it is. A killed
+    /// coordinator's port can take a moment to be free again: while remusctl says it is in use,
+    /// tried again for up to 30 s.
     pub fn start_coordinator_again(&self) -> Result<()> {
-        let out = self.ctl(&["cluster", "start-coordinator"]);
-        if !out.status.success() {
-            bail!("start-coordinator failed: {}{}", stdout(&out), stderr(&out));
+        let started = std::time::Instant::now();
+        loop {
+            let out = self.ctl(&["cluster", "start-coordinator"]);
+            if out.status.success() {
+                return Ok(());
+            }
+            let why = format!("{}{}", stdout(&out), stderr(&out));
+            if !why.contains("in use") || started.elapsed() > std::time::Duration::from_secs(30) {
+                bail!("start-coordinator failed: {why}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
         }
-        Ok(())
     }
 
     /// Arms the coordinator's failpoint `name` (`coordinator::failpoint`) with `pause`: the

@@ -523,27 +523,10 @@ fn first_aid(c: &TestCluster, node: &str, shard: i64) -> i32 {
         .get(0)
 }
 
-/// A session of `node` that a closed admission gate does not hold (a migration session): the
-/// test's own observations must not wait at the gate they observe. The setting comes with the
-/// connection's startup packet: a `SET` is a statement of a transaction that starts after the
-/// gate closed, so it waited at the gate itself, until the gate's timeout (what made the F20
-/// test below miss the statement it watched).
-fn observer(c: &TestCluster, node: &str) -> postgres::Client {
-    let state = c.state().unwrap();
-    let conninfo = state
-        .node(node)
-        .unwrap()
-        .conninfo(&state.password().unwrap());
-    postgres::Client::connect(
-        &format!("{conninfo} options='-c remus.migration_session=on'"),
-        postgres::NoTls,
-    )
-    .unwrap()
-}
-
 /// The running migration's `waiting_on`, as node n1 lists it.
 fn waiting_on(c: &TestCluster) -> Option<String> {
-    observer(c, "n1")
+    c.connect_migration_session("n1")
+        .unwrap()
         .query(
             "SELECT waiting_on FROM remus_migrations WHERE status = 'running'",
             &[],
@@ -570,7 +553,7 @@ fn wait_held_at_gate(c: &TestCluster, node: &str, pid: i32) {
             .map(|i| r.get::<_, Option<String>>(i))
             .collect::<Vec<_>>()
     };
-    let mut db = observer(c, node);
+    let mut db = c.connect_migration_session(node).unwrap();
     wait_until(
         Duration::from_secs(60),
         Duration::from_millis(20),
@@ -581,7 +564,7 @@ fn wait_held_at_gate(c: &TestCluster, node: &str, pid: i32) {
         || {
             format!(
                 "backend {pid} on {node} never waited at the gate: {:?}",
-                probe(&mut observer(c, node))
+                probe(&mut c.connect_migration_session(node).unwrap())
             )
         },
     );
@@ -594,7 +577,8 @@ fn backend_pid(db: &mut postgres::Client) -> i32 {
 /// `aid`'s balance in the copy of accounts shard `shard` on `node`, read directly (a migration
 /// session: also a copy `node` no longer owns).
 fn balance_in_copy(c: &TestCluster, node: &str, shard: i64, aid: i32) -> i32 {
-    observer(c, node)
+    c.connect_migration_session(node)
+        .unwrap()
         .query_one(
             &format!("SELECT abalance FROM remus_shards.pgbench_accounts_{shard} WHERE aid = $1"),
             &[&aid],

@@ -150,15 +150,7 @@ fn restart_coordinator(c: &TestCluster, armed: &[&str]) {
     for name in armed {
         c.release_failpoint(name).unwrap();
     }
-    // The killed coordinator's port can take a moment to be free again.
-    let started = Instant::now();
-    while let Err(e) = c.start_coordinator_again() {
-        assert!(
-            e.to_string().contains("in use") && started.elapsed() < Duration::from_secs(30),
-            "{e}"
-        );
-        thread::sleep(Duration::from_millis(200));
-    }
+    c.start_coordinator_again().unwrap();
 }
 
 /// Adds `delta` to one account of `shard` through n3 (routed to its owner), retrying while
