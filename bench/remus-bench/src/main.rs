@@ -424,16 +424,7 @@ async fn run_workload(w: Workload, o: &RunArgs, targets: &[String]) -> Result<bo
     }
     write(&o.out.join("series.csv"), &csv)?;
 
-    let idx = |l: &str| labels.iter().position(|x| *x == l);
-    let table2 = idx("ingest")
-        .map(|i| tables::table2(&events[i], &migrations))
-        .unwrap_or_default();
-    let mut table3 = Vec::new();
-    for l in ["ycsb", "tpcc"] {
-        if let Some(i) = idx(l) {
-            table3.extend(tables::table3(l, &events[i], &migrations));
-        }
-    }
+    let (table2, table3) = paper_tables(&labels, &events, &migrations);
 
     let mut consistency = Vec::new();
     if let Some(s) = scale {
@@ -493,6 +484,27 @@ async fn run_workload(w: Workload, o: &RunArgs, targets: &[String]) -> Result<bo
 
 fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Tables 2 and 3 of a run, one row per migration window each: Table 2 from the ingestion
+/// client's events (hybrid A), Table 3 from the main workload's (YCSB, also in the hybrids, or
+/// TPC-C). `events[i]` are the events of workload `labels[i]`.
+fn paper_tables(
+    labels: &[&str],
+    events: &[Vec<Event>],
+    migrations: &[MigrationWindow],
+) -> (Vec<tables::IngestRow>, Vec<tables::LatencyRow>) {
+    let idx = |l: &str| labels.iter().position(|x| *x == l);
+    let table2 = idx("ingest")
+        .map(|i| tables::table2(&events[i], migrations))
+        .unwrap_or_default();
+    let mut table3 = Vec::new();
+    for l in ["ycsb", "tpcc"] {
+        if let Some(i) = idx(l) {
+            table3.extend(tables::table3(l, &events[i], migrations));
+        }
+    }
+    (table2, table3)
 }
 
 /// Migrations in `remus_migrations` that overlap the run, as windows relative to its start
@@ -738,6 +750,67 @@ mod tests {
             pgpass_lookup(f, "127.0.0.1", "1", "postgres", "postgres"),
             None
         );
+    }
+
+    /// Hybrid A's tables.md: the ingestion client gives Table 2, YCSB Table 3, each with one
+    /// row per migration window, printed once (the ingestion client has no Table 3 rows).
+    #[test]
+    fn hybrid_a_tables_list_each_window_once() {
+        use crate::series::tests::commit;
+        let window = |label: &str, start_ms, end_ms| MigrationWindow {
+            label: label.into(),
+            start_ms,
+            end_ms,
+        };
+        let migrations = [window("m1", 1000, 2000), window("m2", 3000, 4000)];
+        let ycsb: Vec<Event> = (0..40).map(|i| commit(i * 100, 1 + i % 3)).collect();
+        let ingest: Vec<Event> = (0..40)
+            .map(|i| Event {
+                units: 50,
+                ..commit(i * 100 + 50, 5)
+            })
+            .collect();
+        let labels = ["ycsb", "ingest"];
+        let (table2, table3) = paper_tables(&labels, &[ycsb, ingest], &migrations);
+        assert_eq!(
+            table3
+                .iter()
+                .map(|r| (r.window.as_str(), r.workload.as_str()))
+                .collect::<Vec<_>>(),
+            [("m1", "ycsb"), ("m2", "ycsb")]
+        );
+        assert_eq!(
+            table2.iter().map(|r| r.window.as_str()).collect::<Vec<_>>(),
+            ["m1", "m2"]
+        );
+        let report = Report {
+            workload: Workload::HybridA,
+            seconds: 4.0,
+            clients: 3,
+            nodes: 3,
+            key_distribution: Some(KeyDist::Uniform),
+            summaries: Vec::new(),
+            migrations: migrations.to_vec(),
+            table2,
+            table3,
+            tpcc: None,
+            consistency_violations: Vec::new(),
+            duplicate_answers_not_zero: Vec::new(),
+            at_results: Vec::new(),
+            error_samples: Vec::new(),
+            problems: Vec::new(),
+            ok: true,
+        };
+        let md = tables_md(&report);
+        let count = |prefix: &str| md.lines().filter(|l| l.starts_with(prefix)).count();
+        assert_eq!(count("Table 2"), 1, "{md}");
+        assert_eq!(count("Table 3"), 1, "{md}");
+        for m in ["m1", "m2"] {
+            // The window's line, its Table 2 line and its Table 3 line.
+            assert_eq!(count(&format!("| {m} |")), 3, "{md}");
+            assert_eq!(count(&format!("| {m} | ycsb |")), 1, "{md}");
+        }
+        assert!(!md.contains("| ingest |"), "{md}");
     }
 
     #[test]
