@@ -20,10 +20,11 @@
 //!   source's copy is dropped, nothing is left behind. Without load: a transaction on the shard
 //!   would ask for its chunks and cut the puller's pause short (no chunks left at the kill), and
 //!   one waiting through the restart is the case of the next test.
-//! - `squall_a_read_waiting_through_the_restart_gets_every_row` (ignored: it fails, see its
-//!   `ignore` reason): as the previous test, with a read of the whole shard on the new owner
-//!   started while the coordinator is down (it asks for the pull and waits); once the
-//!   coordinator is back the read must return every row and the migration abort nothing.
+//! - `squall_a_read_waiting_through_the_restart_gets_every_row`: as the previous test, with a
+//!   read of the whole shard on the new owner started while the coordinator is down (it asks
+//!   for the pull and waits); once the coordinator is back the read returns every row and the
+//!   migration aborts nothing (the restarted coordinator pulls before it drains, as `cleanup`
+//!   does; it drained first and terminated the waiting read).
 
 use std::time::Duration;
 
@@ -394,9 +395,6 @@ fn squall_coordinator_killed_during_the_pulls_finishes_forward() {
 /// coordinator that drains before it pulls again, which this statement would keep waiting,
 /// shows as the statement terminated rather than as a five-minute wait.)
 #[test]
-#[ignore = "fails: a restarted coordinator drains transactions older than its restart before it \
-            pulls again (driver/resume.rs, complete_after_restart), so a statement waiting for a \
-            chunk is terminated (57P01) after remus.cleanup_drain_timeout instead of served"]
 fn squall_a_read_waiting_through_the_restart_gets_every_row() {
     let c = cluster();
     init_tpcb(&c, 1);

@@ -211,6 +211,12 @@ impl Run {
                 .push((node, at.unwrap_or_default()));
         }
         self.state.gate_closed = false;
+        if self.plan.mode == Mode::Squall {
+            // Past the flip the pulls go on, before the drain as in `cleanup`: a statement on
+            // the new owner that began waiting for a chunk while no coordinator ran is one of
+            // the transactions the drain waits for, and it ends only once its chunk is pulled.
+            self.squall_pull_all().await?;
+        }
         for (node, at) in self.state.tm_committed_at.clone() {
             self.drain_older_transactions(
                 &node,
@@ -235,10 +241,6 @@ impl Run {
                 .await?;
         }
         self.drop_slot(None).await?;
-        if self.plan.mode == Mode::Squall {
-            // Past the flip the pulls go on: the source's copy goes only once all is pulled.
-            self.squall_pull_all().await?;
-        }
         let aborted = self.finish_after_drain().await? + self.state.terminated;
         if self.plan.mode == Mode::Squall {
             self.squall_forget_chunks().await?;
