@@ -63,6 +63,15 @@ enum ClusterCmd {
         #[arg(long)]
         standby_coordinator: bool,
     },
+    /// Add a node to the running cluster: nK (K = nodes + 1) on port P+K-1, started as `up`
+    /// starts a node, then joined from n1 (`remus_add_node`, `remus_activate_node`: every
+    /// node's membership, the tables' shells, the catalog, the reference tables' rows) and
+    /// registered with the coordinator. It owns no shard; move shards to it with `migrate`.
+    /// Prints the new node's name. A failure undoes what it did.
+    AddNode {
+        #[arg(long, default_value = cluster::DEFAULT_DIR)]
+        dir: PathBuf,
+    },
     /// Start the coordinator again after it stopped or crashed (the rest of the cluster keeps
     /// running); it resumes the migrations it was running: those past the Tm decision
     /// complete, the others roll back.
@@ -447,6 +456,19 @@ async fn cluster(cmd: ClusterCmd) -> Result<ExitCode> {
             );
             println!("stop with:");
             println!("  remusctl cluster down --dir {}", state.dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCmd::AddNode { dir } => {
+            let node = cluster::add_node(&dir).await?;
+            // stdout holds the name alone, for scripts; the rest is for the reader.
+            println!("{}", node.name);
+            eprintln!(
+                "{} added: postgres {}:{}, log {}; it owns no shard: move shards to it with `remusctl migrate --shard ID --to {0}`",
+                node.name,
+                node.host,
+                node.port,
+                node.log.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         ClusterCmd::StartCoordinator { dir } => {

@@ -380,8 +380,41 @@ impl TestCluster {
         cmd
     }
 
+    /// The cluster's nodes, from its state: those it was started with and those
+    /// [`add_node`](Self::add_node) added.
     pub fn node_names(&self) -> Vec<String> {
-        (1..=self.nodes).map(|i| format!("n{i}")).collect()
+        self.state()
+            .expect("reading the test cluster's state")
+            .nodes
+            .iter()
+            .map(|n| n.name.clone())
+            .collect()
+    }
+
+    /// `remusctl cluster add-node`: one more node, on the next port of this cluster's
+    /// [`PortBlock`] (refused past its `NODE_PORTS` node ports, which are another block's),
+    /// activated (membership, tables, catalog, reference rows) and registered with the
+    /// coordinator; it owns no shard. Returns its name, which [`node_names`](Self::node_names)
+    /// and [`connect`](Self::connect) then know (`nodes` stays the count the cluster was
+    /// started with).
+    pub fn add_node(&self) -> Result<String> {
+        let before = self.state()?.nodes.len();
+        if before >= usize::from(NODE_PORTS) {
+            bail!("a test cluster has at most {NODE_PORTS} nodes; this one has {before}");
+        }
+        let out = self.ctl(&["cluster", "add-node"]);
+        if !out.status.success() {
+            bail!("cluster add-node failed: {}{}", stdout(&out), stderr(&out));
+        }
+        let name = stdout(&out).trim().to_string();
+        let state = self.state()?;
+        if state.nodes.len() != before + 1 || state.nodes.last().map(|n| &n.name) != Some(&name) {
+            bail!(
+                "cluster add-node printed {name:?} but the cluster's state lists {:?}",
+                state.nodes.iter().map(|n| &n.name).collect::<Vec<_>>()
+            );
+        }
+        Ok(name)
     }
 
     /// What a migration may leave behind on the nodes, as "node: kind name" lines: replication

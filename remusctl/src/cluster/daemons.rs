@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Result};
 
 use super::postgres::pg_bindir;
-use super::state::{endpoint, ClusterState, DaemonState, START_TIMEOUT};
+use super::state::{endpoint, ClusterState, DaemonState, NodeState, START_TIMEOUT};
 use crate::process::{self, pid_alive};
 
 /// A daemon binary next to remusctl's own.
@@ -244,6 +244,35 @@ fn wait_until(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Res
     }
 }
 
+/// Stops one node's PostgreSQL (fast shutdown, then signals); the postmaster's PID if it was
+/// running.
+pub(super) fn stop_node(node: &NodeState) -> Result<Option<u32>> {
+    let Some(pid) = node.postmaster_pid() else {
+        return Ok(None);
+    };
+    let fast = process::run_as_postgres(
+        &pg_bindir().join("pg_ctl"),
+        &[
+            "-D",
+            &node.data_dir.to_string_lossy(),
+            "-m",
+            "fast",
+            "-w",
+            "-t",
+            "60",
+            "stop",
+        ],
+        &[],
+    );
+    if fast.is_err() || pid_alive(pid) {
+        let _ = process::stop_pid(pid, Duration::from_secs(5));
+    }
+    if pid_alive(pid) {
+        bail!("postmaster {pid} still running");
+    }
+    Ok(Some(pid))
+}
+
 /// Stops every component by PID; idempotent. Returns one line per component.
 pub fn stop_all(state: &mut ClusterState) -> Result<Vec<String>> {
     let mut report = Vec::new();
@@ -267,30 +296,10 @@ pub fn stop_all(state: &mut ClusterState) -> Result<Vec<String>> {
         }
     }
     for node in &state.nodes {
-        let Some(pid) = node.postmaster_pid() else {
-            continue;
-        };
-        let fast = process::run_as_postgres(
-            &pg_bindir().join("pg_ctl"),
-            &[
-                "-D",
-                &node.data_dir.to_string_lossy(),
-                "-m",
-                "fast",
-                "-w",
-                "-t",
-                "60",
-                "stop",
-            ],
-            &[],
-        );
-        if fast.is_err() || pid_alive(pid) {
-            let _ = process::stop_pid(pid, Duration::from_secs(5));
-        }
-        if pid_alive(pid) {
-            failures.push(format!("{}: postmaster {pid} still running", node.name));
-        } else {
-            report.push(format!("{} (pid {pid}) stopped", node.name));
+        match stop_node(node) {
+            Ok(Some(pid)) => report.push(format!("{} (pid {pid}) stopped", node.name)),
+            Ok(None) => {}
+            Err(e) => failures.push(format!("{}: {e}", node.name)),
         }
     }
     if let Some(pid) = state.replay_worker.live_pid() {

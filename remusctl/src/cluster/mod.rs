@@ -1,4 +1,5 @@
-//! `remusctl cluster up|down|status|env`: a real pg_remus cluster on loopback.
+//! `remusctl cluster up|add-node|start-coordinator|down|status|env`: a real pg_remus cluster
+//! on loopback.
 //!
 //! Layout under DIR:
 //! - `cluster.json`: what was started (ports, data directories, daemon PIDs); `down` and
@@ -14,10 +15,13 @@
 //! the nodes' `remus.coordinator_address` lists both coordinators)
 //! ([`remus_proto::names::ports`]).
 //!
-//! - `state`: the state file and the plan of a new cluster.
+//! - `state`: the state file and the plan of a new cluster or of an added node.
 //! - `postgres`: initdb, configuration, starting and connecting to the nodes.
 //! - `daemons`: etcd, the replay worker and the coordinator; stopping everything.
 //! - `status`: `status` and `env`.
+//! - `add`: `add-node`, one more node `nK` on P+K-1 in a running cluster, started as `up` starts
+//!   one and joined by `remus_activate_node` on n1; it owns no shard until migrations move
+//!   some to it. A failed `add-node` undoes itself.
 //! - here: `up` (preflight, then every component in order, then the nodes registered).
 
 use std::fs;
@@ -28,11 +32,13 @@ use anyhow::{bail, Context, Result};
 
 use crate::process;
 
+mod add;
 mod daemons;
 mod postgres;
 mod state;
 mod status;
 
+pub use add::add_node;
 use daemons::{sibling_binary, start_coordinator, start_etcd, start_replay_worker, Role};
 pub use daemons::{start_coordinator_again, stop_all};
 pub use postgres::{connect, pg_bindir};
@@ -54,22 +60,10 @@ fn which(program: &str) -> Option<PathBuf> {
 }
 
 fn preflight(state: &ClusterState) -> Result<Binaries> {
-    let bindir = pg_bindir();
-    for bin in ["initdb", "pg_ctl", "postgres"] {
-        if !bindir.join(bin).is_file() {
-            bail!(
-                "missing binary: PostgreSQL 15 {bin} not found in {} (install postgresql-15, or set REMUS_PG_BINDIR)",
-                bindir.display()
-            );
-        }
-    }
+    check_postgres_binaries()?;
     if which("etcd").is_none() {
         bail!("missing binary: etcd not found on PATH (install the etcd-server package)");
     }
-    if which("runuser").is_none() {
-        bail!("missing binary: runuser not found on PATH (util-linux)");
-    }
-    process::postgres_ids()?;
     let binaries = Binaries {
         coordinator: sibling_binary("coordinator", "remus-coordinator")?,
         replay_worker: sibling_binary("replay worker", "remus-replay-worker")?,
@@ -92,6 +86,25 @@ fn preflight(state: &ClusterState) -> Result<Binaries> {
         }
     }
     Ok(binaries)
+}
+
+/// What initdb'ing and starting a node needs: the PostgreSQL 15 server binaries, runuser and
+/// the `postgres` OS user.
+fn check_postgres_binaries() -> Result<()> {
+    let bindir = pg_bindir();
+    for bin in ["initdb", "pg_ctl", "postgres"] {
+        if !bindir.join(bin).is_file() {
+            bail!(
+                "missing binary: PostgreSQL 15 {bin} not found in {} (install postgresql-15, or set REMUS_PG_BINDIR)",
+                bindir.display()
+            );
+        }
+    }
+    if which("runuser").is_none() {
+        bail!("missing binary: runuser not found on PATH (util-linux)");
+    }
+    process::postgres_ids()?;
+    Ok(())
 }
 
 struct Binaries {
@@ -162,22 +175,41 @@ async fn start_all(state: &mut ClusterState, password: &str, binaries: &Binaries
     }
     for node in &state.nodes {
         let client = connect(node, password).await?;
-        client
-            .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_remus")
-            .await
-            .with_context(|| format!("CREATE EXTENSION pg_remus on {}", node.name))?;
+        create_extension(&client, node).await?;
         for peer in &state.nodes {
-            client
-                .execute(
-                    "SELECT remus_add_node($1, $2, $3)",
-                    &[&peer.name, &peer.host, &i32::from(peer.port)],
-                )
-                .await
-                .with_context(|| format!("remus_add_node({}) on {}", peer.name, node.name))?;
+            add_to_membership(&client, node, peer).await?;
         }
     }
-    let mut grpc = coordinator::client::connect(&state.coordinator_endpoint()).await?;
-    for node in &state.nodes {
+    register_nodes(&state.coordinator_endpoint(), &state.nodes).await
+}
+
+async fn create_extension(client: &tokio_postgres::Client, node: &NodeState) -> Result<()> {
+    client
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_remus")
+        .await
+        .with_context(|| format!("CREATE EXTENSION pg_remus on {}", node.name))
+}
+
+/// `remus_add_node(peer)` on `node` (a no-op when `node` knows `peer` already).
+async fn add_to_membership(
+    client: &tokio_postgres::Client,
+    node: &NodeState,
+    peer: &NodeState,
+) -> Result<()> {
+    client
+        .execute(
+            "SELECT remus_add_node($1, $2, $3)",
+            &[&peer.name, &peer.host, &i32::from(peer.port)],
+        )
+        .await
+        .with_context(|| format!("remus_add_node({}) on {}", peer.name, node.name))?;
+    Ok(())
+}
+
+/// Registers `nodes` with the coordinator (in etcd), where migrations find their targets.
+async fn register_nodes(coordinator_endpoint: &str, nodes: &[NodeState]) -> Result<()> {
+    let mut grpc = coordinator::client::connect(coordinator_endpoint).await?;
+    for node in nodes {
         grpc.register_node(remus_proto::v1::RegisterNodeRequest {
             node: Some(remus_proto::v1::Node {
                 name: node.name.clone(),

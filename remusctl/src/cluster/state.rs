@@ -1,5 +1,6 @@
 //! The cluster's state file (`cluster.json`): what was started where, so that `down` and
-//! `status` work from it alone; and the plan of a new cluster's ports and paths.
+//! `status` work from it alone; and the plan of a new cluster's ports and paths, and of a node
+//! added to a running one.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -221,17 +222,7 @@ pub(super) fn plan(opts: &UpOptions) -> Result<ClusterState> {
         );
     }
     let nodes = (1..=opts.nodes)
-        .map(|i| {
-            let name = format!("n{i}");
-            NodeState {
-                host: "127.0.0.1".into(),
-                port: opts.base_port + (i as u16 - 1),
-                data_dir: dir.join(&name).join("data"),
-                socket_dir: dir.join(&name).join("run"),
-                log: dir.join("logs").join(format!("{name}.log")),
-                name,
-            }
-        })
+        .map(|k| node_state(&dir, k, opts.base_port + (k as u16 - 1)))
         .collect();
     Ok(ClusterState {
         name: "local".into(),
@@ -258,6 +249,65 @@ pub(super) fn plan(opts: &UpOptions) -> Result<ClusterState> {
         nodes,
         dir,
     })
+}
+
+/// Node `nK` of the cluster in `dir`, listening on `port`.
+fn node_state(dir: &Path, k: usize, port: u16) -> NodeState {
+    let name = format!("n{k}");
+    NodeState {
+        host: "127.0.0.1".into(),
+        port,
+        data_dir: dir.join(&name).join("data"),
+        socket_dir: dir.join(&name).join("run"),
+        log: dir.join("logs").join(format!("{name}.log")),
+        name,
+    }
+}
+
+/// The node `cluster add-node` adds to the running cluster `state`: with N nodes, `nK` for
+/// K = N + 1 on port P+K-1, where `up --nodes K` would have put it. Refused when that port
+/// would be P+100 or above: those belong to etcd, the coordinators and the replay worker
+/// ([`ports`]); or when the name or the port is already a node's.
+pub(super) fn plan_added_node(state: &ClusterState) -> Result<NodeState> {
+    let k = state.nodes.len() + 1;
+    let offset = u16::try_from(k - 1)
+        .ok()
+        .filter(|o| *o < ports::ETCD_CLIENT_OFFSET);
+    let Some(offset) = offset else {
+        bail!(
+            "cannot add node n{k}: its port would be P+{} (P = base port {}), but P+{}.. belong to etcd, the coordinators and the replay worker; a cluster holds at most {} nodes",
+            k - 1,
+            state.base_port,
+            ports::ETCD_CLIENT_OFFSET,
+            ports::ETCD_CLIENT_OFFSET
+        );
+    };
+    let Some(port) = state.base_port.checked_add(offset) else {
+        bail!(
+            "cannot add node n{k}: base port {} + {offset} is above 65535",
+            state.base_port
+        );
+    };
+    let node = node_state(&state.dir, k, port);
+    if let Some(other) = state
+        .nodes
+        .iter()
+        .find(|n| n.name == node.name || n.port == node.port)
+    {
+        bail!(
+            "cannot add node {} on port {}: node {} of {} has that {}",
+            node.name,
+            node.port,
+            other.name,
+            state.dir.display(),
+            if other.name == node.name {
+                "name"
+            } else {
+                "port"
+            }
+        );
+    }
+    Ok(node)
 }
 
 fn standby_coordinator(dir: &Path, base_port: u16) -> DaemonState {
@@ -332,6 +382,64 @@ mod tests {
             standby_coordinator: false,
         })
         .is_err());
+    }
+
+    fn planned(nodes: usize, base_port: u16) -> (tempfile::TempDir, ClusterState) {
+        let dir = tempfile::tempdir().unwrap();
+        let s = plan(&UpOptions {
+            dir: dir.path().into(),
+            nodes,
+            base_port,
+            standby_coordinator: false,
+        })
+        .unwrap();
+        (dir, s)
+    }
+
+    #[test]
+    fn added_node_is_next_name_and_port() {
+        let (dir, mut s) = planned(3, 7001);
+        let n = plan_added_node(&s).unwrap();
+        assert_eq!(n.name, "n4");
+        assert_eq!(n.port, 7004);
+        assert_eq!(n.host, "127.0.0.1");
+        assert_eq!(n.data_dir, dir.path().join("n4/data"));
+        assert_eq!(n.socket_dir, dir.path().join("n4/run"));
+        assert_eq!(n.log, dir.path().join("logs/n4.log"));
+        // Where `up --nodes 4` would have put it.
+        let (_, four) = planned(4, 7001);
+        assert_eq!(four.nodes[3].port, n.port);
+        // After it is added, the next one follows it.
+        s.nodes.push(n);
+        let n5 = plan_added_node(&s).unwrap();
+        assert_eq!((n5.name.as_str(), n5.port), ("n5", 7005));
+    }
+
+    #[test]
+    fn added_node_stays_below_the_service_ports() {
+        // 99 nodes on P..P+98: the 100th gets P+99, the last port before etcd's client port.
+        let (_dir, mut s) = planned(99, 7001);
+        let n100 = plan_added_node(&s).unwrap();
+        assert_eq!((n100.name.as_str(), n100.port), ("n100", 7001 + 99));
+        assert!(n100.port < s.etcd.port);
+        s.nodes.push(n100);
+        // The 101st would be on P+100, etcd's client port.
+        let err = plan_added_node(&s).unwrap_err().to_string();
+        assert!(err.contains("n101") && err.contains("P+100"), "{err}");
+    }
+
+    #[test]
+    fn added_node_refuses_a_taken_name_or_port() {
+        let (_dir, mut s) = planned(2, 7001);
+        // A state whose second node was renamed n3 (by hand): n3 is taken.
+        s.nodes[1].name = "n3".into();
+        let err = plan_added_node(&s).unwrap_err().to_string();
+        assert!(err.contains("has that name"), "{err}");
+        // A state whose first node listens on P+2: that port is taken.
+        s.nodes[1].name = "n2".into();
+        s.nodes[0].port = 7003;
+        let err = plan_added_node(&s).unwrap_err().to_string();
+        assert!(err.contains("n1") && err.contains("has that port"), "{err}");
     }
 
     #[test]
