@@ -102,3 +102,15 @@ AS 'MODULE_PATHNAME', 'albatross_waiting_wrapper';
 REVOKE EXECUTE ON FUNCTION remus.albatross_suspend(bigint, bigint[], int) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION remus.albatross_resume(bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION remus.albatross_waiting(bigint) FROM PUBLIC;
+
+-- A node added after tables were distributed becomes a full member (distribute/new_node.rs):
+-- an administration function, as remus_add_node.
+CREATE  FUNCTION "remus_activate_node"(
+	"node_name" TEXT /* & str */
+) RETURNS bool /* bool */
+STRICT SECURITY DEFINER
+SET search_path TO pg_catalog, pg_temp
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'remus_activate_node_wrapper';
+REVOKE EXECUTE ON FUNCTION remus_activate_node(text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION remus_activate_node(text) TO remus_admin;

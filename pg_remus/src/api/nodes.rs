@@ -27,6 +27,18 @@ fn remus_add_node(name: &str, host: &str, port: i32) {
     add_node(name, host, port).or_raise();
 }
 
+/// Makes a node added after tables were distributed a full member (`distribute::new_node`):
+/// every member knows it; it gets the membership, the shells, sequences and catalog of every
+/// distributed and reference table, and the reference tables' rows; all in this transaction
+/// (2PC). Call it on a member after `remus_add_node` of the new node there; the new node must run
+/// pg_remus with its `remus.node_name` set. True when it activated the node, false when the node
+/// was active already. For superusers and `remus_admin`, as `remus_add_node`.
+#[pg_extern(security_definer)]
+#[search_path(pg_catalog, pg_temp)]
+fn remus_activate_node(node_name: &str) -> bool {
+    crate::distribute::new_node::activate(node_name).or_raise()
+}
+
 /// This node's name (`remus.node_name`).
 #[pg_extern]
 fn remus_local_node() -> String {

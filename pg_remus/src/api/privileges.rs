@@ -6,7 +6,7 @@
 //!   it already (roles are shared by every database). How each then gets the rights its work
 //!   needs: the conversions run as their caller, who must own the table, and do the work as the
 //!   bootstrap superuser (`distribute::caller`); adding, removing nodes, recovery and shard
-//!   sizes are SECURITY DEFINER with a pinned search_path (they take no object of the
+//!   sizes and activating a node added later are SECURITY DEFINER with a pinned search_path (they take no object of the
 //!   caller's); a migration needs nothing of the caller's (the coordinator does the work).
 //! - `remus_run_on_node` (any SQL on any node, by the cluster's own connection) stays
 //!   superuser-only: its body checks that too, whatever the grants.
@@ -43,6 +43,7 @@ BEGIN
         'remus_create_distributed_table(regclass, text, int, regclass)',
         'remus_create_reference_table(regclass)',
         'remus_add_node(text, text, int)',
+        'remus_activate_node(text)',
         'remus_remove_node(text)',
         'remus_migrate_shard(bigint, text, text)',
         'remus_migrate_shards(bigint[], text, text)',

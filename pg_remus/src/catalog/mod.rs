@@ -226,3 +226,37 @@ pub fn reference_placements(relid: pg_sys::Oid) -> Result<Vec<ShardPlacement>, R
         })
         .collect())
 }
+
+/// The shard tables (`remus_shards.*`) in `stmt`'s range table: range-table index, relation,
+/// shard id.
+///
+/// # Safety
+/// `stmt` must be a valid PlannedStmt.
+pub(crate) unsafe fn shard_rtes(stmt: *mut pg_sys::PlannedStmt) -> Vec<(i32, pg_sys::Oid, i64)> {
+    let mut shards = Vec::new();
+    // SAFETY: the caller upholds this function's `# Safety` contract; catalog lookups run
+    // inside the statement's transaction.
+    unsafe {
+        let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        if shard_nsp == pg_sys::InvalidOid {
+            return shards;
+        }
+        let rtes = crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable);
+        for (i, rte) in rtes.into_iter().enumerate() {
+            if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
+                || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
+            {
+                continue;
+            }
+            let name = pg_sys::get_rel_name((*rte).relid);
+            if name.is_null() {
+                continue;
+            }
+            let name = std::ffi::CStr::from_ptr(name).to_string_lossy();
+            if let Some(id) = name.rsplit('_').next().and_then(|s| s.parse::<i64>().ok()) {
+                shards.push(((i + 1) as i32, (*rte).relid, id));
+            }
+        }
+    }
+    shards
+}

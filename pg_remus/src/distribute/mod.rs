@@ -25,10 +25,11 @@ use crate::pg::sql::quote_literal;
 
 mod caller;
 mod move_rows;
+pub(crate) mod new_node;
 mod sequences;
 mod validate;
 
-use move_rows::{copy_escape, move_rows, ShardPlan};
+use move_rows::{move_rows, rows_as_copy_text, ShardPlan};
 use validate::inspect;
 
 /// Most shards a distributed table may have.
@@ -396,42 +397,8 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
         let shard = shard_table_name(&rel_name, shard_id);
         let shard_ddl = format!("CREATE TABLE {shard} (LIKE {qualified} INCLUDING ALL);\n");
         let shell = shell_ddl(client, relid, &qualified)?;
-        let copy_columns = client
-            .select(
-                "SELECT quote_ident(attname) FROM pg_attribute
-                  WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
-                None,
-                &[relid.into()],
-            )?
-            .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let cols = copy_columns.join(", ");
         // The rows as COPY text, once, for every other node.
-        let text_cols: Vec<String> = copy_columns.iter().map(|c| format!("{c}::text")).collect();
-        let mut data = String::new();
-        let mut cursor = client.open_cursor(
-            &format!("SELECT {} FROM ONLY {qualified}", text_cols.join(", ")),
-            &[],
-        );
-        loop {
-            let batch = cursor.fetch(10_000)?;
-            if batch.is_empty() {
-                break;
-            }
-            for row in batch {
-                for i in 0..copy_columns.len() {
-                    if i > 0 {
-                        data.push('\t');
-                    }
-                    match row.get::<String>(i + 1)? {
-                        Some(v) => copy_escape(&v, &mut data),
-                        None => data.push_str("\\N"),
-                    }
-                }
-                data.push('\n');
-            }
-        }
-        drop(cursor);
+        let (cols, data) = rows_as_copy_text(client, relid, &qualified)?;
         for n in nodes.iter().filter(|n| n.name != me) {
             let exists = crate::twophase::exec_in_transaction(
                 n,

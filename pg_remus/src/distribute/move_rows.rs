@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use pgrx::pg_sys;
 use pgrx::spi::SpiClient;
 
 use crate::catalog::hashing;
@@ -126,4 +127,57 @@ pub(crate) fn copy_escape(v: &str, out: &mut String) {
             c => out.push(c),
         }
     }
+}
+
+/// The columns (quoted, comma-separated; generated ones left out) of `relid` and the rows of
+/// `table` (with those columns) as COPY text.
+pub(crate) fn rows_as_copy_text(
+    client: &SpiClient<'_>,
+    relid: pg_sys::Oid,
+    table: &str,
+) -> Result<(String, String), RemusError> {
+    let columns = copy_columns(client, relid)?;
+    let text: Vec<String> = columns.iter().map(|c| format!("{c}::text")).collect();
+    let mut data = String::new();
+    let mut cursor = client.open_cursor(
+        &format!("SELECT {} FROM ONLY {table}", text.join(", ")),
+        &[],
+    );
+    loop {
+        let batch = cursor.fetch(10_000)?;
+        if batch.is_empty() {
+            break;
+        }
+        for row in batch {
+            for i in 0..columns.len() {
+                if i > 0 {
+                    data.push('\t');
+                }
+                match row.get::<String>(i + 1)? {
+                    Some(v) => copy_escape(&v, &mut data),
+                    None => data.push_str("\\N"),
+                }
+            }
+            data.push('\n');
+        }
+    }
+    Ok((columns.join(", "), data))
+}
+
+/// The columns COPY moves of `relid` (quoted, in order; generated ones left out: computed again
+/// where the rows land).
+pub(crate) fn copy_columns(
+    client: &SpiClient<'_>,
+    relid: pg_sys::Oid,
+) -> Result<Vec<String>, pgrx::spi::Error> {
+    client
+        .select(
+            "SELECT quote_ident(attname) FROM pg_attribute
+              WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
+              ORDER BY attnum",
+            None,
+            &[relid.into()],
+        )?
+        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
+        .collect()
 }

@@ -26,7 +26,7 @@ use pgrx::spi::SpiClient;
 use crate::error::RemusError;
 
 /// Low bits of a node's range: slot `k` starts at `k << SLOT_BITS`.
-const SLOT_BITS: u32 = 48;
+pub(crate) const SLOT_BITS: u32 = 48;
 
 /// Most slots (nodes at one distribution): slot 32767 is the last that fits in a bigint.
 const MAX_SLOT: usize = (1 << (63 - SLOT_BITS)) - 1;
@@ -48,11 +48,38 @@ pub(crate) struct SeqColumn {
     grants: Vec<String>,
 }
 
+impl SeqColumn {
+    /// The sequence, schema-qualified and quoted.
+    pub(crate) fn sequence_name(&self) -> &str {
+        &self.sequence
+    }
+}
+
 /// The table's sequence columns, or the refusal of one that cannot draw cluster-unique values.
 pub(crate) fn inspect(
     client: &SpiClient<'_>,
     relid: pg_sys::Oid,
     table: &str,
+) -> Result<Vec<SeqColumn>, RemusError> {
+    columns(client, relid, table, false)
+}
+
+/// The sequence columns of a table distributed already (for a node that joins later,
+/// `new_node`): this node's copy hands out its own slot's range and the shard tables' defaults
+/// use it too, neither of which is a refusal.
+pub(crate) fn inspect_distributed(
+    client: &SpiClient<'_>,
+    relid: pg_sys::Oid,
+    table: &str,
+) -> Result<Vec<SeqColumn>, RemusError> {
+    columns(client, relid, table, true)
+}
+
+fn columns(
+    client: &SpiClient<'_>,
+    relid: pg_sys::Oid,
+    table: &str,
+    distributed: bool,
 ) -> Result<Vec<SeqColumn>, RemusError> {
     let identity = client.select(
         "SELECT quote_ident(attname) FROM pg_attribute
@@ -169,7 +196,7 @@ pub(crate) fn inspect(
         let cache = s.get::<i64>(5)?.unwrap_or(1);
         let cycle = s.get::<bool>(6)?.unwrap_or(false);
         let owner = s.get::<String>(7)?.unwrap_or_default();
-        if let Some(last) = s.get::<i64>(8)? {
+        if let Some(last) = s.get::<i64>(8)?.filter(|_| !distributed) {
             if last >= 1i64 << SLOT_BITS {
                 return Err(refuse(
                     &sequence,
@@ -179,7 +206,8 @@ pub(crate) fn inspect(
                 ));
             }
         }
-        if s.get::<i64>(9)?.unwrap_or(0) > 1 {
+        // Distributed, the shard tables' defaults (`LIKE … INCLUDING ALL`) use it too.
+        if s.get::<i64>(9)?.unwrap_or(0) > 1 && !distributed {
             return Err(refuse(&sequence, "other columns' defaults use it too"));
         }
         let owned = s.get::<bool>(10)?.unwrap_or(false);

@@ -140,16 +140,7 @@ pub(crate) fn inspect(
     if dropped > 0 {
         return Err(RemusError::HasDroppedColumns { table: qualified });
     }
-    let copy_columns = client
-        .select(
-            "SELECT quote_ident(attname) FROM pg_attribute
-              WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
-              ORDER BY attnum",
-            None,
-            &[relid.into()],
-        )?
-        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
-        .collect::<Result<Vec<_>, _>>()?;
+    let copy_columns = super::move_rows::copy_columns(client, relid)?;
     Ok(TableInfo {
         qualified,
         rel_name,

@@ -216,6 +216,10 @@ pub enum RemusError {
     // 55006 object_in_use.
     #[error("node {node} still owns {shards} shards; move them away first (remus_migrate_shard)")]
     NodeOwnsShards { node: String, shards: i64 },
+    #[error("node {node} cannot be activated while a shard migration runs on this node; retry when it has ended")]
+    ActivationDuringMigration { node: String },
+    #[error("node {node} already holds {tables} distributed or reference tables that differ from this node's; activate a node that has none")]
+    NodeHoldsTables { node: String, tables: i64 },
     #[error("table {table} is being migrated by shard migration {migration_id} (shard {shard_id}); retry the DDL when it has ended")]
     TableMigrating {
         table: String,
@@ -399,6 +403,8 @@ impl RemusError {
             | Self::AlreadyDistributed { .. }
             | Self::TableExistsOnNode { .. } => pg_code::DUPLICATE_OBJECT.code(),
             Self::NodeOwnsShards { .. }
+            | Self::ActivationDuringMigration { .. }
+            | Self::NodeHoldsTables { .. }
             | Self::TableMigrating { .. }
             | Self::ShardAlreadyRegistered { .. }
             | Self::FreezeDuringMigration { .. }

@@ -13,8 +13,6 @@
 //!   restart that lost a migration's state, the refusal of writes on a copy that is moving
 //!   away (`migration::handover::restart`).
 
-use std::ffi::CStr;
-
 use pgrx::pg_sys;
 
 use crate::error::RemusError;
@@ -93,42 +91,8 @@ pub(crate) unsafe fn check(query_desc: *mut pg_sys::QueryDesc) -> Result<(), Rem
 /// `stmt` must be a valid PlannedStmt.
 unsafe fn shard_ids(stmt: *mut pg_sys::PlannedStmt) -> Vec<i64> {
     // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe { shard_rtes(stmt) }
+    unsafe { crate::catalog::shard_rtes(stmt) }
         .into_iter()
         .map(|(_, _, shard_id)| shard_id)
         .collect()
-}
-
-/// The shard tables (`remus_shards.*`) in `stmt`'s range table: range-table index, relation,
-/// shard id.
-///
-/// # Safety
-/// `stmt` must be a valid PlannedStmt.
-pub(crate) unsafe fn shard_rtes(stmt: *mut pg_sys::PlannedStmt) -> Vec<(i32, pg_sys::Oid, i64)> {
-    let mut shards = Vec::new();
-    // SAFETY: the caller upholds this function's `# Safety` contract; catalog lookups run
-    // inside the statement's transaction.
-    unsafe {
-        let shard_nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
-        if shard_nsp == pg_sys::InvalidOid {
-            return shards;
-        }
-        let rtes = crate::pg::list::list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable);
-        for (i, rte) in rtes.into_iter().enumerate() {
-            if (*rte).rtekind != pg_sys::RTEKind::RTE_RELATION
-                || pg_sys::get_rel_namespace((*rte).relid) != shard_nsp
-            {
-                continue;
-            }
-            let name = pg_sys::get_rel_name((*rte).relid);
-            if name.is_null() {
-                continue;
-            }
-            let name = CStr::from_ptr(name).to_string_lossy();
-            if let Some(id) = name.rsplit('_').next().and_then(|s| s.parse::<i64>().ok()) {
-                shards.push(((i + 1) as i32, (*rte).relid, id));
-            }
-        }
-    }
-    shards
 }

@@ -133,7 +133,7 @@ unsafe fn wait(
         return Ok(false);
     }
     // SAFETY: the caller upholds this function's `# Safety` contract.
-    let rtes = unsafe { crate::router::ownership::shard_rtes(stmt) };
+    let rtes = unsafe { crate::catalog::shard_rtes(stmt) };
     let registered: Vec<(i64, i64, i32, pg_sys::Oid)> = {
         let s = STATE.share();
         rtes.iter()
