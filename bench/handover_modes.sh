@@ -4,7 +4,7 @@
 # mode: committed and failed transactions, the longest interval with no completed transaction
 # (over all clients of all nodes), and the mean latency of transactions that completed while a
 # migration was in its handover window (barrier/dual/handover for remus, handover for the
-# baselines) next to the steady state (no migration running). Measurement only (bench/README.md).
+# baselines, handover and the pulls for squall) next to the steady state (no migration running). Measurement only (bench/README.md).
 #
 #   MODES (default "lock_abort wait_remaster albatross squall remus"; a mode the build refuses
 #   with 0A000 is reported as refused)  SCALE (default 4)
@@ -69,11 +69,14 @@ for mode in $modes; do
     pkill -TERM -f "pgbench -n -c $clients -j 2 -T 3600" || true
     wait
     # Handover windows (epoch seconds): remus from the barrier on, the baselines their handover,
-    # each until the migration's cleanup began.
+    # each until the migration's cleanup began; squall's until its end, since its data moves
+    # after the flip, in cleanup (the pulls, which statements on the shard wait for).
     on n1 psql -XAt -F ' ' -c "
         SELECT extract(epoch FROM started_at)
                  + (coalesce((phase_ms::json->>'copy')::numeric, 0) + coalesce((phase_ms::json->>'catchup')::numeric, 0)) / 1000,
-               extract(epoch FROM finished_at) - coalesce((phase_ms::json->>'cleanup')::numeric, 0) / 1000
+               extract(epoch FROM finished_at)
+                 - CASE WHEN mode = 'squall' THEN 0
+                        ELSE coalesce((phase_ms::json->>'cleanup')::numeric, 0) / 1000 END
           FROM remus_migrations WHERE mode = '$mode' AND status = 'succeeded'" > "$out/$mode.windows"
     migrations=$(wc -l < "$out/$mode.windows")
     # pgbench -l lines: client txn latency_us|failed script epoch_s epoch_us [lag] [retries].
