@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The functions below are also called through run_one's "$@", which shellcheck cannot follow.
 # shellcheck disable=SC2317
-# The Remus paper's three scenarios (section 4), each in every mode of MODES, on a fresh 3-node
-# cluster per (scenario, mode), with remus-bench for the load and the migrations running during
-# the run (bench/README.md, "Scenarios"):
+# The Remus paper's three scenarios (section 4), each in every mode of MODES, on a fresh cluster
+# per (scenario, mode) (3 nodes; scale-out starts with 2 and adds one), with remus-bench for the
+# load and the migrations running during the run (bench/README.md, "Scenarios"):
 #
 #   consolidation   hybrid A (and B) on n1..n3; scripts/drain-node.sh n3 --per-migration K
 #                   --mode M started START_AFTER s into the run (all of n3's shards to n1, n2)
@@ -11,13 +11,14 @@
 #                   the most zipfian weight (sum of key^-0.99 over their rows) are put on n1,
 #                   the others off it; during the run n1's HOT_MOVES hottest shards move to n2
 #                   and n3, one per migration
-#   scale_out       TPC-C; before the run n3 is drained (it stands for the node being added:
-#                   a node added after tables are distributed gets no shell tables yet) and
-#                   n1 given most warehouses, n2 the rest; during the run half of n1's
-#                   warehouse groups move to n3, one per migration
+#   scale_out       TPC-C on a 2-node cluster, n1 given most warehouses, n2 the rest; START_AFTER
+#                   s into the run `remusctl cluster add-node` adds n3 to the running cluster,
+#                   then half of n1's warehouse groups move to it, one per migration
 #
 # Per run, OUT/<scenario>/<mode>[-<workload>]/ holds remus-bench's series.csv, summary.json,
 # tables.md, throughput.png, the migrations of the run (migrations.tsv) and the mover's log;
+# scale-out's also add_node.tsv (the node added, add-node's start and end in ms since t0, the
+# activation's time on the new node);
 # at the end OUT/scenarios.md has one table per scenario, a row per mode. A mode the build
 # refuses (0A000 'not available in this build') is reported as refused, and not run again.
 #
@@ -62,17 +63,24 @@ mkdir -p "$out"
 on() { local n=$1; shift; (eval "$("$ctl" cluster env --dir "$dir" --node "$n")"; "$@"); }
 q() { on "${2:-n1}" psql -X -q -At -v ON_ERROR_STOP=1 -c "$1"; }
 
+# The nodes of the cluster being measured (scale-out adds one during its run).
+cluster_nodes=()
+
+# A new cluster of $1 nodes (3 by default).
 fresh_cluster() {
+    local n=${1:-3} i
     "$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true
     rm -rf "$dir"
-    "$ctl" cluster up --nodes 3 --dir "$dir" --base-port "$port" >/dev/null
+    "$ctl" cluster up --nodes "$n" --dir "$dir" --base-port "$port" >/dev/null
+    cluster_nodes=()
+    for ((i = 1; i <= n; i++)); do cluster_nodes+=("n$i"); done
 }
 
 # "shard_id weight" for every shard of table $1 on every node, weight = SQL aggregate $2 over
 # the shard table's rows (remus_shards.<table>_<id> on its owner).
 shard_weights() {
     local table=$1 agg=$2 n
-    for n in n1 n2 n3; do
+    for n in "${cluster_nodes[@]}"; do
         on "$n" psql -X -q -At -F ' ' -v ON_ERROR_STOP=1 <<SQL
 SELECT format('SELECT %s, coalesce(($agg)::float8, 0) FROM remus_shards.%I',
               substring(tablename FROM '_(\d+)\$'), tablename)
@@ -98,6 +106,36 @@ move_list() {
         q "SELECT migration_id, status, total_ms, aborted_by_migration
              FROM remus_migrate_shards(ARRAY[$shard]::bigint[], '$target', '$mode')" 2>&1 || true
     done <<<"$list"
+}
+
+# Milliseconds from epoch time $1 to epoch time $2 (both with fractions, as date +%s.%N).
+ms_between() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%d", (b - a) * 1000 }'; }
+
+# Scale-out's mover: adds a node to the running cluster (remusctl cluster add-node), then runs
+# the migrations of $1 ("shard NEW" lines, NEW standing for the added node) in mode $2. Writes
+# $3/add_node.tsv: the node, add-node's start and end (ms since the run's t0) and the
+# activation's time, read on the new node from commit timestamps: from its CREATE EXTENSION's
+# commit to remus_activate_node's (which follows remus_add_node on n1 and runs in one 2PC
+# transaction over every member). A failed add-node writes $3/mover.failed and moves nothing.
+add_node_then_move() {
+    local list=$1 mode=$2 rdir=$3 t0 a b node act
+    t0=$(cat "$rdir/t0")
+    echo "[add-node $(date +%T)] remusctl cluster add-node --dir $dir"
+    a=$(date +%s.%N)
+    if ! node=$("$ctl" cluster add-node --dir "$dir"); then
+        echo "[add-node $(date +%T)] failed after $(ms_between "$a" "$(date +%s.%N)") ms; no migration run"
+        echo "add-node failed" > "$rdir/mover.failed"
+        return 1
+    fi
+    b=$(date +%s.%N)
+    act=$(q "SELECT round(extract(epoch FROM
+                 (SELECT max(pg_xact_commit_timestamp(xmin)) FROM remus.distributed_tables)
+               - (SELECT pg_xact_commit_timestamp(xmin) FROM pg_extension WHERE extname = 'pg_remus'))
+               * 1000)" "$node") || act=""
+    printf '%s\t%s\t%s\t%s\n' "$node" "$(ms_between "$t0" "$a")" "$(ms_between "$t0" "$b")" "$act" \
+        > "$rdir/add_node.tsv"
+    echo "[add-node $(date +%T)] $node added in $(ms_between "$a" "$b") ms (activation ${act:-?} ms)"
+    move_list "${list//NEW/$node}" "$mode"
 }
 
 declare -A refused=()
@@ -135,7 +173,9 @@ run_one() {
         log "$scenario/$mode: mode refused by this build (0A000 not available)"
         return 0
     fi
-    if [ "$rc" -eq 0 ]; then echo ok > "$rdir/status"; else echo "failed (rc $rc)" > "$rdir/status"; status=1; fi
+    if [ -e "$rdir/mover.failed" ]; then
+        echo "failed ($(cat "$rdir/mover.failed"))" > "$rdir/status"; status=1
+    elif [ "$rc" -eq 0 ]; then echo ok > "$rdir/status"; else echo "failed (rc $rc)" > "$rdir/status"; status=1; fi
     log "$scenario/$mode/$workload: $(cat "$rdir/status"); $(grep -c . "$rdir/migrations.tsv" || true) migration(s); $(tail -n 1 "$rdir/bench.log")"
 }
 
@@ -175,10 +215,9 @@ scenario_load_balancing() {
 
 scenario_scale_out() {
     local mode=$1 i=0 shard weight list="" full=() empty=() n1n
-    fresh_cluster
+    # The nodes that hold data; the third is added during the run.
+    fresh_cluster 2
     "$bench" --cluster-dir "$dir" load tpcc --warehouses "$warehouses" --shards "$tpcc_shards" >/dev/null
-    # n3 plays the node being added: it holds nothing when the run starts.
-    drain_n3 remus >/dev/null
     while read -r shard weight; do
         if [ "${weight%.*}" -gt 0 ]; then full+=("$shard"); else empty+=("$shard"); fi
     done < <(shard_weights warehouse 'count(*)' | sort -k2,2gr -k1,1n)
@@ -189,9 +228,10 @@ scenario_scale_out() {
         i=$((i + 1))
     done
     for shard in "${empty[@]}"; do place "$shard" n2; done
-    # During the run: half of n1's warehouse groups to the new node.
-    for shard in "${full[@]:0:$((n1n / 2 > 0 ? n1n / 2 : 1))}"; do list+="$shard n3"$'\n'; done
-    run_one scale_out "$mode" tpcc "$out/scale_out/$mode" move_list "$list" "$mode"
+    # During the run: a node added, then half of n1's warehouse groups to it.
+    for shard in "${full[@]:0:$((n1n / 2 > 0 ? n1n / 2 : 1))}"; do list+="$shard NEW"$'\n'; done
+    run_one scale_out "$mode" tpcc "$out/scale_out/$mode" \
+        add_node_then_move "$list" "$mode" "$out/scale_out/$mode"
 }
 
 for scenario in $scenarios; do
