@@ -136,7 +136,7 @@ pub(crate) fn rows_as_copy_text(
     relid: pg_sys::Oid,
     table: &str,
 ) -> Result<(String, String), RemusError> {
-    let columns = copy_columns(client, relid)?;
+    let columns = crate::distribute::validate::copy_columns(client, relid)?;
     let text: Vec<String> = columns.iter().map(|c| format!("{c}::text")).collect();
     let mut data = String::new();
     let mut cursor = client.open_cursor(
@@ -162,22 +162,4 @@ pub(crate) fn rows_as_copy_text(
         }
     }
     Ok((columns.join(", "), data))
-}
-
-/// The columns COPY moves of `relid` (quoted, in order; generated ones left out: computed again
-/// where the rows land).
-pub(crate) fn copy_columns(
-    client: &SpiClient<'_>,
-    relid: pg_sys::Oid,
-) -> Result<Vec<String>, pgrx::spi::Error> {
-    client
-        .select(
-            "SELECT quote_ident(attname) FROM pg_attribute
-              WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
-              ORDER BY attnum",
-            None,
-            &[relid.into()],
-        )?
-        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
-        .collect()
 }

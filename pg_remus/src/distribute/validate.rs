@@ -140,7 +140,7 @@ pub(crate) fn inspect(
     if dropped > 0 {
         return Err(RemusError::HasDroppedColumns { table: qualified });
     }
-    let copy_columns = super::move_rows::copy_columns(client, relid)?;
+    let copy_columns = copy_columns(client, relid)?;
     Ok(TableInfo {
         qualified,
         rel_name,
@@ -149,4 +149,22 @@ pub(crate) fn inspect(
         copy_columns,
         sequences,
     })
+}
+
+/// The columns COPY moves of `relid` (quoted, in order; generated ones left out: computed again
+/// where the rows land).
+pub(crate) fn copy_columns(
+    client: &SpiClient<'_>,
+    relid: pg_sys::Oid,
+) -> Result<Vec<String>, pgrx::spi::Error> {
+    client
+        .select(
+            "SELECT quote_ident(attname) FROM pg_attribute
+              WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
+              ORDER BY attnum",
+            None,
+            &[relid.into()],
+        )?
+        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
+        .collect()
 }
