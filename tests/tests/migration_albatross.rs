@@ -162,17 +162,7 @@ fn albatross_moves_and_consolidates_under_tpcb() {
 fn albatross_rolls_back_when_the_drain_bound_passes() {
     let c = TestCluster::start(3).expect("cluster up");
     init_tpcb(&c, 1);
-    for n in c.node_names() {
-        c.connect(&n)
-            .unwrap()
-            .simple_query("ALTER SYSTEM SET remus.gate_drain_timeout = '1500ms'")
-            .and_then(|_| {
-                c.connect(&n)
-                    .unwrap()
-                    .simple_query("SELECT pg_reload_conf()")
-            })
-            .unwrap();
-    }
+    drain_timeout(&c, "1500ms");
     let (shard, source) = owners(&c, "pgbench_accounts")
         .into_iter()
         .find(|(_, o)| o == "n1")
@@ -217,20 +207,10 @@ fn albatross_rolls_back_when_the_drain_bound_passes() {
     // Once the shard is suspended (the handover waits for the held transaction), a new
     // transaction on the shard through n3 waits too.
     let mut watcher = c.connect("n1").unwrap();
-    remus_test_support::wait_for(
-        Duration::from_secs(60),
-        Duration::from_millis(20),
-        || {
-            let w: Option<String> = watcher
-                .query_one(
-                    "SELECT waiting_on FROM remus_migrations WHERE migration_id = $1",
-                    &[&id],
-                )
-                .ok()?
-                .get(0);
-            w.filter(|w| w.contains("in flight on the suspended shards"))
-        },
-        || "the handover did not wait for the held transaction".to_string(),
+    wait_for_drain_of_in_flight(
+        &mut watcher,
+        id,
+        "the handover did not wait for the held transaction",
     );
     let newcomer = {
         let mut db = c.connect("n3").unwrap();
@@ -251,14 +231,7 @@ fn albatross_rolls_back_when_the_drain_bound_passes() {
         Duration::from_secs(30),
         Duration::from_millis(10),
         || {
-            let waiting: i32 = n3
-                .query_one(
-                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
-                    &[],
-                )
-                .ok()?
-                .get::<_, Option<i32>>(0)
-                .unwrap_or(0);
+            let waiting = waiting_at_suspension(&mut n3, id)?;
             let running: bool = watcher
                 .query_one(
                     "SELECT status = 'running' FROM remus_migrations WHERE migration_id = $1",
@@ -392,21 +365,11 @@ fn albatross_coordinator_killed_before_the_flip_rolls_back() {
         })
     };
     let mut n2 = c.connect("n2").unwrap();
-    remus_test_support::wait_for(
-        Duration::from_secs(30),
-        Duration::from_millis(10),
-        || {
-            let n: i32 = n2
-                .query_one(
-                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
-                    &[],
-                )
-                .ok()?
-                .get::<_, Option<i32>>(0)
-                .unwrap_or(0);
-            (n > 0).then_some(())
-        },
-        || "the new transaction did not wait at the suspension".to_string(),
+    wait_for_waiters(
+        &mut n2,
+        id,
+        |n| n > 0,
+        "the new transaction did not wait at the suspension",
     );
 
     c.kill_coordinator().unwrap();
@@ -510,21 +473,11 @@ fn albatross_waiters_route_to_the_new_owner_or_fail_with_40001() {
     let read_committed = waiter("READ COMMITTED", aids[0]);
     let repeatable_read = waiter("REPEATABLE READ", aids[1]);
     let mut n2 = c.connect("n2").unwrap();
-    remus_test_support::wait_for(
-        Duration::from_secs(30),
-        Duration::from_millis(10),
-        || {
-            let n: i32 = n2
-                .query_one(
-                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
-                    &[],
-                )
-                .ok()?
-                .get::<_, Option<i32>>(0)
-                .unwrap_or(0);
-            (n == 2).then_some(())
-        },
-        || "the two transactions did not wait at the suspension".to_string(),
+    wait_for_waiters(
+        &mut n2,
+        id,
+        |n| n == 2,
+        "the two transactions did not wait at the suspension",
     );
     c.release_failpoint(failpoint).unwrap();
     let (status, aborted) = call.join().unwrap().expect("the migration succeeds");
@@ -557,6 +510,55 @@ fn albatross_waiters_route_to_the_new_owner_or_fail_with_40001() {
     );
     let left = c.migration_artifacts();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// How many backends of `db`'s node wait at migration `id`'s suspension; `None` when the node
+/// does not answer.
+fn waiting_at_suspension(db: &mut postgres::Client, id: i64) -> Option<i32> {
+    Some(
+        db.query_one(
+            &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
+            &[],
+        )
+        .ok()?
+        .get::<_, Option<i32>>(0)
+        .unwrap_or(0),
+    )
+}
+
+/// Waits (30 s at most) until the number of backends of `db`'s node waiting at migration `id`'s
+/// suspension satisfies `enough`; panics with `what` otherwise.
+fn wait_for_waiters(db: &mut postgres::Client, id: i64, enough: impl Fn(i32) -> bool, what: &str) {
+    remus_test_support::wait_for(
+        Duration::from_secs(30),
+        Duration::from_millis(10),
+        || {
+            waiting_at_suspension(db, id)
+                .filter(|n| enough(*n))
+                .map(|_| ())
+        },
+        || what.to_string(),
+    );
+}
+
+/// Waits (60 s at most) until migration `id`'s handover waits for the transactions in flight on
+/// its suspended shards, as `watcher`'s node reports it; panics with `what` otherwise.
+fn wait_for_drain_of_in_flight(watcher: &mut postgres::Client, id: i64, what: &str) {
+    remus_test_support::wait_for(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            let w: Option<String> = watcher
+                .query_one(
+                    "SELECT waiting_on FROM remus_migrations WHERE migration_id = $1",
+                    &[&id],
+                )
+                .ok()?
+                .get(0);
+            w.filter(|w| w.contains("in flight on the suspended shards"))
+        },
+        || what.to_string(),
+    );
 }
 
 /// Sets `remus.gate_drain_timeout` on every node (reloaded).
@@ -625,20 +627,10 @@ fn a_read_that_waited_on_the_new_owner_sees_the_last_delta() {
     .unwrap();
     c.release_failpoint("catchup.running").unwrap();
     let mut watcher = c.connect("n1").unwrap();
-    remus_test_support::wait_for(
-        Duration::from_secs(60),
-        Duration::from_millis(20),
-        || {
-            let w: Option<String> = watcher
-                .query_one(
-                    "SELECT waiting_on FROM remus_migrations WHERE migration_id = $1",
-                    &[&id],
-                )
-                .ok()?
-                .get(0);
-            w.filter(|w| w.contains("in flight on the suspended shards"))
-        },
-        || "the handover did not wait for the writes in flight".to_string(),
+    wait_for_drain_of_in_flight(
+        &mut watcher,
+        id,
+        "the handover did not wait for the writes in flight",
     );
     // The replay waits 20 s after shipping the first commit: the second, committed next, is
     // still not on the target when the drain is over.
@@ -674,21 +666,11 @@ fn a_read_that_waited_on_the_new_owner_sees_the_last_delta() {
         })
     };
     let mut n3 = c.connect(target).unwrap();
-    remus_test_support::wait_for(
-        Duration::from_secs(30),
-        Duration::from_millis(10),
-        || {
-            let n: i32 = n3
-                .query_one(
-                    &format!("SELECT cardinality(remus.albatross_waiting({id}))"),
-                    &[],
-                )
-                .ok()?
-                .get::<_, Option<i32>>(0)
-                .unwrap_or(0);
-            (n == 1).then_some(())
-        },
-        || "the read did not wait at the suspension".to_string(),
+    wait_for_waiters(
+        &mut n3,
+        id,
+        |n| n == 1,
+        "the read did not wait at the suspension",
     );
     // What the test is about: the last write is not on the target yet, so the waiting read's
     // snapshot (older than this check) does not see it there.
