@@ -279,8 +279,9 @@ fn create(
                 .filter(|p| p.owner == owner)
                 .map(|p| {
                     let table = shard_table_name(&info.rel_name, p.shard_id);
+                    // Without the identity: the shell's sequence is the one that draws.
                     format!(
-                        "CREATE TABLE {table} (LIKE {} INCLUDING ALL);\n{}",
+                        "CREATE TABLE {table} (LIKE {} INCLUDING ALL EXCLUDING IDENTITY);\n{}",
                         info.qualified,
                         capture_trigger_ddl(&table, p.shard_id)
                     )
@@ -309,7 +310,7 @@ fn create(
             let sql = format!(
                 "LOCK TABLE remus.shards IN EXCLUSIVE MODE;\n{}{shell}{}{}{catalog_sql}{}",
                 sequences::before_shell(&info.sequences, slot),
-                sequences::after_shell(&info.sequences, &info.qualified),
+                sequences::after_shell(&info.sequences, &info.qualified, slot),
                 guard_ddl(&info.qualified),
                 shard_ddl(&n.name)
             );
@@ -347,7 +348,10 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
                     EXISTS (SELECT 1 FROM remus.distributed_tables WHERE logicalrelid = c.oid),
                     EXISTS (SELECT 1 FROM pg_constraint WHERE contype = 'f' AND (conrelid = c.oid OR confrelid = c.oid)),
                     EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attisdropped),
-                    c.relrowsecurity
+                    c.relrowsecurity,
+                    (SELECT quote_ident(attname) FROM pg_attribute
+                      WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped
+                        AND attidentity <> '' ORDER BY attnum LIMIT 1)
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1",
             Some(1),
             &[relid.into()],
@@ -372,6 +376,12 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
         if r.get::<bool>(8)? == Some(true) {
             return Err(RemusError::DistributeWithRowSecurity { table: qualified });
         }
+        if let Some(column) = r.get::<String>(9)? {
+            return Err(RemusError::ReferenceIdentityColumn {
+                table: qualified,
+                column,
+            });
+        }
         client.update(
             &format!("LOCK TABLE {qualified} IN ACCESS EXCLUSIVE MODE"),
             None,
@@ -395,7 +405,8 @@ fn create_reference(relid: pg_sys::Oid) -> Result<(), RemusError> {
             i32::MAX
         );
         let shard = shard_table_name(&rel_name, shard_id);
-        let shard_ddl = format!("CREATE TABLE {shard} (LIKE {qualified} INCLUDING ALL);\n");
+        let shard_ddl =
+            format!("CREATE TABLE {shard} (LIKE {qualified} INCLUDING ALL EXCLUDING IDENTITY);\n");
         let shell = shell_ddl(client, relid, &qualified)?;
         // The rows as COPY text, once, for every other node.
         let (cols, data) = rows_as_copy_text(client, relid, &qualified)?;

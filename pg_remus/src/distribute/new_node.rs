@@ -112,12 +112,22 @@ pub(crate) fn activate(name: &str) -> Result<bool, RemusError> {
         for t in &tables {
             if t.kind == 'h' {
                 let seqs = sequences::inspect_distributed(client, t.relid, &t.qualified)?;
-                for s in &seqs {
-                    let slot = next_slot(client, &nodes, &me, &new, s)?;
-                    sql.push_str(&sequences::before_shell(std::slice::from_ref(s), slot));
+                let slots = seqs
+                    .iter()
+                    .map(|s| next_slot(client, &nodes, &me, &new, s))
+                    .collect::<Result<Vec<_>, _>>()?;
+                for (s, slot) in seqs.iter().zip(&slots) {
+                    sql.push_str(&sequences::before_shell(std::slice::from_ref(s), *slot));
                 }
                 sql.push_str(&shell_ddl(client, t.relid, &t.qualified)?);
-                sql.push_str(&sequences::after_shell(&seqs, &t.qualified));
+                // An identity comes with its sequence, once the shell has the column.
+                for (s, slot) in seqs.iter().zip(&slots) {
+                    sql.push_str(&sequences::after_shell(
+                        std::slice::from_ref(s),
+                        &t.qualified,
+                        *slot,
+                    ));
+                }
             } else {
                 sql.push_str(&shell_ddl(client, t.relid, &t.qualified)?);
             }
@@ -132,7 +142,7 @@ pub(crate) fn activate(name: &str) -> Result<bool, RemusError> {
             let shard_id = crate::catalog::reference_shard(t.relid)?;
             let shard = shard_table_name(&t.rel_name, shard_id);
             sql.push_str(&format!(
-                "CREATE TABLE {shard} (LIKE {} INCLUDING ALL);\n",
+                "CREATE TABLE {shard} (LIKE {} INCLUDING ALL EXCLUDING IDENTITY);\n",
                 t.qualified
             ));
             references.push((t, shard));

@@ -1,24 +1,31 @@
 //! Sequences of distributed tables: one disjoint range of each sequence per node (decision 0019).
 //!
 //! A `bigserial` column (or a bigint column whose default is `nextval('s'::regclass)` of a bigint
-//! sequence) keeps its default on a distributed table. The sequence exists on every node (the
-//! shell's default names it), and each node's copy hands out only its node's range: slot `k`
-//! owns `[k·2^48, (k+1)·2^48 − 1]`. At distribution the members sorted by name get slots 1, 2, …
-//! (the slot is recorded nowhere but in each copy's MINVALUE / MAXVALUE); slot 0 keeps the values
-//! the sequence handed out before distribution, so the originating node's sequence is restarted
-//! at its slot's start and never repeats a value its rows already hold.
+//! sequence) keeps its default on a distributed table, and a `bigint GENERATED {ALWAYS | BY
+//! DEFAULT} AS IDENTITY` column its identity. The sequence exists on every node (the shell's
+//! default names it; an identity is added to the other nodes' shells with its sequence, same
+//! name, by `ALTER TABLE … ADD GENERATED … AS IDENTITY (SEQUENCE NAME …)`), and each node's copy
+//! hands out only its node's range: slot `k` owns `[k·2^48, (k+1)·2^48 − 1]`. At distribution
+//! the members sorted by name get slots 1, 2, … (the slot is recorded nowhere but in each copy's
+//! MINVALUE / MAXVALUE); slot 0 keeps the values the sequence handed out before distribution,
+//! so the originating node's sequence is restarted at its slot's start and never repeats a
+//! value its rows already hold.
 //!
 //! A default is evaluated where the statement that needs it runs: the shard key's by the router
 //! on the node the statement entered (`router::modify`, and COPY's own default filling in
 //! `router::utility`), then routed with the value; any other column's on the shard's owner,
 //! whose shard table (`LIKE shell INCLUDING ALL`) calls the owner's copy. Either way the value
-//! comes from one node's range: unique in the cluster.
+//! comes from one node's range: unique in the cluster. Identity values, the key's or not, are
+//! all drawn on the entry node from its shell's identity sequence (`with_identities_drawn` in
+//! `router::modify`; COPY's `NextCopyFrom` evaluates the shell's identity there too) and routed
+//! as constants with OVERRIDING SYSTEM VALUE: the shard tables are `LIKE shell INCLUDING ALL
+//! EXCLUDING IDENTITY` (a sequence per shard table would repeat values), and an owner's
+//! `nextval` would need USAGE on the sequence, which PostgreSQL's identity does not.
 //!
-//! Refused (0A000): identity columns (`LIKE … INCLUDING ALL` gives every shard table a sequence
-//! of its own, so two shards on one node would repeat values); sequence defaults on columns that
-//! are not bigint (serial, smallserial: 2^31 values cannot be split into useful ranges); and
-//! sequences that cannot be split (not bigint, counting down, shared with another column,
-//! belonging to another column, already beyond slot 0).
+//! Refused (0A000): sequence defaults and identities on columns that are not bigint (serial,
+//! smallserial, int identities: 2^31 values cannot be split into useful ranges); sequences that
+//! cannot be split (not bigint, counting down, shared with another column, belonging to another
+//! column, already beyond slot 0); identity columns on reference tables (`distribute::mod`).
 
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
@@ -31,6 +38,13 @@ pub(crate) const SLOT_BITS: u32 = 48;
 /// Most slots (nodes at one distribution): slot 32767 is the last that fits in a bigint.
 const MAX_SLOT: usize = (1 << (63 - SLOT_BITS)) - 1;
 
+/// The kind of an identity column (`GENERATED ALWAYS` or `BY DEFAULT`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Identity {
+    Always,
+    ByDefault,
+}
+
 /// A column whose default draws from a sequence the table alone uses.
 pub(crate) struct SeqColumn {
     /// The column, quoted.
@@ -39,6 +53,8 @@ pub(crate) struct SeqColumn {
     sequence: String,
     /// Whether the sequence belongs to the column (`OWNED BY`, as `bigserial` makes it).
     owned: bool,
+    /// An identity column's kind; its sequence is the identity's own.
+    identity: Option<Identity>,
     /// The sequence's owner, quoted.
     owner: String,
     increment: i64,
@@ -75,24 +91,55 @@ pub(crate) fn inspect_distributed(
     columns(client, relid, table, true)
 }
 
+/// A column whose values a sequence hands out: (column, attnum, its sequence if it has exactly
+/// one, the default's text, the identity kind).
+type Candidate = (String, i16, Option<pg_sys::Oid>, String, Option<Identity>);
+
 fn columns(
     client: &SpiClient<'_>,
     relid: pg_sys::Oid,
     table: &str,
     distributed: bool,
 ) -> Result<Vec<SeqColumn>, RemusError> {
-    let identity = client.select(
-        "SELECT quote_ident(attname) FROM pg_attribute
-          WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attidentity <> ''
-          ORDER BY attnum LIMIT 1",
-        Some(1),
+    let mut candidates: Vec<Candidate> = Vec::new();
+    // Identity columns: their sequence belongs to them (an internal dependency), and their
+    // default is PostgreSQL's, not a pg_attrdef row.
+    let identities = client.select(
+        "SELECT quote_ident(a.attname), format_type(a.atttypid, a.atttypmod),
+                a.atttypid = 'pg_catalog.int8'::pg_catalog.regtype, a.attidentity::text,
+                (SELECT dep.objid FROM pg_depend dep
+                  WHERE dep.classid = 'pg_class'::regclass AND dep.refclassid = 'pg_class'::regclass
+                    AND dep.refobjid = a.attrelid AND dep.refobjsubid = a.attnum
+                    AND dep.deptype = 'i' LIMIT 1),
+                a.attnum
+           FROM pg_attribute a
+          WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped AND a.attidentity <> ''
+          ORDER BY a.attnum",
+        None,
         &[relid.into()],
     )?;
-    if !identity.is_empty() {
-        return Err(RemusError::IdentityColumn {
-            table: table.to_string(),
-            column: identity.first().get::<String>(1)?.unwrap_or_default(),
-        });
+    for r in identities {
+        let column = r.get::<String>(1)?.unwrap_or_default();
+        if r.get::<bool>(3)? != Some(true) {
+            return Err(RemusError::IdentityColumnNotBigint {
+                table: table.to_string(),
+                column,
+                type_name: r.get::<String>(2)?.unwrap_or_default(),
+            });
+        }
+        let identity = match r.get::<String>(4)?.as_deref() {
+            Some("a") => Identity::Always,
+            _ => Identity::ByDefault,
+        };
+        let seq = r.get::<pg_sys::Oid>(5)?;
+        let attnum = r.get::<i16>(6)?.unwrap_or_default();
+        candidates.push((
+            column,
+            attnum,
+            seq,
+            "its identity sequence".to_string(),
+            Some(identity),
+        ));
     }
     // Every column whose default mentions nextval or depends on a sequence; with the sequences
     // it depends on (a plain `nextval('s'::regclass)` depends on exactly one).
@@ -113,7 +160,6 @@ fn columns(
         None,
         &[relid.into()],
     )?;
-    let mut found = Vec::new();
     for r in rows {
         let column = r.get::<String>(1)?.unwrap_or_default();
         let type_name = r.get::<String>(2)?.unwrap_or_default();
@@ -129,20 +175,24 @@ fn columns(
                 type_name,
             });
         }
+        candidates.push((column, attnum, seq.filter(|_| seqs == 1), default, None));
+    }
+    let mut found = Vec::new();
+    for (column, attnum, seq, default, identity) in candidates {
         let refuse = |sequence: &str, reason: &str| RemusError::SequenceNotSplittable {
             table: table.to_string(),
             column: column.clone(),
             sequence: sequence.to_string(),
             reason: reason.to_string(),
         };
-        let seq = match seq {
-            Some(s) if seqs == 1 => s,
-            _ => {
-                return Err(refuse(
-                    &default,
-                    "its default is not nextval('sequence'::regclass) of one sequence",
-                ))
-            }
+        let Some(seq) = seq else {
+            return Err(refuse(
+                &default,
+                match identity {
+                    Some(_) => "its identity sequence was not found",
+                    None => "its default is not nextval('sequence'::regclass) of one sequence",
+                },
+            ));
         };
         let s = client.select(
             "SELECT format('%I.%I', n.nspname, c.relname),
@@ -164,7 +214,7 @@ fn columns(
                FROM pg_class c
                JOIN pg_namespace n ON n.oid = c.relnamespace
                JOIN pg_sequence q ON q.seqrelid = c.oid
-               JOIN pg_attrdef d ON d.adrelid = $2 AND d.adnum = $3
+               LEFT JOIN pg_attrdef d ON d.adrelid = $2 AND d.adnum = $3
               WHERE c.oid = $1",
             Some(1),
             &[seq.into(), relid.into(), attnum.into()],
@@ -174,7 +224,7 @@ fn columns(
         }
         let s = s.first();
         let sequence = s.get::<String>(1)?.unwrap_or_default();
-        if s.get::<bool>(2)? != Some(true) {
+        if identity.is_none() && s.get::<bool>(2)? != Some(true) {
             return Err(refuse(
                 &sequence,
                 "the default is not exactly nextval('sequence'::regclass)",
@@ -206,8 +256,10 @@ fn columns(
                 ));
             }
         }
-        // Distributed, the shard tables' defaults (`LIKE … INCLUDING ALL`) use it too.
-        if s.get::<i64>(9)?.unwrap_or(0) > 1 && !distributed {
+        // Distributed, the shard tables' defaults (`LIKE … INCLUDING ALL`) use it too; an
+        // identity sequence is used by no default of its own.
+        let own_defaults = if identity.is_some() { 0 } else { 1 };
+        if s.get::<i64>(9)?.unwrap_or(0) > own_defaults && !distributed {
             return Err(refuse(&sequence, "other columns' defaults use it too"));
         }
         let owned = s.get::<bool>(10)?.unwrap_or(false);
@@ -231,6 +283,7 @@ fn columns(
             column,
             sequence,
             owned,
+            identity,
             owner,
             increment,
             cache,
@@ -275,12 +328,13 @@ pub(crate) fn slot_of(
     Ok(slot)
 }
 
-/// For another node, run before its shell's DDL: the sequences, each restricted to `slot`'s
+/// For another node, run before its shell's DDL: the sequences of `seqs` that are not an
+/// identity's (those come with the identity, [`after_shell`]), each restricted to `slot`'s
 /// range, with their owner and grants.
 pub(crate) fn before_shell(seqs: &[SeqColumn], slot: usize) -> String {
     let (lo, hi) = range(slot);
     let mut sql = String::new();
-    for s in seqs {
+    for s in seqs.iter().filter(|s| s.identity.is_none()) {
         sql.push_str(&format!(
             "CREATE SEQUENCE {} AS bigint INCREMENT BY {} MINVALUE {lo} MAXVALUE {hi} START WITH {lo} CACHE {} {};\n\
              ALTER SEQUENCE {} OWNER TO {};\n",
@@ -291,26 +345,49 @@ pub(crate) fn before_shell(seqs: &[SeqColumn], slot: usize) -> String {
             s.sequence,
             s.owner
         ));
-        for g in &s.grants {
-            sql.push_str(g);
-            sql.push_str(";\n");
-        }
+        sql.push_str(&grants(s));
     }
     sql
 }
 
 /// For another node, run after its shell's DDL (which gave the shell its owner): the sequences
-/// that belong to their column belong to the shell's column there too (dropped with it).
-pub(crate) fn after_shell(seqs: &[SeqColumn], table: &str) -> String {
-    seqs.iter()
-        .filter(|s| s.owned)
-        .map(|s| {
-            format!(
+/// that belong to their column belong to the shell's column there too (dropped with it); an
+/// identity column becomes one, its sequence (same name, owned by the table's owner as
+/// PostgreSQL makes it) restricted to `slot`'s range, with its grants.
+pub(crate) fn after_shell(seqs: &[SeqColumn], table: &str, slot: usize) -> String {
+    let (lo, hi) = range(slot);
+    let mut sql = String::new();
+    for s in seqs {
+        match s.identity {
+            Some(kind) => {
+                sql.push_str(&format!(
+                    "ALTER TABLE {table} ALTER COLUMN {} ADD GENERATED {} AS IDENTITY \
+                     (SEQUENCE NAME {} INCREMENT BY {} MINVALUE {lo} MAXVALUE {hi} START WITH {lo} CACHE {} {});\n",
+                    s.column,
+                    match kind {
+                        Identity::Always => "ALWAYS",
+                        Identity::ByDefault => "BY DEFAULT",
+                    },
+                    s.sequence,
+                    s.increment,
+                    s.cache,
+                    if s.cycle { "CYCLE" } else { "NO CYCLE" },
+                ));
+                sql.push_str(&grants(s));
+            }
+            None if s.owned => sql.push_str(&format!(
                 "ALTER SEQUENCE {} OWNED BY {table}.{};\n",
                 s.sequence, s.column
-            )
-        })
-        .collect()
+            )),
+            None => {}
+        }
+    }
+    sql
+}
+
+/// The sequence's grants, as statements.
+fn grants(s: &SeqColumn) -> String {
+    s.grants.iter().map(|g| format!("{g};\n")).collect()
 }
 
 /// For this node: its sequences restricted to `slot`'s range, restarted at its start (the

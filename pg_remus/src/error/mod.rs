@@ -162,9 +162,18 @@ pub enum RemusError {
         column: String,
         type_name: String,
     },
-    /// Identity columns: `LIKE … INCLUDING ALL` gives every shard table a sequence of its own.
-    #[error("column {column} of {table} is an identity column, which is not supported on distributed tables (each shard table would get its own sequence); use bigserial or bigint DEFAULT nextval(…) instead")]
-    IdentityColumn { table: String, column: String },
+    /// An identity column that is not bigint: as for serial, its sequence's 2^31 values cannot
+    /// be split into useful ranges, one per node.
+    #[error("column {column} of {table} is an identity column of type {type_name}; only bigint identity columns can draw cluster-unique values from every node (2^31 values cannot be split between the nodes): use bigint GENERATED … AS IDENTITY")]
+    IdentityColumnNotBigint {
+        table: String,
+        column: String,
+        type_name: String,
+    },
+    /// An identity column on a reference table: every copy would draw its own value, and a
+    /// write to a reference table with a volatile default is refused.
+    #[error("column {column} of {table} is an identity column, which reference tables do not support (each copy would draw its own values)")]
+    ReferenceIdentityColumn { table: String, column: String },
     /// A sequence default that cannot be given one disjoint range per node: `reason` says why.
     #[error("column {column} of {table} takes its default from sequence {sequence}, which cannot be split between the nodes: {reason}")]
     SequenceNotSplittable {
@@ -386,7 +395,8 @@ impl RemusError {
             | Self::NotOrdinaryPermanentTable { .. }
             | Self::HasForeignKeys { .. }
             | Self::SequenceColumnNotBigint { .. }
-            | Self::IdentityColumn { .. }
+            | Self::IdentityColumnNotBigint { .. }
+            | Self::ReferenceIdentityColumn { .. }
             | Self::SequenceNotSplittable { .. }
             | Self::HasDroppedColumns { .. }
             | Self::ReferenceHasDroppedColumns { .. }

@@ -1233,8 +1233,10 @@ unsafe fn targets(
         };
         // A key drawn from a sequence (its bigserial default) is drawn once, here, and the
         // statement routed and sent with the value (decision 0019).
+        // So are identity values, the key's or not (the shard tables have no identity).
+        let query = with_identities_drawn(query, ps);
         let (key_te, values_rte) = parts(query)?;
-        let query = with_key_drawn(query, key_te, values_rte, ps);
+        let query = with_key_drawn(query, key_te, values_rte, ps, is_nextval);
         let (key_te, values_rte) = parts(query)?;
         let expr = (*key_te).expr as *mut pg_sys::Node;
         let stripped = fence::strip(expr);
@@ -1326,6 +1328,7 @@ unsafe fn targets(
                         (*(fence::strip((**te).expr as *mut pg_sys::Node) as *mut pg_sys::Var))
                             .varattno
                     });
+                    drop_unread_values_columns(r, &kept);
                     (*q).targetList = kept.into_iter().fold(std::ptr::null_mut(), |l, te| {
                         pg_sys::lappend(l, te as *mut std::ffi::c_void)
                     });
@@ -1383,9 +1386,148 @@ unsafe fn drawn(expr: *mut pg_sys::Node, ps: *mut pg_sys::PlanState) -> *mut pg_
     }
 }
 
+/// Is `node` a `NextValueExpr`, the value the rewriter puts in for an identity column?
+///
+/// # Safety
+/// `node` must be NULL or a valid expression node.
+unsafe fn is_identity_value(node: *mut pg_sys::Node) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe { is_tag(fence::strip(node), pg_sys::NodeTag::T_NextValueExpr) }
+}
+
+/// An INSERT into a table with identity columns: a copy of `query` with every identity value
+/// the rewriter put in (the column omitted, written DEFAULT, or replaced by OVERRIDING USER
+/// VALUE) drawn once, here, from this node's copy of the shell's identity sequence, as
+/// [`with_key_drawn`] draws a key (decision 0019): the shard tables have no identity, and a
+/// `NextValueExpr` deparsed would be a `nextval` on the owner, which needs USAGE on the
+/// sequence where PostgreSQL's identity does not. The copy says OVERRIDING SYSTEM VALUE, so
+/// that the owner's shell takes the drawn values of a GENERATED ALWAYS column (an explicit
+/// value was refused here already, 428C9, unless the statement said so itself). `query` itself
+/// when it draws no identity value.
+///
+/// # Safety
+/// `query` must be the executing INSERT and `ps` the statement's live PlanState.
+unsafe fn with_identities_drawn(
+    query: *mut pg_sys::Query,
+    ps: *mut pg_sys::PlanState,
+) -> *mut pg_sys::Query {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let values_of = |q: *mut pg_sys::Query| {
+            list_ptrs::<pg_sys::RangeTblEntry>((*q).rtable)
+                .into_iter()
+                .enumerate()
+                .find(|(_, r)| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES)
+        };
+        let values = values_of(query);
+        let resnos: Vec<i16> = list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
+            .into_iter()
+            .filter(|te| {
+                let e = fence::strip((**te).expr as *mut pg_sys::Node);
+                if is_identity_value(e) {
+                    return true;
+                }
+                match values {
+                    Some((vidx, rte))
+                        if is_tag(e, pg_sys::NodeTag::T_Var)
+                            && (*(e as *mut pg_sys::Var)).varno as usize == vidx + 1 =>
+                    {
+                        let col = (*(e as *mut pg_sys::Var)).varattno as usize - 1;
+                        list_ptrs::<pg_sys::List>((*rte).values_lists)
+                            .iter()
+                            .any(|row| {
+                                list_ptrs::<pg_sys::Node>(*row)
+                                    .get(col)
+                                    .is_some_and(|c| is_identity_value(*c))
+                            })
+                    }
+                    _ => false,
+                }
+            })
+            .map(|te| (*te).resno)
+            .collect();
+        if resnos.is_empty() {
+            return query;
+        }
+        let mut q = query;
+        for resno in resnos {
+            let Some(te) = list_ptrs::<pg_sys::TargetEntry>((*q).targetList)
+                .into_iter()
+                .find(|te| (**te).resno == resno)
+            else {
+                continue;
+            };
+            q = with_key_drawn(q, te, values_of(q), ps, is_identity_value);
+        }
+        if q == query {
+            q = pg_sys::copyObjectImpl(query as *const std::ffi::c_void) as *mut pg_sys::Query;
+        }
+        (*q).override_ = pg_sys::OverridingKind::OVERRIDING_SYSTEM_VALUE;
+        q
+    }
+}
+
+/// Leaves out of the VALUES list `r` (a per-shard copy's) the columns no target entry of
+/// `kept` (its target list, Vars of `r` in column order) reads, renumbering them: ruleutils
+/// prints every column of the list, so each must have its target column. The rewriter leaves
+/// such a column (NULLs) where it put an identity's or generated column's default in the target
+/// list instead (every value DEFAULT, or OVERRIDING USER VALUE).
+///
+/// # Safety
+/// `r` must be a VALUES range-table entry of a Query copy this module owns, `kept` that copy's
+/// target entries, each a Var of `r` (possibly relabeled), sorted by column.
+unsafe fn drop_unread_values_columns(
+    r: *mut pg_sys::RangeTblEntry,
+    kept: &[*mut pg_sys::TargetEntry],
+) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let var_of = |te: *mut pg_sys::TargetEntry| {
+            fence::strip((*te).expr as *mut pg_sys::Node) as *mut pg_sys::Var
+        };
+        let read: Vec<usize> = kept
+            .iter()
+            .map(|te| (*var_of(*te)).varattno as usize - 1)
+            .collect();
+        let rows = list_ptrs::<pg_sys::List>((*r).values_lists);
+        let ncols = rows
+            .first()
+            .map_or(0, |row| pg_sys::list_length(*row) as usize);
+        if read.len() == ncols {
+            return;
+        }
+        let pick_list = |l: *mut pg_sys::List| {
+            let cells = list_ptrs::<std::ffi::c_void>(l);
+            read.iter().fold(std::ptr::null_mut(), |out, i| {
+                pg_sys::lappend(out, cells[*i])
+            })
+        };
+        let pick_oids = |l: *mut pg_sys::List| {
+            read.iter().fold(std::ptr::null_mut(), |out, i| {
+                pg_sys::lappend_oid(out, pg_sys::list_nth_oid(l, *i as i32))
+            })
+        };
+        (*r).values_lists = rows.iter().fold(std::ptr::null_mut(), |out, row| {
+            pg_sys::lappend(out, pick_list(*row) as *mut std::ffi::c_void)
+        });
+        (*r).coltypes = pick_oids((*r).coltypes);
+        (*r).colcollations = pick_oids((*r).colcollations);
+        (*r).coltypmods = read.iter().fold(std::ptr::null_mut(), |out, i| {
+            pg_sys::lappend_int(out, pg_sys::list_nth_int((*r).coltypmods, *i as i32))
+        });
+        if !(*r).eref.is_null() && pg_sys::list_length((*(*r).eref).colnames) as usize == ncols {
+            (*(*r).eref).colnames = pick_list((*(*r).eref).colnames);
+        }
+        for (i, te) in kept.iter().enumerate() {
+            (*var_of(*te)).varattno = (i + 1) as i16;
+            (*var_of(*te)).varattnosyn = (i + 1) as i16;
+        }
+    }
+}
+
 /// An INSERT whose shard key is a sequence default (the key column omitted, or DEFAULT, or an
-/// explicit `nextval(…)`): a copy of `query` with each such key drawn once, on this node, as a
-/// constant; `query` itself otherwise (the plan's Query is never changed). One row: the key's
+/// explicit `nextval(…)`; `draws` tells such an expression): a copy of `query` with each such
+/// key drawn once, on this node, as a constant; `query` itself otherwise (the plan's Query is never changed). One row: the key's
 /// target entry becomes the value. Several (VALUES): a cell that is the default becomes its
 /// value; a key omitted from the column list becomes a new last column of the VALUES list, one
 /// value per row, and the key's target entry a reference to it.
@@ -1398,6 +1540,7 @@ unsafe fn with_key_drawn(
     key_te: *mut pg_sys::TargetEntry,
     values: Option<(usize, *mut pg_sys::RangeTblEntry)>,
     ps: *mut pg_sys::PlanState,
+    draws: unsafe fn(*mut pg_sys::Node) -> bool,
 ) -> *mut pg_sys::Query {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
@@ -1414,7 +1557,7 @@ unsafe fn with_key_drawn(
                 .find(|te| (**te).resno == resno)
         };
         match values {
-            None if is_nextval(expr) => {
+            None if draws(expr) => {
                 let value = drawn(expr, ps);
                 copy_with(&|q| {
                     if let Some(te) = te_of(q) {
@@ -1423,7 +1566,7 @@ unsafe fn with_key_drawn(
                 })
             }
             None => query,
-            Some((vidx, rte)) if is_nextval(expr) => {
+            Some((vidx, rte)) if draws(expr) => {
                 // The key is not in the column list: one value per row, as a new column.
                 let rows = list_ptrs::<pg_sys::List>((*rte).values_lists);
                 let mut drawn_rows: *mut pg_sys::List = std::ptr::null_mut();
@@ -1474,7 +1617,7 @@ unsafe fn with_key_drawn(
                 if !rows.iter().any(|row| {
                     list_ptrs::<pg_sys::Node>(*row)
                         .get(col)
-                        .is_some_and(|c| is_nextval(*c))
+                        .is_some_and(|c| draws(*c))
                 }) {
                     return query;
                 }
@@ -1482,7 +1625,7 @@ unsafe fn with_key_drawn(
                 for row in &rows {
                     let mut cells: *mut pg_sys::List = std::ptr::null_mut();
                     for (i, cell) in list_ptrs::<pg_sys::Node>(*row).into_iter().enumerate() {
-                        let cell = if i == col && is_nextval(cell) {
+                        let cell = if i == col && draws(cell) {
                             drawn(cell, ps)
                         } else {
                             cell
