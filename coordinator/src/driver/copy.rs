@@ -214,16 +214,17 @@ impl Run {
     }
 }
 
-/// The DDL of an empty shard table `$2` shaped as shell `$1`: `LIKE … INCLUDING ALL` when the
-/// shell has no dropped column; otherwise every column in the shell's order, a placeholder where
-/// a column was dropped (then dropped too, so the numbers match), then the constraints (CHECK by
-/// name; a primary key, unique or exclusion constraint named after the shard table, as index
-/// names are per schema) and the other indexes.
+/// The DDL of an empty shard table `$2` shaped as shell `$1`: `LIKE … INCLUDING ALL EXCLUDING
+/// IDENTITY` when the shell has no dropped column (an identity's values come from the shell's
+/// sequence, drawn where the statement entered: decision 0019); otherwise every column in the
+/// shell's order, a placeholder where a column was dropped (then dropped too, so the numbers
+/// match), then the constraints (CHECK by name; a primary key, unique or exclusion constraint
+/// named after the shard table, as index names are per schema) and the other indexes.
 const SHARD_TABLE_DDL: &str = r#"
 WITH p AS (SELECT $1::text::regclass AS shell, $2::text AS shard)
 SELECT CASE WHEN NOT EXISTS (SELECT FROM pg_attribute
                               WHERE attrelid = p.shell AND attnum > 0 AND attisdropped)
-       THEN format('CREATE TABLE %s (LIKE %s INCLUDING ALL);', p.shard, p.shell)
+       THEN format('CREATE TABLE %s (LIKE %s INCLUDING ALL EXCLUDING IDENTITY);', p.shard, p.shell)
        ELSE format('CREATE TABLE %s (%s);', p.shard,
               (SELECT string_agg(
                  CASE WHEN a.attisdropped THEN format('%I int4', 'remus_dropped_' || a.attnum)
