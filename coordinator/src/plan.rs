@@ -218,6 +218,20 @@ impl Refusal {
     }
 
     /// A coordinator that restarted takes no new migration until it has resumed the old ones.
+    /// Squall fills the target's tables chunk by chunk, in no order across the tables of a
+    /// group, after the target serves them: a foreign key there would refuse a row whose
+    /// referenced row is not pulled yet.
+    pub fn squall_with_foreign_keys(shell: &str) -> Self {
+        Self::new(
+            Code::FailedPrecondition,
+            SqlState::FEATURE_NOT_SUPPORTED,
+            format!(
+                "table {shell} has foreign keys, which the squall mode cannot move (its target \
+                 serves the tables before their rows are all pulled); use another mode"
+            ),
+        )
+    }
+
     pub fn resuming() -> Self {
         Self::new(
             Code::Unavailable,
@@ -346,6 +360,20 @@ pub async fn plan(
             .get(0);
         if !has_pk {
             return Err(Refusal::no_primary_key(shell));
+        }
+        if mode == Mode::Squall {
+            let has_fk: bool = client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_constraint
+                                     WHERE contype = 'f' AND conrelid = $1::text::regclass)",
+                    &[&shell],
+                )
+                .await
+                .map_err(catalog)?
+                .get(0);
+            if has_fk {
+                return Err(Refusal::squall_with_foreign_keys(shell));
+            }
         }
     }
     // The source must answer too: a migration that cannot read its source only fails later.

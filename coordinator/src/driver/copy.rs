@@ -134,7 +134,7 @@ impl Run {
             .await?;
         *self.state.repl.get_mut().unwrap_or_else(|p| p.into_inner()) = Some(conn);
         self.state.start_lsn = created.consistent_point;
-        Ok(())
+        self.add_target_foreign_keys().await
     }
 }
 
@@ -213,6 +213,77 @@ impl Run {
         }
     }
 }
+
+impl Run {
+    /// The shells' foreign keys on the target's shard tables, once their rows are in (a
+    /// foreign key is between tables of the moving group or to a reference table, whose copy
+    /// the target has): added after the copy, which fills the tables in parallel and in no
+    /// order, and before catch-up, whose replay (a replica-role session) does not fire them.
+    /// Each is validated against the copied rows.
+    async fn add_target_foreign_keys(&mut self) -> Result<(), DriverError> {
+        let target = self.config.connector.connect(&self.plan.target).await?;
+        let mut ddl = String::new();
+        for t in &self.plan.tables {
+            for row in target
+                .query(FOREIGN_KEY_DDL, &[&t.shell, &t.qualified(), &t.shard_id])
+                .await
+                .map_err(sql(&self.plan.target))?
+            {
+                ddl.push_str(row.get::<_, &str>(0));
+                ddl.push('\n');
+            }
+        }
+        if ddl.is_empty() {
+            return Ok(());
+        }
+        target
+            .batch_execute(&format!("BEGIN;\n{ddl}COMMIT;"))
+            .await
+            .map_err(sql(&self.plan.target))?;
+        info!(
+            migration_id = self.id(),
+            phase = "copy",
+            "foreign keys added to the target's shard tables"
+        );
+        Ok(())
+    }
+}
+
+/// The foreign keys of shell `$1` as DDL for its shard table `$2` (shard `$3`): each references
+/// the referenced table's shard table on the same node, the co-located shard of the same shard
+/// index or the reference table's one shard; same name, columns, match type, actions,
+/// deferrability and validity as the shell's.
+const FOREIGN_KEY_DDL: &str = r#"
+WITH p AS (SELECT $1::text::regclass AS shell, $2::text AS shard, $3::bigint AS shard_id)
+SELECT format('ALTER TABLE %s ADD CONSTRAINT %I FOREIGN KEY (%s) REFERENCES %s (%s)%s ON UPDATE %s ON DELETE %s%s%s%s;',
+              p.shard, c.conname,
+              (SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY k.ord)
+                 FROM unnest(c.conkey) WITH ORDINALITY AS k(attnum, ord)
+                 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum),
+              format('remus_shards.%I', rc.relname || '_' || rs.shard_id),
+              (SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY k.ord)
+                 FROM unnest(c.confkey) WITH ORDINALITY AS k(attnum, ord)
+                 JOIN pg_attribute a ON a.attrelid = c.confrelid AND a.attnum = k.attnum),
+              CASE c.confmatchtype WHEN 'f' THEN ' MATCH FULL' ELSE '' END,
+              CASE c.confupdtype WHEN 'r' THEN 'RESTRICT' WHEN 'c' THEN 'CASCADE'
+                                 WHEN 'n' THEN 'SET NULL' WHEN 'd' THEN 'SET DEFAULT' ELSE 'NO ACTION' END,
+              CASE c.confdeltype WHEN 'r' THEN 'RESTRICT' WHEN 'c' THEN 'CASCADE'
+                                 WHEN 'n' THEN 'SET NULL' WHEN 'd' THEN 'SET DEFAULT' ELSE 'NO ACTION' END,
+              (SELECT ' (' || string_agg(quote_ident(a.attname), ', ' ORDER BY k.ord) || ')'
+                 FROM unnest(c.confdelsetcols) WITH ORDINALITY AS k(attnum, ord)
+                 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum),
+              CASE WHEN c.condeferrable THEN ' DEFERRABLE' ELSE '' END
+                || CASE WHEN c.condeferred THEN ' INITIALLY DEFERRED' ELSE '' END,
+              CASE WHEN c.convalidated THEN '' ELSE ' NOT VALID' END)
+  FROM p
+  JOIN pg_constraint c ON c.conrelid = p.shell AND c.contype = 'f'
+  JOIN pg_class rc ON rc.oid = c.confrelid
+  JOIN remus.distributed_tables rd ON rd.logicalrelid = c.confrelid
+  JOIN remus.shards rs ON rs.logicalrelid = c.confrelid
+   AND (rd.kind = 'r'
+        OR rs.shard_index = (SELECT shard_index FROM remus.shards WHERE shard_id = p.shard_id))
+ ORDER BY c.conname
+"#;
 
 /// The DDL of an empty shard table `$2` shaped as shell `$1`: `LIKE … INCLUDING ALL EXCLUDING
 /// IDENTITY` when the shell has no dropped column (an identity's values come from the shell's

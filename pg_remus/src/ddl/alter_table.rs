@@ -5,8 +5,8 @@ use std::ffi::CStr;
 
 use pgrx::pg_sys;
 
-use super::objects;
 use super::target::{copy_node, refused, shard_range_var, ShardWork, Target};
+use super::{foreign_key, objects};
 use crate::error::RemusError;
 use crate::pg::list::list_ptrs;
 
@@ -27,18 +27,29 @@ enum Reach {
 pub(super) unsafe fn plan(
     a: *mut pg_sys::AlterTableStmt,
     t: &Target,
-) -> Result<Vec<ShardWork>, RemusError> {
+) -> Result<(Vec<ShardWork>, Vec<String>), RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract; the subcommands are
     // nodes of the statement.
     unsafe {
         let cmds = list_ptrs::<pg_sys::AlterTableCmd>((*a).cmds);
         let mut reaches = Vec::with_capacity(cmds.len());
+        // The foreign keys the statement adds, by subcommand.
+        let mut foreign_keys: Vec<Option<foreign_key::ForeignKey>> = Vec::with_capacity(cmds.len());
         for &cmd in &cmds {
             reaches.push(classify(cmd, t)?);
+            foreign_keys.push(match added_foreign_key(cmd) {
+                Some(c) => Some(foreign_key::check(c, t)?),
+                None => None,
+            });
         }
         let mut work = Vec::new();
+        let catalog: Vec<String> = foreign_keys
+            .iter()
+            .flatten()
+            .filter_map(|fk| foreign_key::mark_shell_validated(t, fk))
+            .collect();
         if !reaches.contains(&Reach::Everywhere) {
-            return Ok(work);
+            return Ok((work, catalog));
         }
         for (shard_id, name) in &t.local_shards {
             let copy = copy_node(a);
@@ -62,6 +73,13 @@ pub(super) unsafe fn plan(
                         );
                     }
                 }
+                if let Some(fk) = &foreign_keys[i] {
+                    foreign_key::aim_at_shard(
+                        (*cmd).def as *mut pg_sys::Constraint,
+                        fk,
+                        *shard_id,
+                    )?;
+                }
                 if (*cmd).subtype == pg_sys::AlterTableType::AT_AddConstraint {
                     // A named PRIMARY KEY / UNIQUE builds an index named after it, and index
                     // names are per schema: each shard's is named after its table instead.
@@ -78,7 +96,19 @@ pub(super) unsafe fn plan(
             (*copy).cmds = kept;
             work.push(ShardWork::Tree(copy as *mut pg_sys::Node));
         }
-        Ok(work)
+        Ok((work, catalog))
+    }
+}
+
+/// The constraint `cmd` adds if it is a FOREIGN KEY.
+unsafe fn added_foreign_key(cmd: *mut pg_sys::AlterTableCmd) -> Option<*mut pg_sys::Constraint> {
+    // SAFETY: `cmd` is a subcommand of the statement about to run.
+    unsafe {
+        let c = (*cmd).def as *mut pg_sys::Constraint;
+        ((*cmd).subtype == pg_sys::AlterTableType::AT_AddConstraint
+            && !c.is_null()
+            && (*c).contype == pg_sys::ConstrType::CONSTR_FOREIGN)
+            .then_some(c)
     }
 }
 
@@ -238,7 +268,8 @@ unsafe fn is_literal(expr: *mut pg_sys::Node) -> bool {
 
 /// ADD CONSTRAINT: CHECK anywhere; PRIMARY KEY / UNIQUE only over the shard key (on a
 /// distributed table each shard enforces uniqueness among its own rows, which is the table's
-/// only when the key is among the columns); no foreign keys or exclusion constraints yet.
+/// only when the key is among the columns); FOREIGN KEY as `foreign_key` allows; no exclusion
+/// constraints yet.
 unsafe fn add_constraint(c: *mut pg_sys::Constraint, t: &Target) -> Result<(), RemusError> {
     // SAFETY: `c` is the subcommand's constraint.
     unsafe {
@@ -267,7 +298,8 @@ unsafe fn add_constraint(c: *mut pg_sys::Constraint, t: &Target) -> Result<(), R
                     })
                 }
             }
-            pg_sys::ConstrType::CONSTR_FOREIGN => Err(refused("ADD CONSTRAINT … FOREIGN KEY", t)),
+            // Checked (and named) by `foreign_key::check`.
+            pg_sys::ConstrType::CONSTR_FOREIGN => Ok(()),
             pg_sys::ConstrType::CONSTR_EXCLUSION => Err(refused("ADD CONSTRAINT … EXCLUDE", t)),
             _ => Err(refused("this constraint", t)),
         }

@@ -28,6 +28,7 @@ use crate::error::RemusError;
 use crate::pg::list::list_ptrs;
 
 mod alter_table;
+mod foreign_key;
 mod objects;
 mod target;
 
@@ -91,10 +92,18 @@ pub(crate) unsafe fn prepare(
                         return Ok(None);
                     }
                     let Some(t) = target(relid_of((*a).relation))? else {
+                        for cmd in list_ptrs::<pg_sys::AlterTableCmd>((*a).cmds) {
+                            if (*cmd).subtype == pg_sys::AlterTableType::AT_AddConstraint {
+                                foreign_key::refuse_from_plain_table(pg_sys::lappend(
+                                    std::ptr::null_mut(),
+                                    (*cmd).def as *mut std::ffi::c_void,
+                                ))?;
+                            }
+                        }
                         return Ok(None);
                     };
                     check_not_migrating(&t)?;
-                    Some((alter_table::plan(a, &t)?, Vec::new()))
+                    Some(alter_table::plan(a, &t)?)
                 }
                 pg_sys::NodeTag::T_IndexStmt => {
                     let i = stmt as *mut pg_sys::IndexStmt;
@@ -103,6 +112,18 @@ pub(crate) unsafe fn prepare(
                     };
                     check_not_migrating(&t)?;
                     Some((objects::create_index(i, &t)?, Vec::new()))
+                }
+                pg_sys::NodeTag::T_CreateStmt => {
+                    let c = stmt as *mut pg_sys::CreateStmt;
+                    foreign_key::refuse_from_plain_table((*c).constraints)?;
+                    for element in list_ptrs::<pg_sys::Node>((*c).tableElts) {
+                        if (*element).type_ == pg_sys::NodeTag::T_ColumnDef {
+                            foreign_key::refuse_from_plain_table(
+                                (*(element as *mut pg_sys::ColumnDef)).constraints,
+                            )?;
+                        }
+                    }
+                    return Ok(None);
                 }
                 pg_sys::NodeTag::T_DropStmt => drop_stmt(stmt as *mut pg_sys::DropStmt)?,
                 pg_sys::NodeTag::T_RenameStmt => rename(stmt as *mut pg_sys::RenameStmt)?,
@@ -269,9 +290,12 @@ unsafe fn drop_stmt(d: *mut pg_sys::DropStmt) -> Result<Planned, RemusError> {
         for (t, index) in targets.iter().zip(indexes) {
             check_not_migrating(t)?;
             if kind == pg_sys::ObjectType::OBJECT_TABLE {
+                // CASCADE: the only objects that depend on a shard table are its co-located
+                // shards' foreign keys, whose shells' keys PostgreSQL has just dropped with
+                // this statement (or it would have refused it).
                 for (_, name) in &t.local_shards {
                     work.push(ShardWork::Sql(format!(
-                        "DROP TABLE remus_shards.{}",
+                        "DROP TABLE remus_shards.{} CASCADE",
                         crate::pg::sql::quote_ident(name)
                     )));
                 }
@@ -341,10 +365,13 @@ unsafe fn rename(r: *mut pg_sys::RenameStmt) -> Result<Planned, RemusError> {
                 }
             }
             _ => {
-                // A constraint: CHECK constraints keep their names on the shards; an
-                // index-backed one's twin has its own (left as it is).
+                // A constraint: CHECK and FOREIGN KEY constraints keep their names on the
+                // shards; an index-backed one's twin has its own (left as it is).
                 let old = CStr::from_ptr((*r).subname).to_string_lossy();
-                if objects::constraint_kind(t.table.relid, &old)? == Some('c') {
+                if matches!(
+                    objects::constraint_kind(t.table.relid, &old)?,
+                    Some('c') | Some('f')
+                ) {
                     for (_, name) in &t.local_shards {
                         let c = copy_node(r);
                         (*c).relation = shard_range_var(name);
