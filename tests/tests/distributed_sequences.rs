@@ -31,7 +31,8 @@
 //!   COPY: both values of every row drawn in the inserting node's range, all distinct, RETURNING
 //!   the stored row, each row in its shard. An explicit value for an ALWAYS column is 428C9
 //!   (one row, several, a parameter), taken with OVERRIDING SYSTEM VALUE; BY DEFAULT takes one;
-//!   OVERRIDING USER VALUE draws instead.
+//!   OVERRIDING USER VALUE draws instead. A GRANT on an identity's sequence through n2 reaches
+//!   every node.
 //! - `identity_after_migration_and_on_a_new_node`: 2 nodes, `ida` distributed; n3 added
 //!   (`remus_activate_node`) gets the shell's identities in slot 3; a shard moved from n1 to n3
 //!   has a shard table without identity there; rows through all three nodes (the moved shard's
@@ -838,6 +839,23 @@ fn identity_columns_draw_unique_values_through_every_node() {
         "ida keys distinct"
     );
     shards_have_no_identity(&c);
+    // A GRANT on an identity's sequence through one node reaches every node's copy.
+    c.connect("n2")
+        .unwrap()
+        .batch_execute("GRANT SELECT ON SEQUENCE ida_id_seq TO PUBLIC")
+        .unwrap();
+    for n in c.node_names() {
+        let granted: bool = c
+            .connect(&n)
+            .unwrap()
+            .query_one(
+                "SELECT has_sequence_privilege('public', 'ida_id_seq', 'SELECT')",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        assert!(granted, "{n}");
+    }
 }
 
 #[test]

@@ -106,7 +106,8 @@ pub(crate) unsafe fn to_propagate(
     }
 }
 
-/// Is sequence `relid` one that a distributed table's column owns (`bigserial`, or OWNED BY)?
+/// Is sequence `relid` one that a distributed table's column owns (`bigserial`, OWNED BY, or an
+/// identity's)?
 /// Such a sequence exists on every node, each drawing its own range (decision 0019), so a
 /// grant on it must reach every node as the table's do.
 fn sequence_of_distributed_table(relid: pg_sys::Oid) -> Result<bool, RemusError> {
@@ -115,7 +116,7 @@ fn sequence_of_distributed_table(relid: pg_sys::Oid) -> Result<bool, RemusError>
                           JOIN remus.distributed_tables t ON t.logicalrelid = d.refobjid
                          WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.objid = $1
                            AND d.refclassid = 'pg_catalog.pg_class'::regclass
-                           AND d.deptype = 'a')",
+                           AND d.deptype IN ('a', 'i'))",
         &[relid.into()],
     )?
     .unwrap_or(false))
