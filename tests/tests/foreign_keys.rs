@@ -231,6 +231,36 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
         );
     }
 
+    // A node added afterwards gets the keys on its shells and on its copy of the reference
+    // table, and a group moved to it carries them.
+    let n4 = c.add_node().expect("remusctl cluster add-node");
+    let (shard4, _) = owners(&c, "warehouse")[1].clone();
+    let status: String = db
+        .query_one(
+            "SELECT status FROM remus_migrate_shard($1, $2)",
+            &[&shard4, &n4],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "succeeded");
+    for (table, name, referenced) in [
+        ("district", "district_w_id_fkey", "warehouse"),
+        ("orders", "orders_district", "district"),
+        ("orders", "orders_item", "item"),
+    ] {
+        let held = constraint_everywhere(&c, table, name, referenced);
+        assert_eq!(held.len(), 4, "{name}: {held:?}");
+        assert!(held.iter().all(|n| *n >= 0), "{name} on {n4}: {held:?}");
+        assert_eq!(held.iter().sum::<i64>(), 6, "{name} on {n4}: {held:?}");
+    }
+    assert_eq!(
+        error_of(
+            &mut c.connect(&n4).unwrap(),
+            "INSERT INTO orders VALUES (1, 904, 1, 999)"
+        ),
+        "23503"
+    );
+
     // Renamed and dropped everywhere.
     n2.batch_execute("ALTER TABLE orders RENAME CONSTRAINT orders_item TO orders_item_ref")
         .unwrap();
@@ -241,6 +271,8 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
         .unwrap();
     assert_eq!(anywhere(&c, "orders_item_ref"), 0);
     n1.batch_execute("INSERT INTO orders VALUES (1, 902, 1, 999)")
+        .unwrap();
+    n1.batch_execute("DELETE FROM orders WHERE o_id = 902")
         .unwrap();
 
     // DROP TABLE … CASCADE of a referenced table drops the keys on every shard too.

@@ -158,8 +158,50 @@ pub(crate) fn activate(name: &str) -> Result<bool, RemusError> {
                 )?;
             }
         }
+        // The foreign keys last, once every shell and reference row is there: the new node's
+        // own DDL path adds each to its shell and to the shard tables it holds (the reference
+        // tables' only), validating them against the rows just copied.
+        let foreign_keys = foreign_key_ddl(client)?;
+        if !foreign_keys.is_empty() {
+            crate::twophase::exec_in_transaction(&new, &foreign_keys, true)?;
+        }
         Ok(true)
     })
+}
+
+/// The foreign keys of every distributed and reference table, as ALTER TABLE statements with
+/// every name schema-qualified.
+fn foreign_key_ddl(client: &mut SpiClient<'_>) -> Result<String, RemusError> {
+    let saved = client
+        .select("SELECT current_setting('search_path')", Some(1), &[])?
+        .first()
+        .get::<String>(1)?
+        .unwrap_or_default();
+    client.update(
+        "SELECT set_config('search_path', 'pg_catalog', true)",
+        None,
+        &[],
+    )?;
+    let ddl = client
+        .select(
+            "SELECT string_agg(format('ALTER TABLE %s ADD CONSTRAINT %I %s;',
+                                      c.conrelid::regclass, c.conname, pg_get_constraintdef(c.oid)),
+                               E'\n' ORDER BY c.conrelid, c.conname)
+               FROM pg_constraint c
+               JOIN remus.distributed_tables d ON d.logicalrelid = c.conrelid
+              WHERE c.contype = 'f'",
+            Some(1),
+            &[],
+        )?
+        .first()
+        .get::<String>(1)?
+        .unwrap_or_default();
+    client.update(
+        "SELECT set_config('search_path', $1, true)",
+        None,
+        &[saved.into()],
+    )?;
+    Ok(ddl)
 }
 
 /// `remus_add_node` of `n`, as a statement for another node.
