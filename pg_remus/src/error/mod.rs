@@ -152,7 +152,7 @@ pub enum RemusError {
     NotPermanentTable { table: String },
     #[error("{table} is not an ordinary permanent table")]
     NotOrdinaryPermanentTable { table: String },
-    #[error("{table} has foreign keys; foreign keys on distributed tables are not supported")]
+    #[error("{table} has foreign keys or is referenced by one; distribute the tables without them, then add them with ALTER TABLE … ADD FOREIGN KEY (between co-located tables on the shard key, or to reference tables; decision 0028)")]
     HasForeignKeys { table: String },
     /// A sequence default on a column that is not bigint (serial, smallserial, or a sequence
     /// default on another type): its range cannot be split between the nodes.
