@@ -216,7 +216,7 @@ pub(super) unsafe fn refuse_from_plain_table(
             }
             if let Some(r) = target(super::relid_of((*c).pktable))? {
                 return Err(RemusError::DdlNotPropagated {
-                    what: "a FOREIGN KEY of a plain table to a distributed or reference table (distribute the referencing table too)",
+                    what: "a FOREIGN KEY of a plain table to a distributed or reference table (create the table without it, distribute it, then ALTER TABLE … ADD FOREIGN KEY)",
                     table: r.table.qualified_name.to_string(),
                 });
             }
