@@ -32,6 +32,8 @@
 //!   the stored row, each row in its shard. An explicit value for an ALWAYS column is 428C9
 //!   (one row, several, a parameter), taken with OVERRIDING SYSTEM VALUE; BY DEFAULT takes one;
 //!   OVERRIDING USER VALUE draws instead. A GRANT on an identity's sequence through n2 reaches
+//!   every node. ALTER … SET GENERATED / RESTART / DROP IDENTITY / ADD GENERATED and ADD COLUMN
+//!   … GENERATED AS IDENTITY are refused (0A000); DROP TABLE through n3 drops the sequences on
 //!   every node.
 //! - `identity_after_migration_and_on_a_new_node`: 2 nodes, `ida` distributed; n3 added
 //!   (`remus_activate_node`) gets the shell's identities in slot 3; a shard moved from n1 to n3
@@ -855,6 +857,40 @@ fn identity_columns_draw_unique_values_through_every_node() {
             .unwrap()
             .get(0);
         assert!(granted, "{n}");
+    }
+    // Changing an identity by ALTER stays refused (each node's sequence would need its own
+    // range in the statement), naming the form; nothing changed.
+    for sql in [
+        "ALTER TABLE ida ALTER COLUMN n SET GENERATED ALWAYS",
+        "ALTER TABLE ida ALTER COLUMN n RESTART WITH 5",
+        "ALTER TABLE ida ALTER COLUMN n DROP IDENTITY",
+        "ALTER TABLE idd ALTER COLUMN note ADD GENERATED ALWAYS AS IDENTITY",
+        "ALTER TABLE ida ADD COLUMN z bigint GENERATED ALWAYS AS IDENTITY",
+    ] {
+        let e = n1.batch_execute(sql).unwrap_err();
+        assert_eq!(sqlstate(&e), "0A000", "{sql}: {e:?}");
+        assert!(
+            e.as_db_error().unwrap().message().contains("IDENTITY"),
+            "{sql}: {e:?}"
+        );
+    }
+    shell_identities(&c, "n1", "ida", "a", 1);
+    // DROP TABLE through another node takes the identities' sequences with the shells.
+    c.connect("n3")
+        .unwrap()
+        .batch_execute("DROP TABLE idd")
+        .unwrap();
+    for n in c.node_names() {
+        let left: i64 = c
+            .connect(&n)
+            .unwrap()
+            .query_one(
+                "SELECT count(*) FROM pg_class WHERE relname IN ('idd_id_seq', 'idd_n_seq')",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        assert_eq!(left, 0, "{n}");
     }
 }
 
