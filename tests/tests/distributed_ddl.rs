@@ -2,11 +2,14 @@
 //! shard or on none (issue 18 item 3; `pg_remus/src/ddl/`, decision 0021), by a superuser and by
 //! the table's owner role.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
 use std::time::Duration;
 
 use integration::pgbench::prepared_everywhere;
 use integration::roles::{connect_as, Role};
-use integration::shards::{owners, value_on_every_node};
+use integration::shards::{assert_owns_no_shard, owners, value_on_every_node};
 use remus_test_support::cluster::TestCluster;
 use remus_test_support::{sqlstate, wait_until};
 
@@ -268,7 +271,10 @@ fn ddl_reaches_every_node_and_shard() {
             "42P16",
         ),
         ("CREATE UNIQUE INDEX ON account (balance)", "42P16"),
-        ("CREATE INDEX CONCURRENTLY ON account (balance)", "0A000"),
+        (
+            "CREATE UNIQUE INDEX CONCURRENTLY ON account (balance)",
+            "42P16",
+        ),
         ("ALTER TABLE account SET UNLOGGED", "0A000"),
         (
             "ALTER TABLE account ADD COLUMN z int, SET UNLOGGED",
@@ -772,4 +778,316 @@ fn a_routed_statement_prepared_before_a_type_change_runs_after_it() {
         .get(0);
     assert_eq!(in_block, k.to_string());
     tx.commit().unwrap();
+}
+
+/// Per node: (indexes of the shell `table` whose definition contains `needle`, their twins on
+/// the node's shard tables of `table`, how many of both are not valid).
+fn index_everywhere(c: &TestCluster, table: &str, needle: &str) -> Vec<(i64, i64, i64)> {
+    c.node_names()
+        .iter()
+        .map(|n| {
+            let r = c
+                .connect(n)
+                .unwrap()
+                .query_one(
+                    "WITH i AS (
+                       SELECT i.indisvalid, t.relnamespace = 'remus_shards'::regnamespace AS twin
+                         FROM pg_index i JOIN pg_class t ON t.oid = i.indrelid
+                        WHERE (t.oid = $1::text::regclass
+                               OR (t.relnamespace = 'remus_shards'::regnamespace
+                                   AND t.relname ~ ('^' || $1 || '_[0-9]+$')))
+                          AND pg_get_indexdef(i.indexrelid) LIKE '%' || $2 || '%')
+                     SELECT count(*) FILTER (WHERE NOT twin), count(*) FILTER (WHERE twin),
+                            count(*) FILTER (WHERE NOT indisvalid)
+                       FROM i",
+                    &[&table, &needle],
+                )
+                .unwrap();
+            (r.get(0), r.get(1), r.get(2))
+        })
+        .collect()
+}
+
+/// (1 shell index, one twin per shard the node holds, none invalid) on every node, as
+/// [`index_everywhere`] counts them.
+fn valid_everywhere(c: &TestCluster, table: &str) -> Vec<(i64, i64, i64)> {
+    let held = owners(c, table);
+    c.node_names()
+        .iter()
+        .map(|n| (1, held.iter().filter(|(_, o)| o == n).count() as i64, 0))
+        .collect()
+}
+
+/// Every shard table of `table` on every node returns as many rows with `cond` through an
+/// index scan as through a sequential scan: a concurrent build missed no row written meanwhile.
+fn index_scans_match(c: &TestCluster, table: &str, cond: &str) {
+    for n in c.node_names() {
+        let mut db = c.connect(&n).unwrap();
+        let shards: Vec<String> = db
+            .query(
+                "SELECT format('remus_shards.%I', relname) FROM pg_class
+                  WHERE relnamespace = 'remus_shards'::regnamespace AND relkind = 'r'
+                    AND relname ~ ('^' || $1 || '_[0-9]+$')",
+                &[&table],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for s in shards {
+            let sql = format!("SELECT count(*) FROM {s} WHERE {cond}");
+            db.batch_execute("SET enable_seqscan = off").unwrap();
+            let plan: String = db
+                .query(&format!("EXPLAIN {sql}"), &[])
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect();
+            assert!(
+                plan.contains("Index"),
+                "{n}: {s} not scanned by index: {plan}"
+            );
+            let by_index = count(&mut db, &sql);
+            db.batch_execute(
+                "RESET enable_seqscan; SET enable_indexscan = off; SET enable_bitmapscan = off; SET enable_indexonlyscan = off",
+            )
+            .unwrap();
+            let by_heap = count(&mut db, &sql);
+            db.batch_execute("RESET ALL").unwrap();
+            assert_eq!(by_index, by_heap, "{n}: {s}");
+        }
+    }
+}
+
+/// Updates and inserts (of ids from `first_id` on) on `busy` through `node` until `stop`:
+/// (commits, errors).
+fn busy_writer(
+    c: &TestCluster,
+    node: &str,
+    first_id: i32,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<(i64, Vec<String>)> {
+    let mut db = c.connect(node).unwrap();
+    thread::spawn(move || {
+        let (mut committed, mut errors) = (0i64, Vec::new());
+        let mut i = 0i32;
+        while !stop.load(Ordering::Acquire) {
+            i += 1;
+            let r = db.execute(
+                "UPDATE busy SET v = v + 1, w = w - 1 WHERE id = $1",
+                &[&(i % 2000 + 1)],
+            );
+            let r = r.and_then(|_| {
+                db.execute(
+                    "INSERT INTO busy VALUES ($1, $1, -$1::int)",
+                    &[&(first_id + i)],
+                )
+            });
+            match r {
+                Ok(_) => committed += 1,
+                Err(e) => errors.push(format!("{e:?}")),
+            }
+        }
+        (committed, errors)
+    })
+}
+
+/// CREATE INDEX CONCURRENTLY through a node that owns shards and through one that owns none,
+/// while another node writes the table: valid on every shell and shard table, holding every
+/// row written meanwhile; a shard migrated afterwards carries it; DROP INDEX CONCURRENTLY
+/// removes it everywhere; inside a transaction block both are refused as PostgreSQL refuses
+/// them (25001).
+#[test]
+fn create_index_concurrently_from_any_node_while_writing() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    let mut n2 = c.connect("n2").unwrap();
+    let mut n3 = c.connect("n3").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE busy (id int PRIMARY KEY, v int, w int);
+         INSERT INTO busy SELECT g, g, -g FROM generate_series(1, 2000) g;
+         SELECT remus_create_distributed_table('busy', 'id', 2);
+         CREATE TABLE tags (id int PRIMARY KEY, label text);
+         INSERT INTO tags SELECT g, 'l' || g FROM generate_series(1, 50) g;
+         SELECT remus_create_reference_table('tags');",
+    )
+    .unwrap();
+    assert_owns_no_shard(&c, "n3", &["busy"]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = busy_writer(&c, "n2", 100_000, stop.clone());
+    let before: i64 = count(&mut n1, "SELECT count(*) FROM busy");
+
+    // Through an owner, and through a node that owns none (a partial index, a reference table).
+    n1.batch_execute("CREATE INDEX CONCURRENTLY busy_v_idx ON busy (v)")
+        .unwrap();
+    n3.batch_execute("CREATE INDEX CONCURRENTLY busy_w_idx ON busy (w) WHERE w < 0")
+        .unwrap();
+    n3.batch_execute("CREATE INDEX CONCURRENTLY tags_label_idx ON tags (label)")
+        .unwrap();
+    // IF NOT EXISTS of an index the shell has: nothing anywhere.
+    n2.batch_execute("CREATE INDEX CONCURRENTLY IF NOT EXISTS busy_v_idx ON busy (v)")
+        .unwrap();
+    // Inside a transaction block: PostgreSQL's refusal, nothing done anywhere.
+    for sql in [
+        "BEGIN; CREATE INDEX CONCURRENTLY busy_v2_idx ON busy (v, w); COMMIT",
+        "BEGIN; DROP INDEX CONCURRENTLY busy_v_idx; COMMIT",
+    ] {
+        let e = n2.batch_execute(sql).expect_err(sql);
+        assert_eq!(sqlstate(&e), "25001", "{sql}: {e:?}");
+        n2.batch_execute("ROLLBACK").unwrap();
+    }
+    assert_eq!(shard_indexes_with(&c, "busy", "(v, w)"), 0);
+    stop.store(true, Ordering::Release);
+    let (committed, errors) = writer.join().unwrap();
+    assert!(
+        errors.is_empty(),
+        "the writer failed: {:?}",
+        &errors[..errors.len().min(3)]
+    );
+    assert!(committed > 0);
+    assert!(count(&mut n1, "SELECT count(*) FROM busy") > before);
+
+    assert_eq!(
+        index_everywhere(&c, "busy", "(v)"),
+        valid_everywhere(&c, "busy")
+    );
+    assert_eq!(
+        index_everywhere(&c, "busy", "(w)"),
+        valid_everywhere(&c, "busy")
+    );
+    assert_eq!(index_everywhere(&c, "tags", "(label)"), vec![(1, 1, 0); 3]);
+    index_scans_match(&c, "busy", "v > -1000000");
+    index_scans_match(&c, "busy", "w < 0");
+
+    // A shard migrated to the node that had none carries both indexes.
+    let (shard, _) = owners(&c, "busy")
+        .into_iter()
+        .find(|(_, o)| o == "n1")
+        .expect("n1 owns a shard of busy");
+    let status: String = n3
+        .query_one(
+            "SELECT status FROM remus_migrate_shards(ARRAY[$1::int8], 'n3')",
+            &[&shard],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "succeeded");
+    assert_eq!(
+        index_everywhere(&c, "busy", "(v)"),
+        valid_everywhere(&c, "busy")
+    );
+    assert_eq!(
+        index_everywhere(&c, "busy", "(w)"),
+        valid_everywhere(&c, "busy")
+    );
+    index_scans_match(&c, "busy", "v > -1000000");
+
+    // DROP INDEX CONCURRENTLY through a node and through another: gone everywhere.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = busy_writer(&c, "n1", 200_000, stop.clone());
+    n2.batch_execute("DROP INDEX CONCURRENTLY busy_v_idx")
+        .unwrap();
+    n1.batch_execute("DROP INDEX CONCURRENTLY tags_label_idx")
+        .unwrap();
+    stop.store(true, Ordering::Release);
+    let (_, errors) = writer.join().unwrap();
+    assert!(
+        errors.is_empty(),
+        "the writer failed: {:?}",
+        &errors[..errors.len().min(3)]
+    );
+    assert_eq!(index_everywhere(&c, "busy", "(v)"), vec![(0, 0, 0); 3]);
+    assert_eq!(index_everywhere(&c, "tags", "(label)"), vec![(0, 0, 0); 3]);
+    assert_eq!(
+        index_everywhere(&c, "busy", "(w)"),
+        valid_everywhere(&c, "busy")
+    );
+    assert_eq!(prepared_everywhere(&c), 0);
+}
+
+/// A CREATE INDEX CONCURRENTLY that fails — a UNIQUE index over duplicates on a shard of
+/// another node, on a shard of the entry node, or a node that is down — is an error naming
+/// where, with a hint; what it left (valid or INVALID indexes on some nodes, none on the others)
+/// goes with one DROP INDEX (plain or CONCURRENTLY) of the shell's index on the entry node.
+#[test]
+fn a_failed_create_index_concurrently_leaves_nothing_after_drop_index() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE dup (id int, k int, v int, PRIMARY KEY (k, id));
+         INSERT INTO dup SELECT g, g, g FROM generate_series(1, 300) g;
+         INSERT INTO dup VALUES (1000, 5, 5);
+         SELECT remus_create_distributed_table('dup', 'k', 6);",
+    )
+    .unwrap();
+    let dup_owner: String = n1
+        .query_one(
+            "SELECT node_name FROM remus_shards WHERE shard_id = remus_shard_id_for('dup', 5)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let other = c
+        .node_names()
+        .into_iter()
+        .find(|n| *n != dup_owner)
+        .unwrap();
+    for (entry, drop) in [
+        (other.as_str(), "DROP INDEX dup_uq"),
+        (dup_owner.as_str(), "DROP INDEX CONCURRENTLY dup_uq"),
+    ] {
+        let mut db = c.connect(entry).unwrap();
+        let e = db
+            .batch_execute("CREATE UNIQUE INDEX CONCURRENTLY dup_uq ON dup (k, v)")
+            .expect_err("duplicates");
+        assert_eq!(sqlstate(&e), "23505", "{e:?}");
+        let db_err = e.as_db_error().unwrap();
+        assert!(
+            db_err.message().contains(&format!("node {dup_owner}")),
+            "{e:?}"
+        );
+        assert!(
+            db_err
+                .hint()
+                .is_some_and(|h| h.contains("DROP INDEX dup_uq")),
+            "{e:?}"
+        );
+        // Something was left: the entry node's shell has the index.
+        assert_eq!(
+            count(
+                &mut db,
+                "SELECT count(*) FROM pg_class WHERE relname = 'dup_uq'"
+            ),
+            1
+        );
+        db.batch_execute(drop).unwrap();
+        assert_eq!(
+            index_everywhere(&c, "dup", "(k, v)"),
+            vec![(0, 0, 0); 3],
+            "{entry}"
+        );
+    }
+
+    // A node that is down: the others have it, that one does not.
+    n1.batch_execute("DELETE FROM dup WHERE id = 1000").unwrap();
+    c.stop_node("n3").unwrap();
+    let e = n1
+        .batch_execute("CREATE INDEX CONCURRENTLY dup_v_idx ON dup (v)")
+        .expect_err("n3 is down");
+    assert!(
+        e.as_db_error()
+            .is_some_and(|d| d.message().contains("failed on node n3")),
+        "{e:?}"
+    );
+    c.start_node("n3").unwrap();
+    assert_eq!(
+        count(
+            &mut n1,
+            "SELECT count(*) FROM pg_index WHERE indexrelid = 'dup_v_idx'::regclass AND indisvalid"
+        ),
+        1
+    );
+    n1.batch_execute("DROP INDEX dup_v_idx").unwrap();
+    assert_eq!(index_everywhere(&c, "dup", "(v)"), vec![(0, 0, 0); 3]);
+    assert_eq!(prepared_everywhere(&c), 0);
 }

@@ -42,6 +42,8 @@ pub(crate) struct Pending {
     /// The statement's text for the other nodes; None where it arrived from another node.
     propagate: Option<String>,
     query_string: *const c_char,
+    /// CREATE / DROP INDEX CONCURRENTLY: finished outside any transaction block.
+    concurrently: Option<objects::Concurrently>,
 }
 
 /// `rv`'s relation id, or InvalidOid if there is none (the statement's own missing-object
@@ -180,6 +182,7 @@ pub(crate) unsafe fn prepare(
             catalog,
             propagate,
             query_string,
+            concurrently: objects::concurrently(stmt)?,
         }))
     }
 }
@@ -187,6 +190,9 @@ pub(crate) unsafe fn prepare(
 /// Step 3 (after PostgreSQL ran the statement on the shell): the shards, the catalog, the other
 /// nodes.
 pub(crate) fn finish(p: Pending) -> Result<(), RemusError> {
+    if let Some(c) = p.concurrently {
+        return objects::finish_concurrently(c, p.shard_work, p.propagate, p.query_string);
+    }
     for work in p.shard_work {
         match work {
             ShardWork::Tree(node) => crate::pg::spi::as_extension_owner(|| {
@@ -257,11 +263,24 @@ unsafe fn drop_stmt(d: *mut pg_sys::DropStmt) -> Result<Planned, RemusError> {
         if kind != pg_sys::ObjectType::OBJECT_TABLE && kind != pg_sys::ObjectType::OBJECT_INDEX {
             return Ok(None);
         }
+        // A DROP INDEX from another node, which found the index on its shell: a node that a
+        // failed CREATE INDEX CONCURRENTLY did not reach has none, and skips it. (The tree is
+        // a simple query's, never a cached plan's: nodes send their statements as text.)
+        let forwarded_index =
+            kind == pg_sys::ObjectType::OBJECT_INDEX && crate::guc::FORWARDED.get();
+        if forwarded_index {
+            (*d).missing_ok = true;
+        }
         let objects = list_ptrs::<pg_sys::List>((*d).objects);
         let mut targets = Vec::new();
         let mut indexes = Vec::new();
+        let mut missing = 0;
         for obj in &objects {
             let relid = relid_of(pg_sys::makeRangeVarFromNameList(*obj));
+            if forwarded_index && relid == pg_sys::InvalidOid {
+                missing += 1;
+                continue;
+            }
             let table = if kind == pg_sys::ObjectType::OBJECT_INDEX && relid != pg_sys::InvalidOid {
                 pg_sys::IndexGetRelation(relid, true)
             } else {
@@ -275,15 +294,10 @@ unsafe fn drop_stmt(d: *mut pg_sys::DropStmt) -> Result<Planned, RemusError> {
         if targets.is_empty() {
             return Ok(None);
         }
-        if targets.len() != objects.len() {
+        if targets.len() + missing != objects.len() {
             return Err(RemusError::Unsupported(
                 "DROP of distributed and local objects in one statement (drop them apart)",
             ));
-        }
-        if (*d).concurrent {
-            return Err(RemusError::UnsupportedOnDistributed {
-                what: "DROP INDEX CONCURRENTLY",
-            });
         }
         let mut work = Vec::new();
         let mut catalog = Vec::new();
@@ -306,7 +320,11 @@ unsafe fn drop_stmt(d: *mut pg_sys::DropStmt) -> Result<Planned, RemusError> {
                 ));
             } else {
                 for name in objects::index_twins(index, t)? {
-                    work.push(ShardWork::Sql(format!("DROP INDEX {name}")));
+                    work.push(if (*d).concurrent {
+                        objects::drop_twin(d, &name)
+                    } else {
+                        ShardWork::Sql(format!("DROP INDEX {name}"))
+                    });
                 }
             }
         }
