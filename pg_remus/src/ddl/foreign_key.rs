@@ -22,7 +22,7 @@ use std::ffi::{CStr, CString};
 
 use pgrx::pg_sys;
 
-use super::target::{refused, shard_range_var, target, Target};
+use super::target::{refused, relid_of, shard_range_var, target, Target};
 use crate::error::RemusError;
 use crate::pg::list::list_ptrs;
 
@@ -79,7 +79,7 @@ pub(super) unsafe fn check(
     // SAFETY: the caller upholds this function's `# Safety` contract; the lists are the
     // constraint's column name lists.
     unsafe {
-        let referenced_relid = super::relid_of((*c).pktable);
+        let referenced_relid = relid_of((*c).pktable);
         let Some(r) = target(referenced_relid)? else {
             return Err(refused(
                 "FOREIGN KEY to a table that is neither distributed nor a reference table",
@@ -214,7 +214,7 @@ pub(super) unsafe fn refuse_from_plain_table(
             if (*c).contype != pg_sys::ConstrType::CONSTR_FOREIGN {
                 continue;
             }
-            if let Some(r) = target(super::relid_of((*c).pktable))? {
+            if let Some(r) = target(relid_of((*c).pktable))? {
                 return Err(RemusError::DdlNotPropagated {
                     what: "a FOREIGN KEY of a plain table to a distributed or reference table (create the table without it, distribute it, then ALTER TABLE … ADD FOREIGN KEY)",
                     table: r.table.qualified_name.to_string(),

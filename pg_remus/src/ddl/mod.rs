@@ -32,7 +32,7 @@ mod foreign_key;
 mod objects;
 mod target;
 
-use target::{copy_node, refused, shard_range_var, target, ShardWork, Target};
+use target::{copy_node, refused, relid_of, shard_range_var, target, ShardWork, Target};
 
 /// A statement on a shell, between [`prepare`] and [`finish`].
 pub(crate) struct Pending {
@@ -44,27 +44,6 @@ pub(crate) struct Pending {
     query_string: *const c_char,
     /// CREATE / DROP INDEX CONCURRENTLY: finished outside any transaction block.
     concurrently: Option<objects::Concurrently>,
-}
-
-/// `rv`'s relation id, or InvalidOid if there is none (the statement's own missing-object
-/// handling then applies).
-///
-/// # Safety
-/// `rv` must be NULL or a valid RangeVar.
-unsafe fn relid_of(rv: *mut pg_sys::RangeVar) -> pg_sys::Oid {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        if rv.is_null() {
-            return pg_sys::InvalidOid;
-        }
-        pg_sys::RangeVarGetRelidExtended(
-            rv,
-            pg_sys::NoLock as i32,
-            pg_sys::RVROption::RVR_MISSING_OK,
-            None,
-            std::ptr::null_mut(),
-        )
-    }
 }
 
 /// Step 1 (before PostgreSQL runs the statement): None for a statement that is not DDL on a
