@@ -166,7 +166,7 @@ pub(super) unsafe fn concurrently(
                     .then(|| CStr::from_ptr((*i).idxname).to_string_lossy().into_owned());
                 (
                     "CREATE INDEX CONCURRENTLY",
-                    super::relid_of((*i).relation),
+                    super::target::relid_of((*i).relation),
                     index,
                 )
             }
@@ -178,7 +178,7 @@ pub(super) unsafe fn concurrently(
                 if !(*d).concurrent {
                     return Ok(None);
                 }
-                let relid = super::relid_of(pg_sys::makeRangeVarFromNameList(name));
+                let relid = super::target::relid_of(pg_sys::makeRangeVarFromNameList(name));
                 if relid == pg_sys::InvalidOid {
                     return Ok(None);
                 }
@@ -438,7 +438,7 @@ unsafe fn drop_index_concurrently(d: *mut pg_sys::DropStmt) {
         let Some(&name) = list_ptrs::<pg_sys::List>((*d).objects).first() else {
             return;
         };
-        let index = super::relid_of(pg_sys::makeRangeVarFromNameList(name));
+        let index = super::target::relid_of(pg_sys::makeRangeVarFromNameList(name));
         if index == pg_sys::InvalidOid {
             return;
         }
