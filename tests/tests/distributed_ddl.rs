@@ -859,37 +859,55 @@ fn index_scans_match(c: &TestCluster, table: &str, cond: &str) {
     }
 }
 
-/// Updates and inserts (of ids from `first_id` on) on `busy` through `node` until `stop`:
-/// (commits, errors).
-fn busy_writer(
-    c: &TestCluster,
-    node: &str,
-    first_id: i32,
+/// Updates and inserts (of ids from `first_id` on) on `busy` through one node, from
+/// [`BusyWriter::start`] until [`BusyWriter::finish`].
+struct BusyWriter {
     stop: Arc<AtomicBool>,
-) -> thread::JoinHandle<(i64, Vec<String>)> {
-    let mut db = c.connect(node).unwrap();
-    thread::spawn(move || {
-        let (mut committed, mut errors) = (0i64, Vec::new());
-        let mut i = 0i32;
-        while !stop.load(Ordering::Acquire) {
-            i += 1;
-            let r = db.execute(
-                "UPDATE busy SET v = v + 1, w = w - 1 WHERE id = $1",
-                &[&(i % 2000 + 1)],
-            );
-            let r = r.and_then(|_| {
-                db.execute(
-                    "INSERT INTO busy VALUES ($1, $1, -$1::int)",
-                    &[&(first_id + i)],
-                )
-            });
-            match r {
-                Ok(_) => committed += 1,
-                Err(e) => errors.push(format!("{e:?}")),
+    handle: thread::JoinHandle<(i64, Vec<String>)>,
+}
+
+impl BusyWriter {
+    fn start(c: &TestCluster, node: &str, first_id: i32) -> BusyWriter {
+        let mut db = c.connect(node).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let handle = thread::spawn(move || {
+            let (mut committed, mut errors) = (0i64, Vec::new());
+            let mut i = 0i32;
+            while !stopped.load(Ordering::Acquire) {
+                i += 1;
+                let r = db
+                    .execute(
+                        "UPDATE busy SET v = v + 1, w = w - 1 WHERE id = $1",
+                        &[&(i % 2000 + 1)],
+                    )
+                    .and_then(|_| {
+                        db.execute(
+                            "INSERT INTO busy VALUES ($1, $1, -$1::int)",
+                            &[&(first_id + i)],
+                        )
+                    });
+                match r {
+                    Ok(_) => committed += 1,
+                    Err(e) => errors.push(format!("{e:?}")),
+                }
             }
-        }
-        (committed, errors)
-    })
+            (committed, errors)
+        });
+        BusyWriter { stop, handle }
+    }
+
+    /// Stops the writer; panics unless it committed and nothing failed.
+    fn finish(self) {
+        self.stop.store(true, Ordering::Release);
+        let (committed, errors) = self.handle.join().unwrap();
+        assert!(
+            errors.is_empty(),
+            "the writer failed: {:?}",
+            &errors[..errors.len().min(3)]
+        );
+        assert!(committed > 0, "the writer committed nothing");
+    }
 }
 
 /// CREATE INDEX CONCURRENTLY through a node that owns shards and through one that owns none,
@@ -913,8 +931,7 @@ fn create_index_concurrently_from_any_node_while_writing() {
     )
     .unwrap();
     assert_owns_no_shard(&c, "n3", &["busy"]);
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = busy_writer(&c, "n2", 100_000, stop.clone());
+    let writer = BusyWriter::start(&c, "n2", 100_000);
     let before: i64 = count(&mut n1, "SELECT count(*) FROM busy");
 
     // Through an owner, and through a node that owns none (a partial index, a reference table).
@@ -937,14 +954,7 @@ fn create_index_concurrently_from_any_node_while_writing() {
         n2.batch_execute("ROLLBACK").unwrap();
     }
     assert_eq!(shard_indexes_with(&c, "busy", "(v, w)"), 0);
-    stop.store(true, Ordering::Release);
-    let (committed, errors) = writer.join().unwrap();
-    assert!(
-        errors.is_empty(),
-        "the writer failed: {:?}",
-        &errors[..errors.len().min(3)]
-    );
-    assert!(committed > 0);
+    writer.finish();
     assert!(count(&mut n1, "SELECT count(*) FROM busy") > before);
 
     assert_eq!(
@@ -983,19 +993,12 @@ fn create_index_concurrently_from_any_node_while_writing() {
     index_scans_match(&c, "busy", "v > -1000000");
 
     // DROP INDEX CONCURRENTLY through a node and through another: gone everywhere.
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = busy_writer(&c, "n1", 200_000, stop.clone());
+    let writer = BusyWriter::start(&c, "n1", 200_000);
     n2.batch_execute("DROP INDEX CONCURRENTLY busy_v_idx")
         .unwrap();
     n1.batch_execute("DROP INDEX CONCURRENTLY tags_label_idx")
         .unwrap();
-    stop.store(true, Ordering::Release);
-    let (_, errors) = writer.join().unwrap();
-    assert!(
-        errors.is_empty(),
-        "the writer failed: {:?}",
-        &errors[..errors.len().min(3)]
-    );
+    writer.finish();
     assert_eq!(index_everywhere(&c, "busy", "(v)"), vec![(0, 0, 0); 3]);
     assert_eq!(index_everywhere(&c, "tags", "(label)"), vec![(0, 0, 0); 3]);
     assert_eq!(
@@ -1006,9 +1009,10 @@ fn create_index_concurrently_from_any_node_while_writing() {
 }
 
 /// A CREATE INDEX CONCURRENTLY that fails — a UNIQUE index over duplicates on a shard of
-/// another node, on a shard of the entry node, or a node that is down — is an error naming
-/// where, with a hint; what it left (valid or INVALID indexes on some nodes, none on the others)
-/// goes with one DROP INDEX (plain or CONCURRENTLY) of the shell's index on the entry node.
+/// another node, on a shard of the entry node, a shard being migrated (55006), or a node that
+/// is down — is an error naming where, with a hint; what it left (valid or INVALID indexes on
+/// some nodes, none on the others) goes with one DROP INDEX (plain or CONCURRENTLY) of the
+/// shell's index on the entry node.
 #[test]
 fn a_failed_create_index_concurrently_leaves_nothing_after_drop_index() {
     let c = TestCluster::start(3).expect("cluster up");
@@ -1067,6 +1071,40 @@ fn a_failed_create_index_concurrently_leaves_nothing_after_drop_index() {
             "{entry}"
         );
     }
+
+    // A shard being migrated (registered on its owner): 55006 there, before anything ran;
+    // entered elsewhere, that node refuses its part, and DROP INDEX removes the others'.
+    let (sid, _) = owners(&c, "dup")
+        .into_iter()
+        .find(|(_, o)| *o == dup_owner)
+        .unwrap();
+    let mut owner_db = c.connect(&dup_owner).unwrap();
+    owner_db
+        .execute(
+            "SELECT remus.migration_begin(4343, ARRAY[$1]::bigint[])",
+            &[&sid],
+        )
+        .unwrap();
+    let e = owner_db
+        .batch_execute("CREATE INDEX CONCURRENTLY dup_v_idx ON dup (v)")
+        .expect_err("migrating");
+    assert_eq!(sqlstate(&e), "55006", "{e:?}");
+    assert_eq!(index_everywhere(&c, "dup", "(v)"), vec![(0, 0, 0); 3]);
+    let mut other_db = c.connect(&other).unwrap();
+    let e = other_db
+        .batch_execute("CREATE INDEX CONCURRENTLY dup_v_idx ON dup (v)")
+        .expect_err("migrating on another node");
+    assert_eq!(sqlstate(&e), "55006", "{e:?}");
+    assert!(
+        e.as_db_error()
+            .is_some_and(|d| d.message().contains(&format!("failed on node {dup_owner}"))),
+        "{e:?}"
+    );
+    owner_db
+        .query_one("SELECT remus.migration_end(4343)", &[])
+        .unwrap();
+    other_db.batch_execute("DROP INDEX dup_v_idx").unwrap();
+    assert_eq!(index_everywhere(&c, "dup", "(v)"), vec![(0, 0, 0); 3]);
 
     // A node that is down: the others have it, that one does not.
     n1.batch_execute("DELETE FROM dup WHERE id = 1000").unwrap();

@@ -13,6 +13,8 @@
 //!    table), and then, on the node the statement entered, the statement's text on every other
 //!    node as the same role; those nodes do steps 1–3 for their shell and shards. The remote
 //!    transactions join the caller's two-phase commit: the change is made everywhere or nowhere.
+//!    CREATE / DROP INDEX CONCURRENTLY cannot: they run step by step outside any transaction
+//!    block ([`objects::finish_concurrently`]).
 //!
 //! The shard tables of a node must keep the column numbers of that node's shell (the router
 //! plans on the shell and runs the plan on a shard), which the same ALTER on both keeps; a
