@@ -1127,5 +1127,27 @@ fn a_failed_create_index_concurrently_leaves_nothing_after_drop_index() {
     );
     n1.batch_execute("DROP INDEX dup_v_idx").unwrap();
     assert_eq!(index_everywhere(&c, "dup", "(v)"), vec![(0, 0, 0); 3]);
+
+    // DROP INDEX CONCURRENTLY with a node down: done up to it; that node's shell still has the
+    // index, and a DROP INDEX there ends it.
+    n1.batch_execute("CREATE INDEX CONCURRENTLY dup_v_idx ON dup (v)")
+        .unwrap();
+    c.stop_node("n3").unwrap();
+    let e = n1
+        .batch_execute("DROP INDEX CONCURRENTLY dup_v_idx")
+        .expect_err("n3 is down");
+    assert!(
+        e.as_db_error()
+            .is_some_and(|d| d.message().contains("failed on node n3")),
+        "{e:?}"
+    );
+    c.start_node("n3").unwrap();
+    let left = index_everywhere(&c, "dup", "(v)");
+    assert_eq!((left[0].0, left[1].0, left[2].0), (0, 0, 1), "{left:?}");
+    c.connect("n3")
+        .unwrap()
+        .batch_execute("DROP INDEX dup_v_idx")
+        .unwrap();
+    assert_eq!(index_everywhere(&c, "dup", "(v)"), vec![(0, 0, 0); 3]);
     assert_eq!(prepared_everywhere(&c), 0);
 }

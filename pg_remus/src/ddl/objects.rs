@@ -231,8 +231,11 @@ impl Concurrently {
                 "Where a concurrent build failed PostgreSQL leaves the index INVALID, and the nodes after {node} were not reached. {index} on the node where this statement ran removes it and its twins, valid or not, on every node and shard table."
             )
         } else {
+            // The shell goes first (PostgreSQL's own run), so the shell of the node that
+            // failed may be without the index while one of its shard tables still has it.
             format!(
-                "The index is dropped up to that point. {index} on node {node}, which still has it, drops the rest."
+                "What was dropped stays dropped, and the nodes after {node} were not reached. Where a shell still has the index, DROP INDEX {} there drops the rest; a shard table's index left without it (named above) is dropped by a superuser on that node.",
+                self.index.as_deref().unwrap_or("…")
             )
         };
         let (sqlstate, message, detail) = match e {
