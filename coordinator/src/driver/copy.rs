@@ -287,7 +287,9 @@ SELECT format('ALTER TABLE %s ADD CONSTRAINT %I FOREIGN KEY (%s) REFERENCES %s (
 
 /// The DDL of an empty shard table `$2` shaped as shell `$1`: `LIKE … INCLUDING ALL EXCLUDING
 /// IDENTITY` when the shell has no dropped column (an identity's values come from the shell's
-/// sequence, drawn where the statement entered: decision 0019); otherwise every column in the
+/// sequence, drawn where the statement entered: decision 0019) and no invalid index (one a
+/// failed CREATE INDEX CONCURRENTLY left, which `LIKE` would build as valid, or fail to if it is
+/// UNIQUE over duplicates: such an index is not copied); otherwise every column in the
 /// shell's order, a placeholder where a column was dropped (then dropped too, so the numbers
 /// match), then the constraints (CHECK by name; a primary key, unique or exclusion constraint
 /// named after the shard table, as index names are per schema) and the other indexes.
@@ -295,6 +297,7 @@ const SHARD_TABLE_DDL: &str = r#"
 WITH p AS (SELECT $1::text::regclass AS shell, $2::text AS shard)
 SELECT CASE WHEN NOT EXISTS (SELECT FROM pg_attribute
                               WHERE attrelid = p.shell AND attnum > 0 AND attisdropped)
+             AND NOT EXISTS (SELECT FROM pg_index WHERE indrelid = p.shell AND NOT indisvalid)
        THEN format('CREATE TABLE %s (LIKE %s INCLUDING ALL EXCLUDING IDENTITY);', p.shard, p.shell)
        ELSE format('CREATE TABLE %s (%s);', p.shard,
               (SELECT string_agg(
@@ -322,7 +325,7 @@ SELECT CASE WHEN NOT EXISTS (SELECT FROM pg_attribute
                                      CASE WHEN i.indisunique THEN 'UNIQUE ' ELSE '' END, p.shard,
                                      substring(pg_get_indexdef(i.indexrelid) FROM ' USING .*$')), '')
                         FROM pg_index i
-                       WHERE i.indrelid = p.shell
+                       WHERE i.indrelid = p.shell AND i.indisvalid
                          AND NOT EXISTS (SELECT FROM pg_constraint c WHERE c.conindid = i.indexrelid)), '')
        END
   FROM p
