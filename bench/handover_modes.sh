@@ -4,7 +4,10 @@
 # mode: committed and failed transactions, the longest interval with no completed transaction
 # (over all clients of all nodes), and the mean latency of transactions that completed while a
 # migration was in its handover window (barrier/dual/handover for remus, handover for the
-# baselines, handover and the pulls for squall) next to the steady state (no migration running). Measurement only (bench/README.md).
+# baselines, handover and the pulls for squall) next to the steady state (no migration running),
+# and the p99 latency of transactions that completed within 1 s of a cutover (the end of the
+# handover, where cleanup begins) next to the steady state's p99 (issue 17's handover-window
+# measure). Measurement only (bench/README.md).
 #
 #   MODES (default "lock_abort wait_remaster albatross squall remus"; a mode the build refuses
 #   with 0A000 is reported as refused)  SCALE (default 4)
@@ -30,7 +33,15 @@ trap '"$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true' EXIT
 rm -rf "$out"; mkdir -p "$out"; chmod 777 "$out"
 
 table="$out/table.txt"
-printf '%-14s %10s %7s %13s %14s %14s %11s\n' mode committed failed longest_gap_ms handover_lat_ms steady_lat_ms migrations > "$table"
+
+# The 99th percentile, in ms, of the latencies (us, one per line) in file $1 ("-" if none).
+p99_ms() {
+    sort -n "$1" | awk '{ v[NR] = $1 } END {
+        if (NR == 0) { print "-"; exit }
+        i = int(NR * 0.99 + 0.999999); if (i < 1) i = 1; if (i > NR) i = NR
+        printf "%.2f", v[i] / 1000 }'
+}
+printf '%-14s %10s %7s %13s %14s %14s %11s %15s %13s\n' mode committed failed longest_gap_ms handover_lat_ms steady_lat_ms migrations cutover_p99_ms steady_p99_ms > "$table"
 
 for mode in $modes; do
     "$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true
@@ -76,7 +87,9 @@ for mode in $modes; do
                  + (coalesce((phase_ms::json->>'copy')::numeric, 0) + coalesce((phase_ms::json->>'catchup')::numeric, 0)) / 1000,
                extract(epoch FROM finished_at)
                  - CASE WHEN mode = 'squall' THEN 0
-                        ELSE coalesce((phase_ms::json->>'cleanup')::numeric, 0) / 1000 END
+                        ELSE coalesce((phase_ms::json->>'cleanup')::numeric, 0) / 1000 END,
+               extract(epoch FROM finished_at)
+                 - coalesce((phase_ms::json->>'cleanup')::numeric, 0) / 1000
           FROM remus_migrations WHERE mode = '$mode' AND status = 'succeeded'" > "$out/$mode.windows"
     migrations=$(wc -l < "$out/$mode.windows")
     # pgbench -l lines: client txn latency_us|failed script epoch_s epoch_us [lag] [retries].
@@ -84,19 +97,31 @@ for mode in $modes; do
     cat "$out/$mode"-n?.* | awk 'NF >= 6 && NF <= 8 && $5 > 1e9 && $6 < 1e6' > "$out/$mode.txns"
     gap=$(awk '$3 !~ /^[a-z]/ { printf "%.6f\n", $5 + $6 / 1e6 }' "$out/$mode.txns" | sort -n \
         | awk 'NR > 1 && $1 - p > g { g = $1 - p } { p = $1 } END { printf "%.1f", g * 1000 }')
-    awk -v mode="$mode" -v migrations="$migrations" -v gap="$gap" -v windows="$out/$mode.windows" '
-        BEGIN { n = 0; while ((getline line < windows) > 0) { split(line, w, " "); ws[n] = w[1]; we[n] = w[2]; n++ } }
+    # Latencies (us) within 1 s of a cutover, and of the steady state (in no window and not near
+    # a cutover), one per line, for their p99.
+    : > "$out/$mode.cutover_lat"
+    : > "$out/$mode.steady_lat"
+    awk -v mode="$mode" -v migrations="$migrations" -v gap="$gap" -v windows="$out/$mode.windows" \
+        -v cut_lat="$out/$mode.cutover_lat" -v steady_lat="$out/$mode.steady_lat" '
+        BEGIN { n = 0; while ((getline line < windows) > 0) { split(line, w, " "); ws[n] = w[1]; we[n] = w[2]; wc[n] = w[3]; n++ } }
         {
             t = $5 + $6 / 1e6
             if ($3 == "failed" || $3 ~ /^[a-z]/) { failed++; next }
             ok++
-            inw = 0; for (i = 0; i < n; i++) if (t >= ws[i] && t <= we[i]) inw = 1
+            inw = 0; near = 0
+            for (i = 0; i < n; i++) {
+                if (t >= ws[i] && t <= we[i]) inw = 1
+                if (t >= wc[i] - 1 && t <= wc[i] + 1) near = 1
+            }
             if (inw) { hs += $3; hn++ } else { ss += $3; sn++ }
+            if (near) print $3 > cut_lat
+            else if (!inw) print $3 > steady_lat
         }
         END {
-            printf "%-14s %10d %7d %13.1f %14.2f %14.2f %11d\n", mode, ok, failed, gap,
+            printf "%-14s %10d %7d %13.1f %14.2f %14.2f %11d", mode, ok, failed, gap,
                 (hn ? hs / hn / 1000 : 0), (sn ? ss / sn / 1000 : 0), migrations
         }' "$out/$mode.txns" >> "$table"
+    printf ' %15s %13s\n' "$(p99_ms "$out/$mode.cutover_lat")" "$(p99_ms "$out/$mode.steady_lat")" >> "$table"
     tail -1 "$table"
 done
 echo
