@@ -204,24 +204,20 @@ pub(super) fn mark_shell_validated(t: &Target, fk: &ForeignKey) -> Option<String
 /// distributed or reference table: the shell it would reference holds no rows.
 ///
 /// # Safety
-/// `constraints` must be a list of Constraint nodes of the statement about to run.
-pub(super) unsafe fn refuse_from_plain_table(
-    constraints: *mut pg_sys::List,
-) -> Result<(), RemusError> {
+/// `c` must be NULL or a constraint node of the statement about to run.
+pub(super) unsafe fn refuse_from_plain_table(c: *mut pg_sys::Constraint) -> Result<(), RemusError> {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
-        for c in list_ptrs::<pg_sys::Constraint>(constraints) {
-            if (*c).contype != pg_sys::ConstrType::CONSTR_FOREIGN {
-                continue;
-            }
-            if let Some(r) = target(relid_of((*c).pktable))? {
-                return Err(RemusError::DdlNotPropagated {
-                    what: "a FOREIGN KEY of a plain table to a distributed or reference table (create the table without it, distribute it, then ALTER TABLE … ADD FOREIGN KEY)",
-                    table: r.table.qualified_name.to_string(),
-                });
-            }
+        if c.is_null() || (*c).contype != pg_sys::ConstrType::CONSTR_FOREIGN {
+            return Ok(());
         }
-        Ok(())
+        match target(relid_of((*c).pktable))? {
+            Some(r) => Err(RemusError::DdlNotPropagated {
+                what: "a FOREIGN KEY of a plain table to a distributed or reference table (create the table without it, distribute it, then ALTER TABLE … ADD FOREIGN KEY)",
+                table: r.table.qualified_name.to_string(),
+            }),
+            None => Ok(()),
+        }
     }
 }
 

@@ -77,10 +77,9 @@ pub(crate) unsafe fn prepare(
                     let Some(t) = target(relid_of((*a).relation))? else {
                         for cmd in list_ptrs::<pg_sys::AlterTableCmd>((*a).cmds) {
                             if (*cmd).subtype == pg_sys::AlterTableType::AT_AddConstraint {
-                                foreign_key::refuse_from_plain_table(pg_sys::lappend(
-                                    std::ptr::null_mut(),
-                                    (*cmd).def as *mut std::ffi::c_void,
-                                ))?;
+                                foreign_key::refuse_from_plain_table(
+                                    (*cmd).def as *mut pg_sys::Constraint,
+                                )?;
                             }
                         }
                         return Ok(None);
@@ -98,12 +97,16 @@ pub(crate) unsafe fn prepare(
                 }
                 pg_sys::NodeTag::T_CreateStmt => {
                     let c = stmt as *mut pg_sys::CreateStmt;
-                    foreign_key::refuse_from_plain_table((*c).constraints)?;
+                    for constraint in list_ptrs::<pg_sys::Constraint>((*c).constraints) {
+                        foreign_key::refuse_from_plain_table(constraint)?;
+                    }
                     for element in list_ptrs::<pg_sys::Node>((*c).tableElts) {
-                        if (*element).type_ == pg_sys::NodeTag::T_ColumnDef {
-                            foreign_key::refuse_from_plain_table(
-                                (*(element as *mut pg_sys::ColumnDef)).constraints,
-                            )?;
+                        if (*element).type_ != pg_sys::NodeTag::T_ColumnDef {
+                            continue;
+                        }
+                        let column = element as *mut pg_sys::ColumnDef;
+                        for constraint in list_ptrs::<pg_sys::Constraint>((*column).constraints) {
+                            foreign_key::refuse_from_plain_table(constraint)?;
                         }
                     }
                     return Ok(None);

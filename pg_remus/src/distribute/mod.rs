@@ -35,6 +35,32 @@ use validate::inspect;
 /// Most shards a distributed table may have.
 const MAX_SHARD_COUNT: i32 = 4096;
 
+/// Runs `read` with search_path = pg_catalog, so that every name it deparses (pg_get_expr,
+/// pg_get_constraintdef, pg_get_indexdef, regclass) is schema-qualified, then restores the
+/// caller's search_path (on an error the transaction aborts, and the local setting with it).
+fn with_qualified_names<'conn, T>(
+    client: &mut SpiClient<'conn>,
+    read: impl FnOnce(&mut SpiClient<'conn>) -> Result<T, RemusError>,
+) -> Result<T, RemusError> {
+    let saved = client
+        .select("SELECT current_setting('search_path')", Some(1), &[])?
+        .first()
+        .get::<String>(1)?
+        .unwrap_or_default();
+    client.update(
+        "SELECT set_config('search_path', 'pg_catalog', true)",
+        None,
+        &[],
+    )?;
+    let read = read(client)?;
+    client.update(
+        "SELECT set_config('search_path', $1, true)",
+        None,
+        &[saved.as_str().into()],
+    )?;
+    Ok(read)
+}
+
 /// CREATE TABLE (columns, defaults, constraints) plus the table's other indexes and its owner,
 /// for shells on other nodes (which run it as the node user: without the owner, the shells
 /// there would be the node user's, and the table's owner could not use them). Deparsed with
@@ -47,96 +73,84 @@ fn shell_ddl(
     relid: pg_sys::Oid,
     qualified: &str,
 ) -> Result<String, RemusError> {
-    let saved = client
-        .select("SELECT current_setting('search_path')", Some(1), &[])?
-        .first()
-        .get::<String>(1)?
-        .unwrap_or_default();
-    client.update(
-        "SELECT set_config('search_path', 'pg_catalog', true)",
-        None,
-        &[],
-    )?;
-    let body = client
-        .select(
-            "SELECT string_agg(def, ', ' ORDER BY ord) FROM (
-               SELECT a.attnum AS ord,
-                      format('%I %s', a.attname, format_type(a.atttypid, a.atttypmod))
-                      || CASE WHEN a.attcollation <> 0 AND a.attcollation <> t.typcollation
-                              THEN ' COLLATE ' || format('%I.%I', cn.nspname, co.collname) ELSE '' END
-                      || CASE WHEN a.attgenerated = 's'
-                              THEN ' GENERATED ALWAYS AS (' || pg_get_expr(d.adbin, d.adrelid) || ') STORED'
-                              WHEN d.adbin IS NOT NULL THEN ' DEFAULT ' || pg_get_expr(d.adbin, d.adrelid)
-                              ELSE '' END
-                      || CASE WHEN a.attnotnull THEN ' NOT NULL' ELSE '' END AS def
-                 FROM pg_attribute a
-                 JOIN pg_type t ON t.oid = a.atttypid
-                 LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-                 LEFT JOIN pg_collation co ON co.oid = a.attcollation
-                 LEFT JOIN pg_namespace cn ON cn.oid = co.collnamespace
-                WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped
-               UNION ALL
-               SELECT 100000 + row_number() OVER (ORDER BY c.conname),
-                      format('CONSTRAINT %I %s', c.conname, pg_get_constraintdef(c.oid))
-                 FROM pg_constraint c WHERE c.conrelid = $1 AND c.contype IN ('p', 'u', 'c', 'x')
-             ) defs",
-            Some(1),
-            &[relid.into()],
-        )?
-        .first()
-        .get::<String>(1)?
-        .unwrap_or_default();
-    let indexes = client
-        .select(
-            "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index i
-              WHERE i.indrelid = $1
-                AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)",
-            None,
-            &[relid.into()],
-        )?
-        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
-        .collect::<Result<Vec<_>, _>>()?;
-    let owner = client
-        .select(
-            "SELECT quote_ident(pg_get_userbyid(relowner)) FROM pg_class WHERE oid = $1",
-            Some(1),
-            &[relid.into()],
-        )?
-        .first()
-        .get::<String>(1)?
-        .unwrap_or_default();
-    // The grants, as the owner made them (the node user runs these: PostgreSQL records a
-    // superuser's grant as the owner's). Privileges the owner holds are implicit.
-    let grants = client
-        .select(
-            "SELECT format('GRANT %s ON %s TO %s%s', a.privilege_type, $2,
-                           CASE a.grantee WHEN 0 THEN 'PUBLIC'
-                                ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
-                           CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
-               FROM pg_class c
-               CROSS JOIN LATERAL aclexplode(c.relacl) a
-              WHERE c.oid = $1 AND a.grantee <> c.relowner
-             UNION ALL
-             SELECT format('GRANT %s (%s) ON %s TO %s%s', a.privilege_type,
-                           quote_ident(col.attname), $2,
-                           CASE a.grantee WHEN 0 THEN 'PUBLIC'
-                                ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
-                           CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
-               FROM pg_class c
-               JOIN pg_attribute col ON col.attrelid = c.oid AND col.attnum > 0
-                                    AND NOT col.attisdropped AND col.attacl IS NOT NULL
-               CROSS JOIN LATERAL aclexplode(col.attacl) a
-              WHERE c.oid = $1 AND a.grantee <> c.relowner",
-            None,
-            &[relid.into(), qualified.into()],
-        )?
-        .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
-        .collect::<Result<Vec<_>, _>>()?;
-    client.update(
-        "SELECT set_config('search_path', $1, true)",
-        None,
-        &[saved.as_str().into()],
-    )?;
+    let (body, indexes, owner, grants) = with_qualified_names(client, |client| {
+        let body = client
+            .select(
+                "SELECT string_agg(def, ', ' ORDER BY ord) FROM (
+                   SELECT a.attnum AS ord,
+                          format('%I %s', a.attname, format_type(a.atttypid, a.atttypmod))
+                          || CASE WHEN a.attcollation <> 0 AND a.attcollation <> t.typcollation
+                                  THEN ' COLLATE ' || format('%I.%I', cn.nspname, co.collname) ELSE '' END
+                          || CASE WHEN a.attgenerated = 's'
+                                  THEN ' GENERATED ALWAYS AS (' || pg_get_expr(d.adbin, d.adrelid) || ') STORED'
+                                  WHEN d.adbin IS NOT NULL THEN ' DEFAULT ' || pg_get_expr(d.adbin, d.adrelid)
+                                  ELSE '' END
+                          || CASE WHEN a.attnotnull THEN ' NOT NULL' ELSE '' END AS def
+                     FROM pg_attribute a
+                     JOIN pg_type t ON t.oid = a.atttypid
+                     LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+                     LEFT JOIN pg_collation co ON co.oid = a.attcollation
+                     LEFT JOIN pg_namespace cn ON cn.oid = co.collnamespace
+                    WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped
+                   UNION ALL
+                   SELECT 100000 + row_number() OVER (ORDER BY c.conname),
+                          format('CONSTRAINT %I %s', c.conname, pg_get_constraintdef(c.oid))
+                     FROM pg_constraint c WHERE c.conrelid = $1 AND c.contype IN ('p', 'u', 'c', 'x')
+                 ) defs",
+                Some(1),
+                &[relid.into()],
+            )?
+            .first()
+            .get::<String>(1)?
+            .unwrap_or_default();
+        let indexes = client
+            .select(
+                "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index i
+                  WHERE i.indrelid = $1
+                    AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)",
+                None,
+                &[relid.into()],
+            )?
+            .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let owner = client
+            .select(
+                "SELECT quote_ident(pg_get_userbyid(relowner)) FROM pg_class WHERE oid = $1",
+                Some(1),
+                &[relid.into()],
+            )?
+            .first()
+            .get::<String>(1)?
+            .unwrap_or_default();
+        // The grants, as the owner made them (the node user runs these: PostgreSQL records a
+        // superuser's grant as the owner's). Privileges the owner holds are implicit.
+        let grants = client
+            .select(
+                "SELECT format('GRANT %s ON %s TO %s%s', a.privilege_type, $2,
+                               CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                                    ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                               CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
+                   FROM pg_class c
+                   CROSS JOIN LATERAL aclexplode(c.relacl) a
+                  WHERE c.oid = $1 AND a.grantee <> c.relowner
+                 UNION ALL
+                 SELECT format('GRANT %s (%s) ON %s TO %s%s', a.privilege_type,
+                               quote_ident(col.attname), $2,
+                               CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                                    ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                               CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
+                   FROM pg_class c
+                   JOIN pg_attribute col ON col.attrelid = c.oid AND col.attnum > 0
+                                        AND NOT col.attisdropped AND col.attacl IS NOT NULL
+                   CROSS JOIN LATERAL aclexplode(col.attacl) a
+                  WHERE c.oid = $1 AND a.grantee <> c.relowner",
+                None,
+                &[relid.into(), qualified.into()],
+            )?
+            .map(|r| r.get::<String>(1).map(|v| v.unwrap_or_default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((body, indexes, owner, grants))
+    })?;
     let mut ddl = format!("CREATE TABLE {qualified} ({body});\n");
     for i in indexes {
         ddl.push_str(&i);

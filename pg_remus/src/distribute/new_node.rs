@@ -30,7 +30,7 @@ use crate::cluster::remote::NodeAddr;
 use crate::error::RemusError;
 use crate::pg::sql::quote_literal;
 
-use super::{rows_as_copy_text, sequences, shell_ddl};
+use super::{rows_as_copy_text, sequences, shell_ddl, with_qualified_names};
 
 /// A table of this node's catalog, as the new node must record it.
 struct CatalogTable {
@@ -172,36 +172,22 @@ pub(crate) fn activate(name: &str) -> Result<bool, RemusError> {
 /// The foreign keys of every distributed and reference table, as ALTER TABLE statements with
 /// every name schema-qualified.
 fn foreign_key_ddl(client: &mut SpiClient<'_>) -> Result<String, RemusError> {
-    let saved = client
-        .select("SELECT current_setting('search_path')", Some(1), &[])?
-        .first()
-        .get::<String>(1)?
-        .unwrap_or_default();
-    client.update(
-        "SELECT set_config('search_path', 'pg_catalog', true)",
-        None,
-        &[],
-    )?;
-    let ddl = client
-        .select(
-            "SELECT string_agg(format('ALTER TABLE %s ADD CONSTRAINT %I %s;',
-                                      c.conrelid::regclass, c.conname, pg_get_constraintdef(c.oid)),
-                               E'\n' ORDER BY c.conrelid, c.conname)
-               FROM pg_constraint c
-               JOIN remus.distributed_tables d ON d.logicalrelid = c.conrelid
-              WHERE c.contype = 'f'",
-            Some(1),
-            &[],
-        )?
-        .first()
-        .get::<String>(1)?
-        .unwrap_or_default();
-    client.update(
-        "SELECT set_config('search_path', $1, true)",
-        None,
-        &[saved.into()],
-    )?;
-    Ok(ddl)
+    with_qualified_names(client, |client| {
+        Ok(client
+            .select(
+                "SELECT string_agg(format('ALTER TABLE %s ADD CONSTRAINT %I %s;',
+                                          c.conrelid::regclass, c.conname, pg_get_constraintdef(c.oid)),
+                                   E'\n' ORDER BY c.conrelid, c.conname)
+                   FROM pg_constraint c
+                   JOIN remus.distributed_tables d ON d.logicalrelid = c.conrelid
+                  WHERE c.contype = 'f'",
+                Some(1),
+                &[],
+            )?
+            .first()
+            .get::<String>(1)?
+            .unwrap_or_default())
+    })
 }
 
 /// `remus_add_node` of `n`, as a statement for another node.
