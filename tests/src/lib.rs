@@ -5,6 +5,7 @@ pub mod consistency;
 pub mod migrations;
 pub mod pgbench;
 pub mod protocol;
+pub mod recovery;
 pub mod roles;
 pub mod shards;
 pub mod tpcc;

@@ -5,13 +5,13 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
 
 use integration::pgbench::prepared_everywhere;
+use integration::recovery::wait_recovered;
 use integration::roles::{connect_as, Role};
 use integration::shards::{assert_owns_no_shard, owners, value_on_every_node};
 use remus_test_support::cluster::TestCluster;
-use remus_test_support::{sqlstate, wait_until};
+use remus_test_support::sqlstate;
 
 /// Every node's shell of `table` and each shard table it holds, as
 /// "relation: attnum name type dropped" lines; the shards must match their node's shell.
@@ -427,30 +427,6 @@ fn ddl_applies_everywhere_or_nowhere() {
         db.batch_execute("UPDATE t SET d = 1 WHERE id = 3").unwrap();
         assert_eq!(count(&mut db, "SELECT count(*) FROM t"), 30);
     }
-}
-
-/// Waits until `node` accepts connections again after its crash and no node holds a prepared
-/// transaction (the recovery worker has finished them).
-fn wait_recovered(c: &TestCluster, node: &str) {
-    wait_until(
-        Duration::from_secs(120),
-        Duration::from_millis(250),
-        || {
-            // Connections fail while a node is in crash recovery (it may still accept one just
-            // before the postmaster noticed the crash): not recovered yet.
-            c.connect(node).is_ok()
-                && c.node_names().iter().all(|n| {
-                    c.connect(n)
-                        .ok()
-                        .and_then(|mut db| {
-                            db.query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
-                                .ok()
-                        })
-                        .is_some_and(|r| r.get::<_, i64>(0) == 0)
-                })
-        },
-        || format!("{node} did not recover\n{}", c.daemon_logs(40)),
-    );
 }
 
 /// The shape of a table, names of its indexes and index-backed constraints aside (a shard's

@@ -3,11 +3,10 @@
 //! key and to reference tables, added from any node, enforced on every shard through any node,
 //! carried by a migrated shard group, all or nothing across a crash; the other forms refused.
 
-use std::time::Duration;
-
+use integration::recovery::wait_recovered;
 use integration::shards::{owners, value_on_every_node};
 use remus_test_support::cluster::TestCluster;
-use remus_test_support::{sqlstate, wait_until};
+use remus_test_support::sqlstate;
 
 const SCHEMA: &str = "
 CREATE TABLE warehouse (w_id int PRIMARY KEY, name text);
@@ -57,6 +56,33 @@ fn constraint_everywhere(c: &TestCluster, table: &str, name: &str, referenced: &
     )
 }
 
+/// [`constraint_everywhere`] of key `name` on `nodes` nodes: validated on every shell and on
+/// each of the table's six shard tables, wherever they are; `when` names the moment.
+fn assert_held(
+    c: &TestCluster,
+    table: &str,
+    name: &str,
+    referenced: &str,
+    nodes: usize,
+    when: &str,
+) {
+    let held = constraint_everywhere(c, table, name, referenced);
+    assert_eq!(held.len(), nodes, "{name} {when}: {held:?}");
+    assert!(held.iter().all(|n| *n >= 0), "{name} {when}: {held:?}");
+    assert_eq!(held.iter().sum::<i64>(), 6, "{name} {when}: {held:?}");
+}
+
+/// The three keys the first test adds, each held as [`assert_held`] checks.
+fn keys_held_everywhere(c: &TestCluster, nodes: usize, when: &str) {
+    for (table, name, referenced) in [
+        ("district", "district_w_id_fkey", "warehouse"),
+        ("orders", "orders_district", "district"),
+        ("orders", "orders_item", "item"),
+    ] {
+        assert_held(c, table, name, referenced, nodes, when);
+    }
+}
+
 /// How many constraints named `name` exist on any table of any node (shells and shards).
 fn anywhere(c: &TestCluster, name: &str) -> i64 {
     value_on_every_node::<i64>(
@@ -94,15 +120,7 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
          ALTER TABLE orders ADD CONSTRAINT orders_item FOREIGN KEY (i_id) REFERENCES item",
     )
     .unwrap();
-    for (table, name, referenced) in [
-        ("district", "district_w_id_fkey", "warehouse"),
-        ("orders", "orders_district", "district"),
-        ("orders", "orders_item", "item"),
-    ] {
-        let held = constraint_everywhere(&c, table, name, referenced);
-        assert!(held.iter().all(|n| *n >= 0), "{name}: {held:?}");
-        assert_eq!(held.iter().sum::<i64>(), 6, "{name}: {held:?}");
-    }
+    keys_held_everywhere(&c, 3, "after they were added");
 
     // Enforced on the shards, through owners and non-owners of the rows' shards.
     for n in c.node_names() {
@@ -194,22 +212,7 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
         .unwrap()
         .get(0);
     assert_eq!(status, "succeeded");
-    for (table, name, referenced) in [
-        ("district", "district_w_id_fkey", "warehouse"),
-        ("orders", "orders_district", "district"),
-        ("orders", "orders_item", "item"),
-    ] {
-        let held = constraint_everywhere(&c, table, name, referenced);
-        assert!(
-            held.iter().all(|n| *n >= 0),
-            "{name} after the move: {held:?}"
-        );
-        assert_eq!(
-            held.iter().sum::<i64>(),
-            6,
-            "{name} after the move: {held:?}"
-        );
-    }
+    keys_held_everywhere(&c, 3, "after the move");
     let moved_w: i32 = c
         .connect(&to)
         .unwrap()
@@ -243,16 +246,7 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
         .unwrap()
         .get(0);
     assert_eq!(status, "succeeded");
-    for (table, name, referenced) in [
-        ("district", "district_w_id_fkey", "warehouse"),
-        ("orders", "orders_district", "district"),
-        ("orders", "orders_item", "item"),
-    ] {
-        let held = constraint_everywhere(&c, table, name, referenced);
-        assert_eq!(held.len(), 4, "{name}: {held:?}");
-        assert!(held.iter().all(|n| *n >= 0), "{name} on {n4}: {held:?}");
-        assert_eq!(held.iter().sum::<i64>(), 6, "{name} on {n4}: {held:?}");
-    }
+    keys_held_everywhere(&c, 4, &format!("with {n4} added"));
     assert_eq!(
         error_of(
             &mut c.connect(&n4).unwrap(),
@@ -264,8 +258,14 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
     // Renamed and dropped everywhere.
     n2.batch_execute("ALTER TABLE orders RENAME CONSTRAINT orders_item TO orders_item_ref")
         .unwrap();
-    let held = constraint_everywhere(&c, "orders", "orders_item_ref", "item");
-    assert_eq!(held.iter().sum::<i64>(), 6, "{held:?}");
+    assert_held(
+        &c,
+        "orders",
+        "orders_item_ref",
+        "item",
+        4,
+        "after the rename",
+    );
     assert_eq!(anywhere(&c, "orders_item"), 0);
     n3.batch_execute("ALTER TABLE orders DROP CONSTRAINT orders_item_ref")
         .unwrap();
@@ -284,28 +284,6 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
         .unwrap()
         .get(0);
     assert_eq!(districts, 33);
-}
-
-/// Waits until `node` accepts connections again after its crash and no node holds a prepared
-/// transaction (the recovery worker has finished them).
-fn wait_recovered(c: &TestCluster, node: &str) {
-    wait_until(
-        Duration::from_secs(120),
-        Duration::from_millis(250),
-        || {
-            c.connect(node).is_ok()
-                && c.node_names().iter().all(|n| {
-                    c.connect(n)
-                        .ok()
-                        .and_then(|mut db| {
-                            db.query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
-                                .ok()
-                        })
-                        .is_some_and(|r| r.get::<_, i64>(0) == 0)
-                })
-        },
-        || format!("{node} did not recover\n{}", c.daemon_logs(40)),
-    );
 }
 
 /// ADD FOREIGN KEY through a node killed between the two phases of its commit: nowhere after a
@@ -331,9 +309,14 @@ fn a_foreign_key_is_added_everywhere_or_nowhere_across_a_crash() {
         .unwrap();
     assert!(victim.batch_execute(ddl).is_err(), "the backend lived");
     wait_recovered(&c, "n2");
-    let held = constraint_everywhere(&c, "district", "district_warehouse", "warehouse");
-    assert!(held.iter().all(|n| *n >= 0), "{held:?}");
-    assert_eq!(held.iter().sum::<i64>(), 6, "{held:?}");
+    assert_held(
+        &c,
+        "district",
+        "district_warehouse",
+        "warehouse",
+        3,
+        "after the crash",
+    );
     // Three shells and six shard tables.
     assert_eq!(anywhere(&c, "district_warehouse"), 9);
 }
