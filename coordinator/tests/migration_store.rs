@@ -673,6 +673,8 @@ async fn grpc_list_migrations_mirrors_the_records() {
                 .unwrap(),
             replay_endpoint: "http://127.0.0.1:1".into(),
             apply_parallelism: 1,
+            copy_sessions: 1,
+            copy_split_bytes: 0,
             lock_grace: std::time::Duration::from_secs(1),
             gate_timeout: std::time::Duration::from_secs(1),
             verify_handover: false,

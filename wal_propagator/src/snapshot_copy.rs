@@ -25,6 +25,20 @@
 //! COPY they are created again from that DDL, same names. The table is the migration's new,
 //! empty copy, which nothing else uses before the copy commits, so nothing can see it without
 //! its indexes, and catch-up (which looks rows up by the primary key) starts after the commit.
+//!
+//! A large table is copied by several sessions at once ([`CopyOptions::split_bytes`]): when
+//! `parallelism` allows more than one session for it, a table of at least twice `split_bytes`
+//! on the source is cut into block ranges of about that size (at most `parallelism` ranges),
+//! each read under the same exported snapshot by `COPY (SELECT <columns> FROM <table> WHERE
+//! ctid >= '(a,0)' AND ctid < '(b,0)') TO STDOUT` (a TID range scan; the first range is open
+//! below, the last open above, so blocks added after the size was read are read too). Every
+//! range is a work item of the shared queue, copied in the worker's open destination
+//! transaction like a whole table. Such a table's indexes cannot be dropped in one worker's
+//! transaction (its lock would hold every other range's COPY until the end): they are dropped
+//! in a destination transaction of their own that commits before the rows arrive, and built
+//! again in one transaction per table after every worker committed. So a failure of the copy
+//! leaves a split table empty but without its indexes (the caller's table, which it drops on
+//! failure), and a failure of the rebuild ([`CopyError::Rebuild`]) leaves its rows committed.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -58,6 +72,10 @@ pub struct CopyOptions {
     /// created again, with the same names and definitions, after it (one sorted build per
     /// index instead of an insertion per row and index).
     pub indexes_after_rows: bool,
+    /// A table of at least twice this many bytes on the source is copied in block ranges of
+    /// about this size by several sessions at once, as many as `parallelism` allows (see the
+    /// module documentation). 0 copies every table whole, by one session.
+    pub split_bytes: u64,
 }
 
 /// Bytes and rows of COPY data passed so far, updated as each row passes. `rows` counts the
@@ -79,6 +97,7 @@ impl Default for CopyOptions {
             cancel: CancelToken::new(),
             progress: Default::default(),
             indexes_after_rows: true,
+            split_bytes: 64 * 1024 * 1024,
         }
     }
 }
@@ -92,7 +111,10 @@ pub struct CopyStats {
     pub rows: u64,
     /// Bytes of binary COPY data passed through.
     pub bytes: u64,
+    /// The longest any one of its parts took.
     pub millis: u64,
+    /// Block ranges it was copied in, each by its own session; 1: the whole table at once.
+    pub parts: usize,
 }
 
 /// What went wrong with one table.
@@ -132,6 +154,14 @@ pub enum CopyError {
         #[source]
         error: PgError,
     },
+    /// The rows of a table copied in parts are committed, but building its indexes again
+    /// failed; tables copied whole are committed with theirs.
+    #[error("rebuilding the indexes of {dest_table} after its copy failed: {error}")]
+    Rebuild {
+        dest_table: String,
+        #[source]
+        error: PgError,
+    },
     #[error("the copy was cancelled")]
     Cancelled,
     #[error("invalid copy request: {0}")]
@@ -151,7 +181,7 @@ impl CopyError {
     pub fn sqlstate(&self) -> Option<&str> {
         match self {
             CopyError::Table { error, .. } => error.pg_error().and_then(PgError::sqlstate),
-            CopyError::Commit { error, .. } => error.sqlstate(),
+            CopyError::Commit { error, .. } | CopyError::Rebuild { error, .. } => error.sqlstate(),
             _ => None,
         }
     }
@@ -161,8 +191,9 @@ impl CopyError {
 ///
 /// `tables` pairs each source table with its destination table, both as they are written in
 /// SQL (schema-qualified, quoted where needed, e.g. `public."Shard_1"`; see [`qualified_name`]).
-/// They are put into the COPY commands as given. At most `parallelism` tables (at least one)
-/// are copied at a time. Stats come back in the order of `tables`.
+/// They are put into the COPY commands as given. At most `parallelism` sessions (at least one)
+/// copy at a time, each a whole table or a block range of a large one
+/// ([`CopyOptions::split_bytes`]). Stats come back in the order of `tables`.
 pub fn copy_tables(
     source_conninfo: &str,
     snapshot_name: &str,
@@ -208,19 +239,22 @@ pub fn copy_tables_with(
     if options.chunk_bytes == 0 {
         return Err(CopyError::InvalidArgument("chunk_bytes is 0".into()));
     }
-    let ctx = Ctx {
+    let mut ctx = Ctx {
         source_conninfo,
         snapshot_name,
         dest_conninfo,
         tables,
+        parts: Vec::new(),
         options,
         abort: CancelToken::new(),
         next: AtomicUsize::new(0),
         first_error: Mutex::new(None),
         stats: Mutex::new(vec![None; tables.len()]),
     };
-    let workers = parallelism.clamp(1, tables.len());
     let started = Instant::now();
+    ctx.parts = ctx.plan_parts(parallelism)?;
+    let rebuild = ctx.drop_split_indexes()?;
+    let workers = parallelism.clamp(1, ctx.parts.len());
     let finished: Vec<Option<Finished>> = thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .filter_map(|i| {
@@ -246,7 +280,10 @@ pub fn copy_tables_with(
             .collect()
     });
     let Ctx {
-        first_error, stats, ..
+        first_error,
+        stats,
+        parts,
+        ..
     } = ctx;
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
@@ -263,9 +300,16 @@ pub fn copy_tables_with(
     for done in finished.into_iter().flatten() {
         let Finished {
             mut dest,
-            tables: idx,
+            parts: idx,
         } = done;
-        let names = || idx.iter().map(|&i| tables[i].1.clone()).collect::<Vec<_>>();
+        let names = || {
+            let mut names: Vec<String> = idx
+                .iter()
+                .map(|&p| tables[parts[p].table].1.clone())
+                .collect();
+            names.dedup();
+            names
+        };
         let r = dest
             .exec_ok("COMMIT", "COMMIT")
             .map_err(|error| CopyError::Commit {
@@ -283,8 +327,16 @@ pub fn copy_tables_with(
             });
         }
     }
+    for (t, ddl) in rebuild {
+        let dest_table = &tables[t].1;
+        rebuild_indexes(dest_conninfo, options, &ddl).map_err(|error| CopyError::Rebuild {
+            dest_table: dest_table.clone(),
+            error,
+        })?;
+    }
     info!(
         tables = tables.len(),
+        parts = parts.len(),
         rows = stats.iter().map(|s| s.rows).sum::<u64>(),
         bytes = stats.iter().map(|s| s.bytes).sum::<u64>(),
         millis = started.elapsed().as_millis() as u64,
@@ -293,10 +345,75 @@ pub fn copy_tables_with(
     Ok(stats)
 }
 
-/// A worker's destination session, its transaction holding the copied tables, uncommitted.
+/// A worker's destination session, its transaction holding the copied parts, uncommitted.
 struct Finished {
     dest: Session,
-    tables: Vec<usize>,
+    parts: Vec<usize>,
+}
+
+/// One work item of the copy: a whole table or a block range of one.
+#[derive(Debug)]
+struct Part {
+    /// Index into the copy's tables.
+    table: usize,
+    /// The `COPY … TO STDOUT (FORMAT binary)` that reads it on the source.
+    copy_out: String,
+    /// How many parts its table was cut into; 1: the whole table, whose indexes the worker
+    /// drops and builds again in its own transaction.
+    of: usize,
+}
+
+/// Size, block size and COPY column list (what `COPY <table> TO` sends: neither dropped nor
+/// generated columns) of the table `$1`, read under the copy's snapshot.
+const SIZE_SQL: &str = "
+SELECT pg_catalog.pg_relation_size(c.oid), pg_catalog.current_setting('block_size')::bigint,
+       (SELECT pg_catalog.string_agg(pg_catalog.quote_ident(a.attname), ', ' ORDER BY a.attnum)
+          FROM pg_catalog.pg_attribute a
+         WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '')
+  FROM (SELECT $1::pg_catalog.regclass AS oid) c";
+
+/// The `COPY … TO STDOUT` statements that read `table` as `parts` block ranges of about equal
+/// size out of `blocks` blocks: the first open below, the last open above.
+fn range_copies(table: &str, columns: &str, blocks: u64, parts: u64) -> Vec<String> {
+    (0..parts)
+        .map(|k| {
+            let mut bounds = Vec::new();
+            if k > 0 {
+                bounds.push(format!(
+                    "ctid >= '({},0)'::pg_catalog.tid",
+                    blocks * k / parts
+                ));
+            }
+            if k + 1 < parts {
+                bounds.push(format!(
+                    "ctid < '({},0)'::pg_catalog.tid",
+                    blocks * (k + 1) / parts
+                ));
+            }
+            format!(
+                "COPY (SELECT {columns} FROM {table} WHERE {}) TO STDOUT (FORMAT binary)",
+                bounds.join(" AND ")
+            )
+        })
+        .collect()
+}
+
+/// Builds a split table's indexes again (the statements [`drop_indexes`] returned) in a
+/// destination transaction of their own.
+fn rebuild_indexes(conninfo: &str, options: &CopyOptions, ddl: &[String]) -> Result<(), PgError> {
+    let mut dest = Session::connect(
+        conninfo,
+        &[("fallback_application_name", "pg_remus_copy")],
+        options.connect_timeout,
+        options.idle_timeout,
+        vec![options.cancel.clone()],
+    )?;
+    dest.exec_ok("BEGIN", "BEGIN on the destination")?;
+    for statement in ddl {
+        dest.exec_ok(statement, "rebuilding an index after the copy")?;
+    }
+    dest.exec_ok("COMMIT", "COMMIT of the rebuilt indexes")?;
+    Ok(())
 }
 
 struct Ctx<'a> {
@@ -304,6 +421,8 @@ struct Ctx<'a> {
     snapshot_name: &'a str,
     dest_conninfo: &'a str,
     tables: &'a [(String, String)],
+    /// The work items, taken in order by the workers.
+    parts: Vec<Part>,
     options: &'a CopyOptions,
     /// Set on the first failure so that every other worker stops at once.
     abort: CancelToken,
@@ -322,7 +441,93 @@ impl Ctx<'_> {
             return None;
         }
         let i = self.next.fetch_add(1, Ordering::SeqCst);
-        (i < self.tables.len()).then_some(i)
+        (i < self.parts.len()).then_some(i)
+    }
+
+    /// `error` as the failure of table `table`.
+    fn table_error(&self, table: usize, error: TableCopyError) -> CopyError {
+        let (source_table, dest_table) = self.tables[table].clone();
+        CopyError::Table {
+            source_table,
+            dest_table,
+            error,
+        }
+    }
+
+    /// Cuts the tables into work items: a table of at least twice `split_bytes` into block
+    /// ranges, when `parallelism` gives it more than one session; every other table whole.
+    fn plan_parts(&self, parallelism: usize) -> Result<Vec<Part>, CopyError> {
+        let whole = |table: usize| Part {
+            table,
+            copy_out: format!("COPY {} TO STDOUT (FORMAT binary)", self.tables[table].0),
+            of: 1,
+        };
+        let split = self.options.split_bytes;
+        if parallelism < 2 || split == 0 {
+            return Ok((0..self.tables.len()).map(whole).collect());
+        }
+        let source_error = |table, e| self.table_error(table, TableCopyError::Source(e));
+        let mut src = self.open_source().map_err(|e| source_error(0, e))?;
+        let mut parts = Vec::new();
+        for (table, (source_table, _)) in self.tables.iter().enumerate() {
+            let literal = src
+                .escape_literal(source_table)
+                .map_err(|e| source_error(table, e))?;
+            let r = src
+                .exec_ok(&SIZE_SQL.replace("$1", &literal), "reading a table's size")
+                .map_err(|e| source_error(table, e))?;
+            let number = |col: usize| -> u64 {
+                r.value(0, col)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_default()
+            };
+            let (size, block) = (number(0), number(1).max(1));
+            let ranges = (size / split).min(parallelism as u64);
+            match r.value(0, 2) {
+                Some(columns) if ranges >= 2 => {
+                    let copies = range_copies(source_table, &columns, size / block, ranges);
+                    let of = copies.len();
+                    debug!(table = %source_table, size, parts = of, "copying in block ranges");
+                    parts.extend(copies.into_iter().map(|copy_out| Part {
+                        table,
+                        copy_out,
+                        of,
+                    }));
+                }
+                _ => parts.push(whole(table)),
+            }
+        }
+        Ok(parts)
+    }
+
+    /// Drops the indexes of every table copied in parts, in one destination transaction
+    /// committed before any row arrives; returns, per such table, what builds them again.
+    fn drop_split_indexes(&self) -> Result<Vec<(usize, Vec<String>)>, CopyError> {
+        let mut split: Vec<usize> = self
+            .parts
+            .iter()
+            .filter(|p| p.of > 1)
+            .map(|p| p.table)
+            .collect();
+        split.dedup();
+        if split.is_empty() || !self.options.indexes_after_rows {
+            return Ok(Vec::new());
+        }
+        let dest_error = |table, e| self.table_error(table, TableCopyError::Destination(e));
+        let mut dest = self
+            .session(self.dest_conninfo)
+            .map_err(|e| dest_error(split[0], e))?;
+        dest.exec_ok("BEGIN", "BEGIN on the destination")
+            .map_err(|e| dest_error(split[0], e))?;
+        let mut rebuild = Vec::new();
+        for &table in &split {
+            let ddl =
+                drop_indexes(&mut dest, &self.tables[table].1).map_err(|e| dest_error(table, e))?;
+            rebuild.push((table, ddl));
+        }
+        dest.exec_ok("COMMIT", "COMMIT of the dropped indexes")
+            .map_err(|e| dest_error(split[0], e))?;
+        Ok(rebuild)
     }
 
     /// Records the failure of table `i` unless another one came first (whose abort is then
@@ -330,12 +535,7 @@ impl Ctx<'_> {
     fn fail(&self, i: usize, error: TableCopyError) {
         let mut first = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
         if first.is_none() && !self.abort.is_cancelled() {
-            let (source_table, dest_table) = self.tables[i].clone();
-            *first = Some(CopyError::Table {
-                source_table,
-                dest_table,
-                error,
-            });
+            *first = Some(self.table_error(i, error));
         }
         self.abort.cancel();
     }
@@ -375,30 +575,40 @@ impl Ctx<'_> {
 
     fn worker(&self) -> Option<Finished> {
         let mut i = self.take_next()?;
-        // Sessions are opened for the first table, so that failing to open them names it.
+        // Sessions are opened for the first part, so that failing to open them names its table.
         let mut src = match self.open_source() {
             Ok(s) => s,
             Err(e) => {
-                self.fail(i, TableCopyError::Source(e));
+                self.fail(self.parts[i].table, TableCopyError::Source(e));
                 return None;
             }
         };
         let mut dest = match self.open_dest() {
             Ok(d) => d,
             Err(e) => {
-                self.fail(i, TableCopyError::Destination(e));
+                self.fail(self.parts[i].table, TableCopyError::Destination(e));
                 return None;
             }
         };
         let mut done = Vec::new();
         loop {
+            let table = self.parts[i].table;
             match self.copy_one(&mut src, &mut dest, i) {
-                Ok(stats) => {
-                    self.stats.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(stats);
+                Ok(part) => {
+                    let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+                    match &mut stats[table] {
+                        Some(sum) => {
+                            sum.rows += part.rows;
+                            sum.bytes += part.bytes;
+                            sum.millis = sum.millis.max(part.millis);
+                            sum.parts += 1;
+                        }
+                        empty => *empty = Some(part),
+                    }
                     done.push(i);
                 }
                 Err(e) => {
-                    self.fail(i, e);
+                    self.fail(table, e);
                     return None;
                 }
             }
@@ -411,7 +621,7 @@ impl Ctx<'_> {
             return None;
         }
         // The read-only source transaction ends when `src` is dropped here.
-        Some(Finished { dest, tables: done })
+        Some(Finished { dest, parts: done })
     }
 
     fn copy_one(
@@ -421,25 +631,21 @@ impl Ctx<'_> {
         i: usize,
     ) -> Result<CopyStats, TableCopyError> {
         use TableCopyError::{Destination, Source};
-        let (source_table, dest_table) = &self.tables[i];
+        let part = &self.parts[i];
+        let (source_table, dest_table) = &self.tables[part.table];
         let started = Instant::now();
         let chunk = self.options.chunk_bytes;
         let idle = self.options.idle_timeout;
 
         let op_out = format!("COPY {source_table} TO STDOUT");
-        let r = src
-            .exec(
-                &format!("COPY {source_table} TO STDOUT (FORMAT binary)"),
-                &op_out,
-            )
-            .map_err(Source)?;
+        let r = src.exec(&part.copy_out, &op_out).map_err(Source)?;
         if r.status() != ResultStatus::CopyOut {
             return Err(Source(src.unexpected(&r, &op_out, "COPY OUT")));
         }
 
         // The source answers first (a missing table or a bad snapshot is named before the
         // destination is touched); its rows wait in the socket meanwhile.
-        let rebuild = if self.options.indexes_after_rows {
+        let rebuild = if self.options.indexes_after_rows && part.of == 1 {
             drop_indexes(dest, dest_table).map_err(Destination)?
         } else {
             Vec::new()
@@ -531,8 +737,9 @@ impl Ctx<'_> {
             rows: dest_rows,
             bytes,
             millis: started.elapsed().as_millis() as u64,
+            parts: 1,
         };
-        debug!(?stats, "table copied");
+        debug!(?stats, copy = %part.copy_out, "part copied");
         Ok(stats)
     }
 }

@@ -527,3 +527,94 @@ fn waits_time_out_and_can_be_cancelled() {
     conn.drop_slot("quiet").expect("drop slot");
     assert_eq!(pg.slot_names(), "");
 }
+
+/// A table of several `split_bytes` is copied in block ranges by several sessions under one
+/// snapshot: exactly the snapshot's rows arrive (not the updates, deletes and inserts committed
+/// after it, which put row versions in new blocks), generated and dropped columns are handled
+/// as `COPY <table>` handles them, and the indexes dropped before the rows are all there again
+/// afterwards. A small table in the same call is copied whole.
+#[test]
+fn a_large_table_is_copied_in_block_ranges_by_several_sessions() {
+    let pg = start_pg();
+    let schema = "CREATE TABLE big(id int PRIMARY KEY, gone int, pad text NOT NULL,
+                      doubled int GENERATED ALWAYS AS (id * 2) STORED, v text UNIQUE);
+                  ALTER TABLE big DROP COLUMN gone;
+                  CREATE INDEX big_doubled ON big (doubled);
+                  CREATE TABLE small(id int PRIMARY KEY, v text);";
+    pg.psql(&format!(
+        "{schema}
+         INSERT INTO big (id, pad, v) SELECT g, repeat(md5(g::text), 4), 'v' || g
+           FROM generate_series(1, 30000) g;
+         INSERT INTO small SELECT g, 'w' || g FROM generate_series(1, 50) g;
+         CREATE DATABASE dest;"
+    ));
+    // The destination's `big` has no dropped column: binary COPY carries the live,
+    // non-generated columns only.
+    pg.psql_db(
+        "dest",
+        "CREATE TABLE big(id int PRIMARY KEY, pad text NOT NULL,
+             doubled int GENERATED ALWAYS AS (id * 2) STORED, v text UNIQUE);
+         CREATE INDEX big_doubled ON big (doubled);
+         CREATE TABLE small(id int PRIMARY KEY, v text);",
+    );
+    let digest = "SELECT count(*), sum(id), md5(string_agg(id || pad || v || doubled, ',' ORDER BY id)) FROM big";
+    let indexes = "SELECT string_agg(indexrelid::regclass || ' ' || indisvalid, ', ' ORDER BY 1)
+                     FROM pg_index WHERE indrelid = 'big'::regclass";
+    let at_snapshot = pg.psql(digest);
+    let dest_indexes = pg.psql_db("dest", indexes);
+    assert_eq!(dest_indexes.matches("true").count(), 3, "{dest_indexes}");
+    let size: u64 = pg
+        .psql("SELECT pg_relation_size('big')")
+        .parse()
+        .expect("size");
+    assert!(size > 3 * 1024 * 1024, "big is {size} bytes");
+
+    let (src, dest) = (pg.conninfo(), pg.conninfo_db("dest"));
+    let mut conn = ReplicationConnection::connect(&src).expect("replication connection");
+    let snapshot = conn
+        .create_slot_exporting_snapshot("split_copy")
+        .expect("create slot");
+    pg.psql(
+        "UPDATE big SET pad = 'later' WHERE id % 3 = 0;
+         DELETE FROM big WHERE id % 7 = 0;
+         INSERT INTO big (id, pad, v) SELECT g, 'new', 'v' || g FROM generate_series(30001, 31000) g;",
+    );
+    assert_ne!(pg.psql(digest), at_snapshot);
+
+    let options = CopyOptions {
+        split_bytes: 1024 * 1024,
+        ..CopyOptions::default()
+    };
+    let pairs = [
+        ("public.big".to_string(), "public.big".to_string()),
+        ("public.small".to_string(), "public.small".to_string()),
+    ];
+    let stats = copy_tables_with(&src, snapshot.snapshot_name(), &dest, &pairs, 3, &options)
+        .expect("split copy");
+    snapshot.release();
+    conn.drop_slot("split_copy").expect("drop slot");
+
+    assert_eq!((stats[0].rows, stats[0].parts), (30000, 3), "{stats:?}");
+    assert_eq!((stats[1].rows, stats[1].parts), (50, 1), "{stats:?}");
+    assert_eq!(pg.psql_db("dest", digest), at_snapshot);
+    assert_eq!(pg.psql_db("dest", indexes), dest_indexes);
+    assert_eq!(
+        pg.psql_db(
+            "dest",
+            "SELECT count(*) FROM pg_constraint WHERE conrelid = 'big'::regclass AND contype IN ('p', 'u')"
+        ),
+        "2"
+    );
+    assert_eq!(
+        pg.psql_db("dest", "SELECT count(*), sum(id) FROM small"),
+        "50|1275"
+    );
+    // The rebuilt unique index is enforced.
+    assert!(pg
+        .psql_cmd("dest")
+        .arg("-c")
+        .arg("INSERT INTO big (id, pad, v) VALUES (99999, 'x', 'v1')")
+        .output()
+        .map(|o| !o.status.success())
+        .expect("psql"));
+}

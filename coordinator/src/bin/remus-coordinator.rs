@@ -42,6 +42,14 @@ struct Args {
     /// Concurrent apply sessions per migration on the target.
     #[arg(long, default_value_t = 4)]
     apply_parallelism: u32,
+    /// Sessions of a migration's snapshot copy: one per table at least, and at least this
+    /// many, so that a large shard table is copied in block ranges by several at once.
+    #[arg(long, env = "REMUS_COPY_SESSIONS", default_value_t = 4)]
+    copy_sessions: u32,
+    /// A shard table of at least twice this many MiB is copied in block ranges of about this
+    /// size, each by its own session; 0 copies every table by one session.
+    #[arg(long, env = "REMUS_COPY_SPLIT_MB", default_value_t = 64)]
+    copy_split_mb: u64,
     /// lock_abort: idle writers holding a migrating shard are terminated after this long.
     #[arg(long, default_value_t = 10_000)]
     lock_grace_ms: u64,
@@ -76,6 +84,8 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        // Colours only on a terminal: `remusctl cluster up` sends the output to a log file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
@@ -127,6 +137,8 @@ async fn serve(args: Args, migrations: tokio::runtime::Handle) -> anyhow::Result
             connector: NodeConnector::from_pgpass(args.pgpass.as_deref(), &args.database)?,
             replay_endpoint: args.replay_worker.clone(),
             apply_parallelism: args.apply_parallelism,
+            copy_sessions: args.copy_sessions,
+            copy_split_bytes: args.copy_split_mb * 1024 * 1024,
             lock_grace: Duration::from_millis(args.lock_grace_ms),
             gate_timeout: Duration::from_millis(args.gate_timeout_ms),
             verify_handover: args.verify_handover,

@@ -56,7 +56,7 @@ impl Run {
         let target_conninfo = self.config.connector.conninfo(&self.plan.target, false);
         let slot = self.slot();
         let pairs: Vec<(String, String)> = tables.iter().map(|t| (t.clone(), t.clone())).collect();
-        let parallelism = pairs.len();
+        let parallelism = pairs.len().max(self.config.copy_sessions as usize);
         // Copied rows are committed under a Remus replication origin (one per copy session),
         // so MOCC on the target tells them from rows a target transaction wrote.
         let origin = format!(
@@ -90,6 +90,7 @@ impl Run {
                  SELECT pg_catalog.pg_replication_origin_session_setup({origin}) \
                   WHERE NOT pg_catalog.pg_replication_origin_session_is_setup();"
             )),
+            split_bytes: self.config.copy_split_bytes,
             ..CopyOptions::default()
         };
         self.state.slot = Some(slot.clone());
@@ -118,9 +119,10 @@ impl Run {
         })??;
         let rows: u64 = stats.iter().map(|s| s.rows).sum();
         let bytes: u64 = stats.iter().map(|s| s.bytes).sum();
+        let parts: usize = stats.iter().map(|s| s.parts).sum();
         let copy_ms = copy_started.elapsed().as_millis().max(1) as u64;
         info!(
-            migration_id = id, phase = "copy", rows, bytes,
+            migration_id = id, phase = "copy", rows, bytes, parts,
             slot_wait_ms = created.creation_time.as_millis() as u64,
             consistent_point = %created.consistent_point, "snapshot copied"
         );

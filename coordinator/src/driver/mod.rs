@@ -73,6 +73,13 @@ pub struct DriverConfig {
     pub replay_endpoint: String,
     /// Concurrent apply sessions on the target.
     pub apply_parallelism: u32,
+    /// Sessions of the snapshot copy: at least one per table of the shard group, and this
+    /// many at least, so that a large shard table is read and written in block ranges by
+    /// several sessions at once (`wal_propagator::CopyOptions::split_bytes`).
+    pub copy_sessions: u32,
+    /// A shard table of at least twice this many bytes is copied in block ranges of about
+    /// this size; 0 copies every table by one session.
+    pub copy_split_bytes: u64,
     /// lock_abort: how long an idle writer holding the shard may keep the handover waiting
     /// before it is terminated.
     pub lock_grace: Duration,
