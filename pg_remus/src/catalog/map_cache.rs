@@ -27,7 +27,6 @@
 //! of that transaction (`ownership::pinned_owner`).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -35,6 +34,7 @@ use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 
 use super::ShardPlacement;
+use crate::pg::fast_map::{fast_map, FastMap};
 
 // SAFETY: the atomic is set up by `init_shmem` (pg_shmem_init!) while the library is
 // preloaded, before any backend reads it.
@@ -82,7 +82,7 @@ static READ_THROUGH_SET: PgLwLock<ReadThroughSet> =
 type CachedMap = (u64, Rc<Vec<ShardPlacement>>);
 
 thread_local! {
-    static CACHE: RefCell<HashMap<u32, CachedMap>> = RefCell::new(HashMap::new());
+    static CACHE: RefCell<FastMap<u32, CachedMap>> = const { RefCell::new(fast_map()) };
 }
 
 /// Reserves the shared memory; must run while the library is preloaded.

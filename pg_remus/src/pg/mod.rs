@@ -11,6 +11,7 @@
 //! - [`ffi`]: the C functions pgrx does not bind.
 //! - [`custom_scan`]: filling and registering a CustomScan's method tables.
 //! - [`query_tree`]: every Query of a statement (WITH queries, subqueries, sublinks).
+//! - [`fast_map`]: the hash map of the per-backend caches on the statement path.
 
 pub(crate) mod custom_scan;
 pub(crate) mod datum;
@@ -22,3 +23,26 @@ pub(crate) mod list;
 pub(crate) mod query_tree;
 pub(crate) mod spi;
 pub(crate) mod sql;
+
+pub(crate) mod fast_map {
+    //! The hash map of the per-backend caches on the statement and commit path.
+    //!
+    //! Their keys are OIDs, shard ids and plan-node addresses that the backend itself
+    //! computes, never a value a client chooses, so the standard library's DoS-resistant
+    //! SipHash buys nothing there, and it was a visible share of the router's own time in a
+    //! profile of pgbench select-only on the owner (issue 16). FxHash (rustc-hash) hashes an
+    //! integer key in a multiply.
+
+    use std::collections::HashMap;
+
+    pub(crate) use rustc_hash::FxBuildHasher;
+
+    /// A `HashMap` with FxHash, for keys the backend computes (OIDs, shard ids, addresses).
+    pub(crate) type FastMap<K, V> = HashMap<K, V, FxBuildHasher>;
+
+    /// An empty [`FastMap`]; `const`, so a `thread_local!` holding one needs no lazy
+    /// initialisation.
+    pub(crate) const fn fast_map<K, V>() -> FastMap<K, V> {
+        HashMap::with_hasher(FxBuildHasher)
+    }
+}

@@ -30,7 +30,6 @@
 //!   statement is planned once per shard, as PostgreSQL plans it once.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
 
 use pgrx::pg_sys;
@@ -38,6 +37,7 @@ use pgrx::prelude::*;
 
 use crate::catalog::{map_cache, DistTable};
 use crate::error::RemusError;
+use crate::pg::fast_map::{fast_map, FastMap};
 use crate::pg::list::{is_tag, list_ptrs};
 use crate::router::placement::{
     lock_existing, lock_local_shard, pinned_here, shard_at, shells_anywhere,
@@ -65,7 +65,7 @@ thread_local! {
     /// Set while a plan the router decided to run here is started (`ExecutorStart`).
     static DECIDED: Cell<u32> = const { Cell::new(0) };
     /// Local plans made at execution ([`local_plan_at_execution`]), per routed plan node.
-    static MADE_AT_EXECUTION: RefCell<HashMap<usize, ExecutionPlans>> = RefCell::new(HashMap::new());
+    static MADE_AT_EXECUTION: RefCell<FastMap<usize, ExecutionPlans>> = const { RefCell::new(fast_map()) };
     /// Bumped by every relcache invalidation: a local plan made at execution before it may
     /// name an index or a shard table that changed since, and is made again.
     static EPOCH: Cell<u64> = const { Cell::new(0) };
@@ -77,9 +77,9 @@ thread_local! {
 struct ExecutionPlans {
     cxt: pg_sys::MemoryContext,
     epoch: u64,
-    plans: HashMap<i64, *mut pg_sys::PlannedStmt>,
+    plans: FastMap<i64, *mut pg_sys::PlannedStmt>,
     /// The node's statement as deparsed for its owner ([`deparsed`]), by Query.
-    texts: HashMap<usize, std::rc::Rc<str>>,
+    texts: FastMap<usize, std::rc::Rc<str>>,
 }
 
 /// A relcache invalidation arrived: local plans made at execution are made again.
@@ -670,8 +670,8 @@ unsafe fn remember(key: usize, cxt: pg_sys::MemoryContext, epoch: u64) {
             ExecutionPlans {
                 cxt,
                 epoch,
-                plans: HashMap::new(),
-                texts: HashMap::new(),
+                plans: fast_map(),
+                texts: fast_map(),
             },
         )
     });

@@ -6,7 +6,6 @@
 //! transaction never sees a shard move under it, whatever the shard map says later.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::rc::Rc;
 
 use pgrx::pg_sys;
@@ -14,25 +13,26 @@ use pgrx::pg_sys;
 use crate::catalog::{self, map_cache, DistTable, ShardPlacement};
 use crate::error::RemusError;
 use crate::migration::handover;
+use crate::pg::fast_map::{fast_map, FastMap};
 use crate::pg::list::list_ptrs;
 
 thread_local! {
     /// relid → distribution (None: not distributed). Cleared by relcache invalidation.
-    static DIST_CACHE: RefCell<HashMap<u32, Option<DistTable>>> = RefCell::new(HashMap::new());
+    static DIST_CACHE: RefCell<FastMap<u32, Option<DistTable>>> = const { RefCell::new(fast_map()) };
     /// relid → its shard ids by shard index. A table's shards never change while it stays
     /// distributed (a migration moves a shard, it keeps its id), so only a relcache
     /// invalidation of the shell clears it: the marker's receiving side and the local fast
     /// path find shards with no catalog query.
-    static SHARD_IDS: RefCell<HashMap<u32, Rc<[i64]>>> = RefCell::new(HashMap::new());
+    static SHARD_IDS: RefCell<FastMap<u32, Rc<[i64]>>> = const { RefCell::new(fast_map()) };
     /// Shard id → the OID of its table here (`remus_shards.<table>_<shard_id>`), for the local
     /// fast path; every relcache invalidation clears it (a shard table dropped or made again
     /// sends one for itself, not for its shell).
-    static SHARD_RELIDS: RefCell<HashMap<i64, pg_sys::Oid>> = RefCell::new(HashMap::new());
+    static SHARD_RELIDS: RefCell<FastMap<i64, pg_sys::Oid>> = const { RefCell::new(fast_map()) };
     /// Set while the cache itself is being filled (its SPI queries are planned too).
     static IN_LOOKUP: Cell<bool> = const { Cell::new(false) };
-    static PINS: RefCell<HashMap<i64, String>> = RefCell::new(HashMap::new());
+    static PINS: RefCell<FastMap<i64, String>> = const { RefCell::new(fast_map()) };
     /// Shards [`placements_for_key`] left unpinned because their Tm is in doubt here.
-    static DEFERRED: RefCell<HashMap<i64, handover::InDoubt>> = RefCell::new(HashMap::new());
+    static DEFERRED: RefCell<FastMap<i64, handover::InDoubt>> = const { RefCell::new(fast_map()) };
 }
 
 /// Runs `f`, a catalog query of the router, with the lookups of the queries it plans turned off.
