@@ -3,8 +3,10 @@
 # copy throughput next to a plain `COPY … TO STDOUT | COPY … FROM STDIN` pipe between the same
 # two nodes. Measurement only (see bench/README.md).
 #
-#   MODE=lock_abort|wait_remaster (default lock_abort)  ROWS (default 1000000, ~1 GB)
-#   CLIENTS (default 4 per node)  BASE_PORT (default 24801)
+#   MODE=remus|lock_abort|wait_remaster|albatross (default lock_abort)  ROWS (default 1000000,
+#   ~1 GB)  CLIENTS (default 4 per node)  BASE_PORT (default 24801)
+#   COPY_SESSIONS, COPY_SPLIT_MB: the coordinator's --copy-sessions / --copy-split-mb (its
+#   defaults when unset: 4 sessions, ranges of 64 MB)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/../scripts/lib.sh"
@@ -12,6 +14,8 @@ cd "$REPO_ROOT"
 "$REPO_ROOT/scripts/setup.sh" >/dev/null
 
 mode=${MODE:-lock_abort}
+[ -n "${COPY_SESSIONS:-}" ] && export REMUS_COPY_SESSIONS=$COPY_SESSIONS
+[ -n "${COPY_SPLIT_MB:-}" ] && export REMUS_COPY_SPLIT_MB=$COPY_SPLIT_MB
 rows=${ROWS:-1000000}
 clients=${CLIENTS:-4}
 port=${BASE_PORT:-24801}
@@ -36,13 +40,17 @@ log "shard $shard on n1: $size"
 
 # Baseline: the same bytes through a plain binary COPY pipe n1 -> n2 into a table with the same
 # indexes, as one client would do it.
-on n2 psql -Xq -c "SET remus.migration_session = on; CREATE TABLE big_pipe (LIKE big INCLUDING ALL)"
-start=$(date +%s.%N)
-on n1 psql -XAtc "COPY remus_shards.big_$shard TO STDOUT (FORMAT binary)" \
-    | on n2 psql -Xq -c "COPY big_pipe FROM STDIN (FORMAT binary)"
-pipe_s=$(echo "$(date +%s.%N) - $start" | bc)
-pipe_rows=$(on n2 psql -XAtc "SELECT count(*) FROM big_pipe")
-on n2 psql -Xq -c "DROP TABLE big_pipe"
+# Measured twice: on a quiet cluster, and again under the same pgbench load as the migration.
+pipe() {
+    on n2 psql -Xq -c "SET remus.migration_session = on; CREATE TABLE big_pipe (LIKE big INCLUDING ALL)"
+    local start
+    start=$(date +%s.%N)
+    on n1 psql -XAtc "COPY remus_shards.big_$shard TO STDOUT (FORMAT binary)" \
+        | on n2 psql -Xq -c "COPY big_pipe FROM STDIN (FORMAT binary)"
+    echo "$(date +%s.%N) - $start" | bc
+    on n2 psql -Xq -c "SET remus.migration_session = on; DROP TABLE big_pipe"
+}
+pipe_s=$(pipe)
 
 cat > /tmp/remus-bench-big.sql <<SQL
 \\set id random(1, $rows)
@@ -54,6 +62,8 @@ for n in n1 n2 n3; do
         > "/tmp/remus-bench-mig-$n.log" 2>&1 &
 done
 sleep 5
+log "the plain COPY pipe again, under the load"
+pipe_load_s=$(pipe)
 result=$(on n2 psql -XAt -F ' ' -c "SELECT copy_ms, catchup_ms, handover_ms, cleanup_ms, total_ms,
     rows_copied, bytes_copied, txns_replayed, aborted_by_migration, status
     FROM remus_migrate_shard($shard, 'n2', '$mode')")
@@ -75,4 +85,9 @@ echo "| handover | $handover_ms ms |"
 echo "| cleanup | $cleanup_ms ms |"
 echo "| total | $total_ms ms |"
 echo "| aborted_by_migration | $aborted |"
-echo "| plain COPY pipe n1 -> n2 | $(printf '%.1f' "$pipe_s") s for $pipe_rows rows ($(echo "scale=1; $mb / $pipe_s" | bc) MB/s) |"
+echo "| plain COPY pipe n1 -> n2, no load | $(printf '%.1f' "$pipe_s") s ($(echo "scale=1; $mb / $pipe_s" | bc) MB/s) |"
+echo "| plain COPY pipe n1 -> n2, under the same load | $(printf '%.1f' "$pipe_load_s") s ($(echo "scale=1; $mb / $pipe_load_s" | bc) MB/s) |"
+echo "| copy speed / pipe speed, no load | $(echo "scale=2; $pipe_s * 1000 / $copy_ms" | bc) |"
+echo "| copy speed / pipe speed, under load | $(echo "scale=2; $pipe_load_s * 1000 / $copy_ms" | bc) |"
+parts=$(grep -a "snapshot copied" "$dir/logs/coordinator.log" | grep -o "parts=[0-9]*" | tail -1 || true)
+echo "| copy sessions | ${parts:-?} (block ranges and whole tables) |"
