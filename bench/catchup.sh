@@ -16,7 +16,8 @@
 # migration's slot appears (the next sample), and the subscription is enabled when the migration
 # leaves its copy phase, which is when the migration's propagator starts streaming its slot.
 #
-#   MODES (default $MODE or "remus"; e.g. "remus lock_abort wait_remaster albatross squall")
+#   MODES (default $MODE or "remus"; e.g. "remus lock_abort wait_remaster albatross squall";
+#   "citus" after them: the same writers and move with Citus, see citus_run)
 #   CLIENTS (default auto: the count in SWEEP with the highest source tps in a SWEEP_SECONDS
 #   pgbench run each, measured once on the first mode's cluster)  SWEEP (default "2 4 8 12 16")
 #   SWEEP_SECONDS (5)  ROWS (rows in the shard, default 1000000, ~100 MB)  WARMUP (5 s of writes
@@ -95,6 +96,61 @@ controller() {
         fi
     done
 }
+
+# MODES may include "citus": the same table, rows, writers (the same script and client count, on
+# the shard's worker) and a move with Citus 13's citus_move_shard_placement (force_logical) on a
+# coordinator + 2 workers made by the anchor toolkit (ANCHOR_DIR, default ../shared/anchors/citus,
+# as bench/routing.sh; its settings, not remusctl's: shared_buffers 256MB), in CITUS_WORK
+# (/var/tmp/remus-bench-catchup-citus) on ports CITUS_PORT_BASE+10..12 (default 28800: below the
+# ephemeral port range, where a client connection can hold a port a server then cannot listen
+# on). No subscription and no sampling there: the move's duration and the writers' longest
+# no-commit gap.
+citus_run() (
+    export WORK=${CITUS_WORK:-/var/tmp/remus-bench-catchup-citus} PORT_BASE=${CITUS_PORT_BASE:-28800}
+    anchor=${ANCHOR_DIR:-$REPO_ROOT/../shared/anchors/citus}
+    [ -f "$anchor/lib.sh" ] || die "the Citus anchor toolkit is not at $anchor (set ANCHOR_DIR)"
+    # shellcheck source=/dev/null
+    source "$anchor/lib.sh"
+    trap 'citus_stop coord w1 w2' EXIT
+    citus_stop coord w1 w2
+    citus_up_fresh
+    log "citus: loading $rows rows into a one-shard table"
+    q ccoord -q >/dev/null <<SQL
+SET citus.shard_count = 1;
+CREATE TABLE cu (id bigint PRIMARY KEY, v bigint NOT NULL DEFAULT 0, pad text NOT NULL);
+SELECT create_distributed_table('cu', 'id');
+INSERT INTO cu SELECT i, 0, md5(i::text) || md5((i + 1)::text) FROM generate_series(1, $rows) i;
+SQL
+    local shard wport src dst start end
+    read -r shard wport <<<"$(q ccoord -AtF ' ' -c "SELECT shardid, nodeport FROM citus_shards WHERE table_name = 'cu'::regclass")"
+    if [ "$wport" = "$P_CW1" ]; then src=cw1 dst=cw2; else src=cw2 dst=cw1; fi
+    q ccoord -qc "VACUUM ANALYZE cu" >/dev/null
+    log "citus: $clients clients updating shard $shard through $src; moving it to $dst"
+    (PGPASSFILE=$(passfile_of "$src") exec pgbench -h 127.0.0.1 -p "$(port_of "$src")" -n -c "$clients" \
+        -j "$((clients < 2 ? clients : 2))" -T 3600 --max-tries=1 -l --log-prefix="$out/citus-w" \
+        -f "$out/update.sql" > "$out/citus.pgbench.txt" 2>&1) &
+    local writers=$!
+    sleep "$warmup"
+    start=$(date +%s.%N)
+    q ccoord -XAt -c "SELECT citus_move_shard_placement($shard, '127.0.0.1', $(port_of "$src"), '127.0.0.1',
+        $(port_of "$dst"), shard_transfer_mode => 'force_logical')" > "$out/citus.move.txt" 2>&1 \
+        || log "citus: move failed: $(cat "$out/citus.move.txt")"
+    end=$(date +%s.%N)
+    sleep "$tail_s"
+    kill -TERM "$writers" 2>/dev/null || true
+    wait "$writers" || true
+    cat "$out"/citus-w.* | awk 'NF >= 6 && NF <= 8 && $5 > 1e9 && $6 < 1e6 && $3 !~ /^[a-z]/ {
+        printf "%.6f\n", $5 + $6 / 1e6 }' | sort -n > "$out/citus.commits"
+    {
+        printf 'mode citus (load average at its end %s): move %s, %.1f s, %d clients, %d committed, %d failed\n' \
+            "$(cut -d' ' -f1 /proc/loadavg)" "$(grep -q ERROR "$out/citus.move.txt" && echo failed || echo succeeded)" \
+            "$(echo "$end - $start" | bc)" "$clients" "$(awk -v a="$start" -v b="$end" '$1 >= a && $1 <= b' "$out/citus.commits" | wc -l)" \
+            "$(cat "$out"/citus-w.* | awk 'NF >= 6 && NF <= 8 && $3 ~ /^[a-z]/' | wc -l)"
+        awk -v a="$start" -v b="$end" '$1 >= a - 1 && $1 <= b + 1' "$out/citus.commits" \
+            | awk -v a="$start" 'NR > 1 && $1 - p > g { g = $1 - p; at = p } { p = $1 }
+                END { printf "  longest no-commit gap on the moving shard (move +-1 s): %.1f ms (%.3f s after the move began)\n", g * 1000, at - a }'
+    } >> "$summary"
+)
 
 # The summary of mode $1's run from the files in $out: its samples, pgbench logs and events
 # (the migration's start and end, the client count and the load average, written by the run).
@@ -202,7 +258,7 @@ analyze() {
 if [ "${REANALYZE:-0}" = 1 ]; then
     # The summaries again from an earlier run's files in OUT_DIR (nothing is started).
     sed -i '/^mode /,$d' "$summary"
-    for mode in $modes; do analyze "$mode"; done
+    for mode in $modes; do [ "$mode" = citus ] || analyze "$mode"; done
     cat "$summary"
     exit 0
 fi
@@ -215,6 +271,12 @@ echo "$(date -u '+%F %T') UTC, $(nproc) cores, load average $(cut -d' ' -f1-3 /p
 
 
 for mode in $modes; do
+    if [ "$mode" = citus ]; then
+        [ "$clients" != auto ] || die "MODES: put citus after a pg_remus mode (its sweep sets CLIENTS) or set CLIENTS"
+        citus_run
+        sed -n '/^mode citus/,$p' "$summary"
+        continue
+    fi
     "$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true
     rm -rf "$dir"
     REMUS_CATCHUP_CONVERGE_LIMIT_MS=$limit_ms "$ctl" cluster up --nodes 2 --dir "$dir" --base-port "$port" >/dev/null
