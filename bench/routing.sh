@@ -22,6 +22,8 @@
 #            pgbench_accounts; AGG_CLIENTS clients) over SCALE * 100,000 rows
 # Prints a markdown table (tps, ratio to plain PostgreSQL of the same run); a workload that fails
 # on a configuration shows as "failed" with its error below the table; the run goes on.
+# Under it, the CPU each configuration's background processes (and pg_remus's etcd, coordinator
+# and replay worker) used during each workload, as a share of the machine's cores.
 #
 # Environment: SECONDS_PER_RUN (20), ROUNDS (1; rounds interleave the configurations, the
 # schema is loaded once in round 1), CLIENTS (8), AGG_CLIENTS (4), WARM (5 s of -S first),
@@ -79,6 +81,40 @@ ports_of() {
     esac
 }
 
+# The CPU a configuration spends outside the backends serving pgbench while a workload runs:
+# every server's background processes (checkpointer, walwriter, autovacuum launcher, pg_remus's
+# and Citus's background workers) and a pg_remus cluster's etcd, coordinator and replay worker.
+# On this 2-core machine that CPU is taken from the clients and backends being measured, so each
+# run records it (utime + stime in clock ticks, /proc/PID/stat; a process that exits during the
+# run, e.g. an autovacuum worker, is not counted).
+datadirs_of() {
+    case $1 in
+        plain) plain_dir;; csingle) citus_dir single;;
+        citus) citus_dir coord; citus_dir w1; citus_dir w2;;
+        r1) echo "$(remus_dir r1)/n1/data";;
+        r3) for i in 1 2 3; do echo "$(remus_dir r3)/n$i/data"; done;;
+    esac
+}
+background_pids() { # cfg
+    local dd pm
+    for dd in $(datadirs_of "$1"); do
+        pm=$(head -n1 "$dd/postmaster.pid" 2>/dev/null) || continue
+        echo "$pm"
+        # client backends show their client's address in their title; the rest are background
+        ps -o pid=,args= --ppid "$pm" | awk '$0 !~ /127\.0\.0\.1\(/ {print $1}'
+    done
+    if is_remus "$1"; then
+        python3 -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+print("\n".join(str(c[k]["pid"]) for k in ("etcd", "coordinator", "replay_worker") if c.get(k) and c[k].get("pid")))' \
+            "$(remus_dir "$1")/cluster.json" 2>/dev/null || true
+    fi
+}
+cpu_ticks() { # pids... -> "pid ticks" lines
+    local p
+    for p in "$@"; do awk -v p="$p" '{print p, $14 + $15}' "/proc/$p/stat" 2>/dev/null || true; done
+}
+
 # ---------------------------------------------------------------- one configuration, one round
 # Runs in its own process (`routing.sh __config CFG ROUND`), so that the toolkit's die, a failed
 # setup or a hung server ends this configuration only.
@@ -130,7 +166,16 @@ run_config() {
         esac
         o=$D/r$round-$cfg-$w.out
         rc=0
+        # shellcheck disable=SC2046
+        cpu_ticks $(background_pids "$cfg") > "$o.bg0"
         bench_pgbench "$t" $((SECS + 120)) --max-tries=1 -T "$SECS" "${args[@]}" > "$o" 2>&1 || rc=$?
+        # shellcheck disable=SC2046
+        cpu_ticks $(awk '{print $1}' "$o.bg0") > "$o.bg1"
+        # background CPU as a share of the machine's cores over the run (ticks / (secs * HZ * cores))
+        awk -v secs="$SECS" -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" -v tag="$round $cfg $w" \
+            'NR == FNR {t0[$1] = $2; next} ($1 in t0) {d += $2 - t0[$1]}
+             END {printf "%s %.1f\n", tag, 100 * d / (secs * hz * cores)}' "$o.bg0" "$o.bg1" >> "$D/background.txt"
+        rm -f "$o.bg0" "$o.bg1"
         tps=$(awk '/^tps = / {print $3; exit}' "$o")
         lat=$(awk '/^latency average/ {print $4; exit}' "$o")
         failed=$(awk '/number of failed transactions/ {print $5; exit}' "$o")
@@ -169,7 +214,7 @@ for c in $CONFIGS; do
 done
 [ -z "$busy" ] || die "ports already in use on 127.0.0.1:$busy (another run? set PORT_BASE)"
 trap '"$ANCHOR_DIR/stop_all.sh" > /dev/null 2>&1 || true' EXIT
-: > "$D/results.txt"; : > "$D/errors.txt"; rm -f "$D"/setup-failed-* "$D"/r[0-9]*-*.out "$D"/settings-* "$D"/answer-* "$D"/placement-*
+: > "$D/results.txt"; : > "$D/errors.txt"; : > "$D/background.txt"; rm -f "$D"/setup-failed-* "$D"/r[0-9]*-*.out "$D"/settings-* "$D"/answer-* "$D"/placement-*
 echo 'SELECT count(*), sum(abalance) FROM pgbench_accounts;' > "$D/agg.sql"
 cat > "$D/command.txt" <<EOF
 $(date -u '+%Y-%m-%d %H:%M:%S UTC') $(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo "?")
@@ -228,6 +273,19 @@ for c in configs:
             cell += f" ({failed_txn[(c, w)]} txns failed)"
         cells += [cell, f"{mean(v) / mean(base):.2f}" if base else "NA"]
     print(f"| {names.get(c, c)} | " + " | ".join(cells) + " |")
+bg = collections.defaultdict(list)
+bg_path = os.path.join(d, "background.txt")
+for line in (open(bg_path) if os.path.exists(bg_path) else []):
+    rnd, cfg, w, pct = line.split()
+    bg[(cfg, w)].append(float(pct))
+if bg:
+    print("\nCPU of background processes and sidecars (server background workers; pg_remus's etcd,"
+          " coordinator, replay worker) during each workload, % of the machine's cores, mean over rounds:\n")
+    print("| configuration | " + " | ".join(heads[w] for w in workloads) + " |")
+    print("|---|" + "---:|" * len(workloads))
+    for c in configs:
+        print(f"| {names.get(c, c)} | " + " | ".join(
+            f"{mean(bg[(c, w)]):.1f}" if bg.get((c, w)) else "NA" for w in workloads) + " |")
 errs = open(os.path.join(d, "errors.txt")).read().splitlines()
 errs += [f"{c}: " + open(os.path.join(d, f"setup-failed-{c}")).read().strip() for c in configs
          if os.path.exists(os.path.join(d, f"setup-failed-{c}"))]
