@@ -1,13 +1,18 @@
 //! One destination session bound to a replication origin, and what runs a shadow transaction's
 //! round trip on it (plus COMMIT/ROLLBACK PREPARED of validated shadows).
 
+use std::collections::HashMap;
+
 use remus_proto::names::apply_origin;
 use tokio::task::JoinHandle;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+use tokio_postgres::types::{Format, IsNull, ToSql, Type};
+use tokio_postgres::{Client, NoTls, Statement};
 use tracing::{debug, warn, Instrument};
 
-use super::sql::{format_lsn, origin_session_setup, quote_literal, Prepared};
+use super::sql::{
+    format_lsn, origin_params, origin_session_setup, quote_literal, Prepared, ORIGIN_SETUP,
+};
 use super::{pg_message, ApplyConfig, ApplyError};
 
 /// Commits prepared transaction `gid` with the source's commit LSN and time recorded under the
@@ -78,6 +83,38 @@ pub(super) struct Session {
     pub(super) origin: String,
     pub(super) client: Client,
     connection: JoinHandle<()>,
+    /// The statements prepared on this session, by their text (one per table, operation and
+    /// column shape); emptied when it holds [`MAX_STATEMENTS`].
+    statements: std::sync::Mutex<HashMap<String, Statement>>,
+}
+
+/// Prepared statements an apply session keeps at most.
+const MAX_STATEMENTS: usize = 512;
+
+/// A parameter sent in text format, whatever the type PostgreSQL inferred for it: the value
+/// is what pgoutput gave, the column type's text output, which its input function reads back.
+#[derive(Debug)]
+struct TextParam<'a>(&'a str);
+
+impl ToSql for TextParam<'_> {
+    fn to_sql(
+        &self,
+        _ty: &Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        out.extend_from_slice(self.0.as_bytes());
+        Ok(IsNull::No)
+    }
+
+    fn accepts(_ty: &Type) -> bool {
+        true
+    }
+
+    fn encode_format(&self, _ty: &Type) -> Format {
+        Format::Text
+    }
+
+    tokio_postgres::types::to_sql_checked!();
 }
 
 impl Session {
@@ -104,6 +141,7 @@ impl Session {
             origin,
             client,
             connection,
+            statements: Default::default(),
         };
         let setup = origin_session_setup(
             &session.origin,
@@ -122,7 +160,8 @@ impl Session {
         Ok(session)
     }
 
-    /// Runs the shadow transaction in one round trip; on any error it is rolled back.
+    /// Runs the shadow transaction in one round trip (after preparing the shapes this session
+    /// has not seen); on any error it is rolled back.
     pub(super) async fn apply(&self, p: &Prepared) -> Result<(), ApplyError> {
         if let Some(gid) = &p.shadow_gid {
             return commit_prepared_with_origin(&self.client, gid, p.commit_lsn, p.commit_time_us)
@@ -136,46 +175,78 @@ impl Session {
                     message: pg_message(&e),
                 });
         }
-        // Statement indexes: 0 BEGIN, 1..=n changes, n+1 origin setup, n+2 SET LOCAL
-        // synchronous_commit, n+3 COMMIT.
-        let n = p.stmts.len();
-        let mut completes: Vec<u64> = Vec::with_capacity(n + 4);
-        let mut bad_guard_row = None;
-        let result: Result<(), tokio_postgres::Error> = async {
-            let stream = self.client.simple_query_raw(&p.sql).await?;
-            let mut stream = std::pin::pin!(stream);
-            while let Some(msg) = tokio_stream::StreamExt::next(&mut stream)
-                .await
-                .transpose()?
-            {
-                match msg {
-                    SimpleQueryMessage::CommandComplete(rows) => completes.push(rows),
-                    SimpleQueryMessage::Row(row) => {
-                        let idx = completes.len();
-                        let guarded = (1..=n).contains(&idx) && p.stmts[idx - 1].guarded;
-                        if guarded && row.get(0) != Some("1") {
-                            bad_guard_row = Some(idx);
-                        }
-                    }
-                    _ => {}
+        // Statement indexes: 0 BEGIN, 1..=n changes, n+1 origin setup, n+2 COMMIT. Every
+        // statement is prepared once per session and shape; then the whole transaction is
+        // sent at once (tokio-postgres pipelines the requests of futures polled together, in
+        // the order they are first polled) and the answers are read in order. After an error
+        // the later statements fail with 25P02 and the COMMIT ends the aborted transaction.
+        let n = p.changes.len();
+        let origin_params = origin_params(p);
+        let mut shapes: Vec<(&str, Vec<&str>)> = Vec::with_capacity(n + 3);
+        shapes.push(("BEGIN", Vec::new()));
+        for c in &p.changes {
+            shapes.push((&c.sql, c.params.iter().map(String::as_str).collect()));
+        }
+        shapes.push((
+            ORIGIN_SETUP,
+            origin_params.iter().map(String::as_str).collect(),
+        ));
+        shapes.push(("COMMIT", Vec::new()));
+        let mut statements = Vec::with_capacity(shapes.len());
+        let mut failed_at = None;
+        let mut first_error = None;
+        for (i, (sql, _)) in shapes.iter().enumerate() {
+            match self.statement(sql).await {
+                Ok(s) => statements.push(s),
+                Err(e) => {
+                    failed_at = Some(i);
+                    first_error = Some(e);
+                    break;
                 }
             }
-            Ok(())
         }
-        .await;
-
-        let failed_at = completes.len();
+        let mut bad_guard_row = None;
+        if first_error.is_none() {
+            let params: Vec<Vec<TextParam>> = shapes
+                .iter()
+                .map(|(_, values)| values.iter().map(|v| TextParam(v)).collect())
+                .collect();
+            let answers = futures_util::future::join_all(statements.iter().zip(&params).map(
+                |(statement, values)| {
+                    let values: Vec<&(dyn ToSql + Sync)> =
+                        values.iter().map(|v| v as &(dyn ToSql + Sync)).collect();
+                    async move { self.client.query(statement, &values).await }
+                },
+            ))
+            .await;
+            for (i, answer) in answers.into_iter().enumerate() {
+                match answer {
+                    Ok(rows) => {
+                        let guarded = (1..=n).contains(&i) && p.stmts[i - 1].guarded;
+                        let one = rows.len() == 1 && rows[0].try_get::<_, i32>(0).ok() == Some(1);
+                        if guarded && !one && bad_guard_row.is_none() {
+                            bad_guard_row = Some(i);
+                        }
+                    }
+                    Err(e) => {
+                        failed_at = Some(i);
+                        first_error = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        let result = match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        let failed_at = failed_at.unwrap_or(n + 3);
         let stmt = |idx: usize| (1..=n).contains(&idx).then(|| &p.stmts[idx - 1]);
         match result {
             Ok(()) => {
                 // The guards make a wrong row count fail on the server, before COMMIT; this only
                 // catches a server that answered something else than what was sent.
-                let counts_ok = completes.len() == n + 4
-                    && p.stmts
-                        .iter()
-                        .zip(&completes[1..=n])
-                        .all(|(s, &rows)| !s.guarded || rows == 1);
-                if counts_ok && bad_guard_row.is_none() {
+                if bad_guard_row.is_none() {
                     return Ok(());
                 }
                 Err(ApplyError::Statement {
@@ -184,9 +255,8 @@ impl Session {
                     context: "checking the statement results".into(),
                     sqlstate: None,
                     message: format!(
-                        "unexpected CommandComplete counts {completes:?} for {n} changes \
-                         (guard row check at statement {bad_guard_row:?}); the transaction was \
-                         already committed"
+                        "the guard of statement {bad_guard_row:?} of {n} changes did not \
+                         answer one row of 1; the transaction was already committed"
                     ),
                 })
             }
@@ -218,7 +288,6 @@ impl Session {
                     Some(s) => format!("{} on {} with key ({})", s.op, s.table, s.key),
                     None if failed_at == 0 => "BEGIN".into(),
                     None if failed_at == n + 1 => "pg_replication_origin_xact_setup".into(),
-                    None if failed_at == n + 2 => "SET LOCAL synchronous_commit".into(),
                     None => "COMMIT".into(),
                 };
                 Err(ApplyError::Statement {
@@ -230,6 +299,26 @@ impl Session {
                 })
             }
         }
+    }
+
+    /// `sql` prepared on this session, once.
+    async fn statement(&self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
+        let cached = self
+            .statements
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(sql)
+            .cloned();
+        if let Some(statement) = cached {
+            return Ok(statement);
+        }
+        let statement = self.client.prepare(sql).await?;
+        let mut statements = self.statements.lock().unwrap_or_else(|p| p.into_inner());
+        if statements.len() >= MAX_STATEMENTS {
+            statements.clear();
+        }
+        statements.insert(sql.to_string(), statement.clone());
+        Ok(statement)
     }
 
     pub(super) async fn reset(&self) -> Result<(), tokio_postgres::Error> {

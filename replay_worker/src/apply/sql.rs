@@ -1,6 +1,10 @@
-//! The SQL text of a shadow transaction: identifier and literal quoting, the exactly-one-row
-//! guard around every change, the encoding of row keys for the scheduler, and the whole round
-//! trip of a transaction ([`prepare`]).
+//! The SQL of a shadow transaction: identifier and literal quoting, the exactly-one-row guard
+//! around every change, the encoding of row keys for the scheduler, and the statements of a
+//! transaction's round trip ([`prepare`]). A change's values go into its statement as
+//! literals ([`change_sql`], for validations) or apart from it as parameters `$1`, `$2`, …
+//! sent in text format ([`prepare`], for the stream): the statement text then depends only on
+//! the table, the operation and which columns are written or NULL, so an apply session
+//! prepares it once and runs it with each transaction's values.
 
 use std::collections::hash_map::DefaultHasher;
 use std::fmt::Write as _;
@@ -88,13 +92,22 @@ pub(crate) struct StmtInfo {
     pub(super) guarded: bool,
 }
 
-/// A shadow transaction turned into SQL and scheduling keys.
+/// A statement whose values are parameters: `$1`… in `sql`, `params[0]`… their text (a NULL
+/// is written into the text as `NULL`, not passed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ParamStmt {
+    pub(super) sql: String,
+    pub(super) params: Vec<String>,
+}
+
+/// A shadow transaction turned into statements and scheduling keys.
 #[derive(Debug)]
 pub(super) struct Prepared {
     pub(super) xid: u32,
     pub(super) commit_lsn: u64,
     pub(super) end_lsn: u64,
-    pub(super) sql: String,
+    /// The changes, in order, each with its parameters; `stmts` says what each one is.
+    pub(super) changes: Vec<ParamStmt>,
     pub(super) stmts: Vec<StmtInfo>,
     pub(super) keys: Vec<RowKey>,
     pub(super) barrier: bool,
@@ -141,6 +154,14 @@ fn relation_id(schema: &str, table: &str) -> u32 {
 
 /// `a = 'x' AND b IS NULL` over the key columns, plus the same as `a=x, b=NULL` for messages.
 pub(crate) fn key_condition(values: &[(&str, &Value)]) -> (String, String) {
+    key_condition_with(values, &mut sql_value)
+}
+
+/// [`key_condition`] with each non-NULL value written by `put` (a literal or a parameter).
+fn key_condition_with(
+    values: &[(&str, &Value)],
+    put: &mut dyn FnMut(&Value) -> String,
+) -> (String, String) {
     let mut cond = String::new();
     let mut shown = String::new();
     for (i, (col, v)) in values.iter().enumerate() {
@@ -154,7 +175,7 @@ pub(crate) fn key_condition(values: &[(&str, &Value)]) -> (String, String) {
                 let _ = write!(shown, "{col}=NULL");
             }
             other => {
-                let _ = write!(cond, "{} = {}", quote_ident(col), sql_value(other));
+                let _ = write!(cond, "{} = {}", quote_ident(col), put(other));
                 let _ = write!(shown, "{col}={}", sql_value(other));
             }
         }
@@ -235,7 +256,30 @@ pub(crate) struct ChangeSql {
     keys: Vec<RowKey>,
 }
 
+/// A change as one statement with its values as literals.
 pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyError> {
+    change_with(xid, c, &mut sql_value)
+}
+
+/// A change as one statement with its values as parameters, and those values.
+fn change_params(xid: u32, c: &RowChange) -> Result<(ChangeSql, Vec<String>), ApplyError> {
+    let mut params = Vec::new();
+    let cs = change_with(xid, c, &mut |v: &Value| match v {
+        Value::Text(t) => {
+            params.push(t.clone());
+            format!("${}", params.len())
+        }
+        other => sql_value(other),
+    })?;
+    Ok((cs, params))
+}
+
+/// A change as one statement, each value written into it by `put`.
+fn change_with(
+    xid: u32,
+    c: &RowChange,
+    put: &mut dyn FnMut(&Value) -> String,
+) -> Result<ChangeSql, ApplyError> {
     let malformed = |reason: String| ApplyError::Malformed { xid, reason };
     let kind = row_change::Kind::try_from(c.kind)
         .map_err(|_| malformed(format!("unknown change kind {}", c.kind)))?;
@@ -296,7 +340,7 @@ pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyErro
             }
             let key = key_of(&new, "new")?;
             let cols: Vec<String> = new.iter().map(|(c, _)| quote_ident(c)).collect();
-            let vals: Vec<String> = new.iter().map(|(_, v)| sql_value(v)).collect();
+            let vals: Vec<String> = new.iter().map(|(_, v)| put(v)).collect();
             let sql = format!(
                 "INSERT INTO {table} ({}) OVERRIDING SYSTEM VALUE VALUES ({})",
                 cols.join(", "),
@@ -328,9 +372,9 @@ pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyErro
                 .filter(|((_, v), is_key)| {
                     !matches!(v, Value::UnchangedToast(_)) && (key_changed || !**is_key)
                 })
-                .map(|((c, v), _)| format!("{} = {}", quote_ident(c), sql_value(v)))
+                .map(|((c, v), _)| format!("{} = {}", quote_ident(c), put(v)))
                 .collect();
-            let (cond, shown) = key_condition(&old_key);
+            let (cond, shown) = key_condition_with(&old_key, put);
             let sql = if set.is_empty() {
                 // Nothing to write (only unchanged TOAST values besides the key): the row must
                 // still exist.
@@ -347,7 +391,7 @@ pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyErro
         row_change::Kind::Delete => {
             let old = row(&c.old_values, "old row")?;
             let key = key_of(&old, "old")?;
-            let (cond, shown) = key_condition(&key);
+            let (cond, shown) = key_condition_with(&key, put);
             let sql = format!("DELETE FROM {table} WHERE {cond}");
             (
                 "DELETE",
@@ -370,67 +414,59 @@ pub(crate) fn change_sql(xid: u32, c: &RowChange) -> Result<ChangeSql, ApplyErro
     })
 }
 
-/// The statement before a catch-up shadow's COMMIT: its commit does not wait for the WAL flush.
-pub(super) const ASYNC_COMMIT: &str = "SET LOCAL synchronous_commit = off";
+/// The statement before a catch-up shadow's COMMIT: the source's commit LSN (`$1`) and time
+/// (`$2`, microseconds since 2000-01-01 UTC) recorded under the session's replication origin,
+/// and an asynchronous commit (`SET LOCAL synchronous_commit = off`): as PostgreSQL's own apply
+/// worker does, the slot is only confirmed up to what the destination has flushed since
+/// (decision 0018, `ShadowApplier`'s durable position), so a destination crash that loses the
+/// commit loses nothing the source has forgotten.
+pub(super) const ORIGIN_SETUP: &str = "SELECT pg_catalog.pg_replication_origin_xact_setup(\
+     $1::pg_catalog.text::pg_catalog.pg_lsn, '2000-01-01 00:00:00+00'::pg_catalog.timestamptz \
+     + ($2::pg_catalog.text || ' microseconds')::pg_catalog.interval), \
+     pg_catalog.set_config('synchronous_commit', 'off', true)";
 
-/// A shipped transaction as its round trip: `BEGIN`, the guarded changes, the origin setup
-/// (the source's commit LSN and time), [`ASYNC_COMMIT`], `COMMIT`. A transaction the source
-/// validated is its prepared shadow's COMMIT PREPARED instead (always flushed).
+/// A shipped transaction as its round trip: `BEGIN`, the guarded changes with their
+/// parameters, [`ORIGIN_SETUP`], `COMMIT`. A transaction the source validated is its prepared
+/// shadow's COMMIT PREPARED instead (always flushed).
 pub(super) fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
-    if !txn.shadow_gid.is_empty() {
-        // Its changes are in the prepared shadow already; they still give its key set, so
-        // dependent transactions wait for the commit.
-        let mut keys = Vec::new();
-        for c in &txn.changes {
-            keys.extend(change_sql(txn.xid, c)?.keys);
-        }
-        return Ok(Prepared {
-            xid: txn.xid,
-            commit_lsn: txn.commit_lsn,
-            end_lsn: txn.end_lsn,
-            sql: String::new(),
-            stmts: Vec::new(),
-            keys,
-            barrier: false,
-            shadow_gid: Some(txn.shadow_gid.clone()),
-            commit_time_us: txn.commit_time_us,
-        });
-    }
-    let mut sql = String::from("BEGIN;\n");
+    let mut changes = Vec::with_capacity(txn.changes.len());
     let mut stmts = Vec::with_capacity(txn.changes.len());
     let mut keys = Vec::new();
     let mut barrier = false;
     for c in &txn.changes {
-        let cs = change_sql(txn.xid, c)?;
-        sql.push_str(&cs.sql);
-        sql.push_str(";\n");
+        let (cs, params) = change_params(txn.xid, c)?;
         barrier |= cs.info.op == "TRUNCATE";
+        changes.push(ParamStmt {
+            sql: cs.sql,
+            params,
+        });
         stmts.push(cs.info);
         keys.extend(cs.keys);
     }
-    // A catch-up shadow commits asynchronously, as PostgreSQL's own apply worker does: the
-    // slot is only confirmed up to what the destination has flushed since (decision 0018,
-    // `ShadowApplier`'s durable position), so a destination crash that loses the commit loses
-    // nothing the source has forgotten.
-    let _ = write!(
-        sql,
-        "SELECT pg_catalog.pg_replication_origin_xact_setup('{}'::pg_catalog.pg_lsn, \
-         '2000-01-01 00:00:00+00'::timestamptz + interval '{} microseconds');\n\
-         {ASYNC_COMMIT};\nCOMMIT",
-        format_lsn(txn.commit_lsn),
-        txn.commit_time_us
-    );
+    let validated = !txn.shadow_gid.is_empty();
+    if validated {
+        // Its changes are in the prepared shadow already; they still give its key set, so
+        // dependent transactions wait for the commit.
+        changes.clear();
+        stmts.clear();
+        barrier = false;
+    }
     Ok(Prepared {
         xid: txn.xid,
         commit_lsn: txn.commit_lsn,
         end_lsn: txn.end_lsn,
-        sql,
+        changes,
         stmts,
         keys,
         barrier,
-        shadow_gid: None,
+        shadow_gid: validated.then(|| txn.shadow_gid.clone()),
         commit_time_us: txn.commit_time_us,
     })
+}
+
+/// [`ORIGIN_SETUP`]'s parameters for `p`.
+pub(super) fn origin_params(p: &Prepared) -> [String; 2] {
+    [format_lsn(p.commit_lsn), p.commit_time_us.to_string()]
 }
 
 #[cfg(test)]
@@ -507,28 +543,49 @@ mod tests {
             change(Delete, vec![text("2"), null()], vec![]),
         ]))
         .unwrap();
-        let lines: Vec<&str> = p.sql.lines().collect();
-        assert_eq!(lines[0], "BEGIN;");
+        let stmt = |i: usize| (p.changes[i].sql.as_str(), p.changes[i].params.clone());
+        let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(
-            lines[1],
-            "WITH w AS (INSERT INTO \"s\".\"t\"\"x\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE \
-             VALUES ('1', 'o''k') RETURNING 1) SELECT 1/(count(*) = 1)::int FROM w;"
+            stmt(0),
+            (
+                "WITH w AS (INSERT INTO \"s\".\"t\"\"x\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE \
+                 VALUES ($1, $2) RETURNING 1) SELECT 1/(count(*) = 1)::int FROM w",
+                owned(&["1", "o'k"])
+            )
         );
+        // An unchanged TOAST value and an unchanged key are not written: the row must exist.
+        assert_eq!(
+            stmt(1),
+            (
+                "WITH w AS (SELECT 1 FROM \"s\".\"t\"\"x\" WHERE \"id\" = $1 FOR UPDATE) \
+                 SELECT 1/(count(*) = 1)::int FROM w",
+                owned(&["1"])
+            )
+        );
+        // SET values first, then the old key; a NULL is written into the text.
         assert!(
-            lines[2].contains(
-                "WITH w AS (SELECT 1 FROM \"s\".\"t\"\"x\" WHERE \"id\" = '1' FOR UPDATE) SELECT"
-            ),
+            stmt(1).0 != stmt(2).0
+                && stmt(2)
+                    .0
+                    .contains("SET \"id\" = $1, \"v\" = NULL WHERE \"id\" = $2 RETURNING"),
             "{}",
-            lines[2]
+            stmt(2).0
         );
-        assert!(lines[3].contains("SET \"id\" = '2', \"v\" = NULL WHERE \"id\" = '1' RETURNING"));
-        assert!(lines[4].contains("DELETE FROM \"s\".\"t\"\"x\" WHERE \"id\" = '2' RETURNING"));
-        assert!(lines[5].starts_with(
-            "SELECT pg_catalog.pg_replication_origin_xact_setup('1/10'::pg_catalog.pg_lsn, \
-             '2000-01-01 00:00:00+00'::timestamptz + interval '123 microseconds')"
-        ));
-        assert_eq!(lines[6], "SET LOCAL synchronous_commit = off;");
-        assert_eq!(lines[7], "COMMIT");
+        assert_eq!(stmt(2).1, owned(&["2", "1"]));
+        assert!(stmt(3)
+            .0
+            .contains("DELETE FROM \"s\".\"t\"\"x\" WHERE \"id\" = $1 RETURNING"));
+        assert_eq!(stmt(3).1, owned(&["2"]));
+        // The same shape with other values is the same statement text.
+        let again = prepare(&txn(vec![change(
+            Insert,
+            vec![],
+            vec![text("9"), text("z")],
+        )]))
+        .unwrap();
+        assert_eq!(again.changes[0].sql, p.changes[0].sql);
+        assert_eq!(origin_params(&p), ["1/10".to_string(), "123".to_string()]);
+        assert!(ORIGIN_SETUP.contains("set_config('synchronous_commit', 'off', true)"));
         assert!(!p.barrier);
         // Key 1 (insert, update, update-old) and key 2 (update-new, delete).
         let distinct: std::collections::BTreeSet<_> = p.keys.iter().collect();
@@ -542,7 +599,7 @@ mod tests {
         c.truncate_tables = vec!["\"s\".\"a\"".into(), "\"s\".\"b\"".into()];
         let p = prepare(&txn(vec![c.clone()])).unwrap();
         assert!(p.barrier && p.keys.is_empty());
-        assert!(p.sql.contains("\nTRUNCATE \"s\".\"a\", \"s\".\"b\";\n"));
+        assert_eq!(p.changes[0].sql, "TRUNCATE \"s\".\"a\", \"s\".\"b\"");
         c.truncate_tables = vec!["s.a; DROP TABLE x".into()];
         assert!(matches!(
             prepare(&txn(vec![c])),
