@@ -96,6 +96,12 @@ const MAX_STATEMENTS: usize = 512;
 #[derive(Debug)]
 struct TextParam<'a>(&'a str);
 
+impl TextParam<'_> {
+    fn all(values: &[String]) -> Vec<TextParam<'_>> {
+        values.iter().map(|v| TextParam(v)).collect()
+    }
+}
+
 impl ToSql for TextParam<'_> {
     fn to_sql(
         &self,
@@ -182,37 +188,29 @@ impl Session {
         // the later statements fail with 25P02 and the COMMIT ends the aborted transaction.
         let n = p.changes.len();
         let origin_params = origin_params(p);
-        let mut shapes: Vec<(&str, Vec<&str>)> = Vec::with_capacity(n + 3);
+        let mut shapes: Vec<(&str, Vec<TextParam>)> = Vec::with_capacity(n + 3);
         shapes.push(("BEGIN", Vec::new()));
         for c in &p.changes {
-            shapes.push((&c.sql, c.params.iter().map(String::as_str).collect()));
+            shapes.push((&c.sql, TextParam::all(&c.params)));
         }
-        shapes.push((
-            ORIGIN_SETUP,
-            origin_params.iter().map(String::as_str).collect(),
-        ));
+        shapes.push((ORIGIN_SETUP, TextParam::all(&origin_params)));
         shapes.push(("COMMIT", Vec::new()));
+        // The first statement that failed (to prepare or to run), and its error.
+        let mut failure: Option<(usize, tokio_postgres::Error)> = None;
         let mut statements = Vec::with_capacity(shapes.len());
-        let mut failed_at = None;
-        let mut first_error = None;
         for (i, (sql, _)) in shapes.iter().enumerate() {
             match self.statement(sql).await {
                 Ok(s) => statements.push(s),
                 Err(e) => {
-                    failed_at = Some(i);
-                    first_error = Some(e);
+                    failure = Some((i, e));
                     break;
                 }
             }
         }
         let mut bad_guard_row = None;
-        if first_error.is_none() {
-            let params: Vec<Vec<TextParam>> = shapes
-                .iter()
-                .map(|(_, values)| values.iter().map(|v| TextParam(v)).collect())
-                .collect();
-            let answers = futures_util::future::join_all(statements.iter().zip(&params).map(
-                |(statement, values)| {
+        if failure.is_none() {
+            let answers = futures_util::future::join_all(statements.iter().zip(&shapes).map(
+                |(statement, (_, values))| {
                     let values: Vec<&(dyn ToSql + Sync)> =
                         values.iter().map(|v| v as &(dyn ToSql + Sync)).collect();
                     async move { self.client.query(statement, &values).await }
@@ -229,21 +227,15 @@ impl Session {
                         }
                     }
                     Err(e) => {
-                        failed_at = Some(i);
-                        first_error = Some(e);
+                        failure = Some((i, e));
                         break;
                     }
                 }
             }
         }
-        let result = match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        };
-        let failed_at = failed_at.unwrap_or(n + 3);
         let stmt = |idx: usize| (1..=n).contains(&idx).then(|| &p.stmts[idx - 1]);
-        match result {
-            Ok(()) => {
+        match failure {
+            None => {
                 // The guards make a wrong row count fail on the server, before COMMIT; this only
                 // catches a server that answered something else than what was sent.
                 if bad_guard_row.is_none() {
@@ -260,7 +252,7 @@ impl Session {
                     ),
                 })
             }
-            Err(e) => {
+            Some((failed_at, e)) => {
                 if let Err(rb) = self.client.batch_execute("ROLLBACK").await {
                     warn!(migration_id = self.migration_id, worker = self.worker, error = %pg_message(&rb), "ROLLBACK after a failed shadow transaction failed");
                 }
