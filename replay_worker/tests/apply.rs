@@ -27,7 +27,7 @@ trait Suite: Sized {
 impl Suite for PgServer {
     fn start() -> PgServer {
         PgServer::start_with(
-            "-c max_replication_slots=16 -c max_connections=40 -c track_commit_timestamp=on",
+            "-c max_replication_slots=40 -c max_connections=60 -c track_commit_timestamp=on",
             "replay-pg-",
         )
     }

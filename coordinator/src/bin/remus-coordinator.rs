@@ -39,8 +39,11 @@ struct Args {
     /// Database of the nodes that holds the distributed tables.
     #[arg(long, default_value = "postgres")]
     database: String,
-    /// Concurrent apply sessions per migration on the target.
-    #[arg(long, default_value_t = 4)]
+    /// Concurrent apply sessions per migration on the target (each holds one connection and
+    /// one replication origin there while the migration runs). Many more than the target's
+    /// cores: a session waits out a round trip per transaction, so under a busy source the
+    /// replay keeps up only with enough transactions in flight (decision 0031).
+    #[arg(long, env = "REMUS_APPLY_PARALLELISM", default_value_t = 16)]
     apply_parallelism: u32,
     /// Sessions of a migration's snapshot copy: one per table at least, and at least this
     /// many, so that a large shard table is copied in block ranges by several at once.

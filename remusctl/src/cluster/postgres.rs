@@ -83,7 +83,7 @@ shared_preload_libraries = 'pg_remus'
 wal_level = logical
 track_commit_timestamp = on
 max_prepared_transactions = 200
-max_replication_slots = 64
+max_replication_slots = 128
 max_wal_senders = 32
 max_worker_processes = 32
 logical_decoding_work_mem = '64MB'
@@ -170,7 +170,7 @@ mod tests {
             "remus.node_name = 'n2'",
             "port = 7002",
             "remus.coordinator_address = 'http://127.0.0.1:7103,http://127.0.0.1:7105'",
-            "max_replication_slots = 64",
+            "max_replication_slots = 128",
         ] {
             assert!(conf.contains(needle), "missing {needle}");
         }

@@ -64,10 +64,11 @@ impl ShadowApplier {
     /// (created if missing) set up.
     pub async fn connect(cfg: ApplyConfig) -> Result<ShadowApplier, ApplyError> {
         let parallelism = cfg.parallelism.max(1);
-        let mut sessions = Vec::with_capacity(parallelism);
-        for worker in 0..parallelism {
-            sessions.push(Session::open(&cfg, worker).await?);
-        }
+        // Concurrently: each open is a connection and a setup round trip, and there are many.
+        let mut sessions = futures_util::future::try_join_all(
+            (0..parallelism).map(|worker| Session::open(&cfg, worker)),
+        )
+        .await?;
         info!(
             migration_id = cfg.migration_id,
             parallelism,

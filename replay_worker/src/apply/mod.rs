@@ -52,8 +52,9 @@ pub(crate) use session::{commit_prepared_with_origin, finish_prepared};
 pub(crate) use sql::{change_sql, key_condition, key_values, origin_session_setup, row_values};
 pub use sql::{format_lsn, quote_ident, quote_literal};
 
-/// Apply sessions when [`ApplyStart::parallelism`] is 0.
-pub const DEFAULT_PARALLELISM: usize = 4;
+/// Apply sessions when [`ApplyStart::parallelism`] is 0: as the coordinator's default
+/// (decision 0031).
+pub const DEFAULT_PARALLELISM: usize = 16;
 
 /// Where and how to apply one migration's transactions.
 #[derive(Debug, Clone, PartialEq, Eq)]
