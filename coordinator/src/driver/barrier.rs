@@ -25,12 +25,14 @@ impl Run {
             "transactions that were writing the shards when the migration started",
         )
         .await?;
-        let source = self.config.connector.connect(&self.plan.source).await?;
+        let writers_waited = started.elapsed();
+        let source = self.source_session().await?;
         let lsn_unsync: i64 = source
             .query_one(&format!("SELECT remus.sync_barrier({id})"), &[])
             .await
             .map_err(sql(&self.plan.source))?
             .get(0);
+        let set = started.elapsed();
         self.config
             .failpoints
             .pause(failpoint::BARRIER_SET, id)
@@ -41,12 +43,21 @@ impl Run {
         let prepared = self.prepared_shard_lockers().await?;
         self.wait_for_lockers(&prepared, "transactions prepared before the sync barrier")
             .await?;
+        let prepared_waited = started.elapsed();
         let lsn = self.sync_point().await?;
+        let sync_point = started.elapsed();
         self.wait_applied(lsn).await?;
+        // Where the barrier's time goes (each a time since its start): the writers of the
+        // migration's start, the source's switch to sync mode, the 2PC participants, the sync
+        // point's emission, then the target applying up to it.
         info!(
             migration_id = id,
             phase = "barrier",
             lsn_unsync = %Lsn(lsn_unsync as u64),
+            writers_ms = writers_waited.as_millis() as u64,
+            set_ms = set.as_millis() as u64,
+            prepared_ms = prepared_waited.as_millis() as u64,
+            sync_point_ms = sync_point.as_millis() as u64,
             ms = started.elapsed().as_millis() as u64,
             "sync barrier set; dual execution on"
         );
@@ -56,7 +67,7 @@ impl Run {
     /// Prepared transactions (2PC participants: no backend) holding locks on the source's shard
     /// tables, as virtual xids.
     pub(super) async fn prepared_shard_lockers(&self) -> Result<Vec<String>, DriverError> {
-        let source = self.config.connector.connect(&self.plan.source).await?;
+        let source = self.source_session().await?;
         let rows = source
             .query(
                 &format!(
@@ -80,7 +91,7 @@ impl Run {
         if vxids.is_empty() {
             return Ok(());
         }
-        let source = self.config.connector.connect(&self.plan.source).await?;
+        let source = self.source_session().await?;
         let query = format!(
             "SELECT count(DISTINCT virtualtransaction), min(pid) FROM pg_locks
               WHERE relation = ANY({}) AND virtualtransaction = ANY($1)",

@@ -532,6 +532,8 @@ struct State {
     meter: std::sync::Mutex<meter::Meter>,
     /// Remus: catch-up did not converge; said with every later wait for the stream.
     not_converging: Option<String>,
+    /// The driver's own session on the source for its short statements ([`Run::source_session`]).
+    source_session: std::sync::Mutex<Option<Arc<tokio_postgres::Client>>>,
 }
 
 struct Run {
@@ -552,6 +554,30 @@ impl Run {
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .take()
+    }
+
+    /// A session on the source for the driver's short statements of catch-up and the sync
+    /// barrier (sync points, lock checks, the WAL position, the switch to sync mode), kept for
+    /// the run: a new connection costs tens of milliseconds on a loaded source, and the barrier's
+    /// statements run while the shard's writers wait. Opened again once it has closed (a source
+    /// restart). Autocommit statements only, nothing set on the session.
+    async fn source_session(&self) -> Result<Arc<tokio_postgres::Client>, DriverError> {
+        let cached = self
+            .state
+            .source_session
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(client) = cached.filter(|c| !c.is_closed()) {
+            return Ok(client);
+        }
+        let client = Arc::new(self.config.connector.connect(&self.plan.source).await?);
+        *self
+            .state
+            .source_session
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(client.clone());
+        Ok(client)
     }
 
     fn publication(&self) -> String {
