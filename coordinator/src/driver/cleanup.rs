@@ -3,7 +3,7 @@
 //! the source's copy, the publication and the origins dropped, the registration ended
 //! (`remus.migration_end`, the extension's half).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 use wal_propagator::ReplicationConnection;
@@ -22,6 +22,8 @@ impl Run {
             .failpoints
             .pause(failpoint::CLEANUP_STARTED, id)
             .await;
+        let started = Instant::now();
+        let step = |step: &str| step_done(id, started, step);
         if self.plan.mode == Mode::Remus {
             // Orphan shadows keep being resolved through the drain (F6); a resumed cleanup has
             // not run dual execution in this process, so its resolver starts here.
@@ -35,6 +37,10 @@ impl Run {
             Err(DriverError::Propagator(e)) if self.plan.mode == Mode::Remus => Some(e),
             Err(e) => return Err(e),
         };
+        step("drained");
+        if stream_lost.is_none() {
+            self.end_drain_fence().await;
+        }
         let propagator = self.state.propagator.take().expect("propagator running");
         self.state.final_txns_applied = propagator
             .progress
@@ -60,12 +66,16 @@ impl Run {
                 // than wait for a stream that will not come; then wait for all of them to end.
                 let conn = propagator.stop(false).await.ok();
                 self.drain_after_tm(false).await?;
+                self.end_drain_fence().await;
                 self.reporter.waiting_on(None).await;
                 conn
             }
         };
+        step("stream stopped");
         self.drop_slot(conn).await?;
+        step("slot dropped");
         let aborted = self.finish_after_drain().await? + self.state.terminated;
+        step("source copy, publication, origins and registration removed");
         let replayed = self.txns_replayed();
         self.reporter
             .update(move |r| {
@@ -81,6 +91,30 @@ impl Run {
             "source shard removed"
         );
         Ok(())
+    }
+
+    /// Remus, once drained: ends the drain fence on every node (`remus.migration_drain_source`
+    /// with `''`). No transaction older than Tm is left for a write on the moved shards to
+    /// wait for, and each fenced write costs a connection to the source until the registration
+    /// ends, the rest of cleanup. Best effort: a node that does not take it keeps fencing,
+    /// harmlessly, until `migration_end`.
+    async fn end_drain_fence(&self) {
+        if self.plan.mode != Mode::Remus {
+            return;
+        }
+        let id = self.id();
+        for node in &self.plan.nodes {
+            let ended = async {
+                let c = self.config.connector.connect(node).await?;
+                c.batch_execute(&format!("SELECT remus.migration_drain_source({id}, '')"))
+                    .await
+                    .map_err(sql(node))
+            }
+            .await;
+            if let Err(e) = ended {
+                warn!(migration_id = id, phase = "cleanup", node = %node.name, error = %e, "the drain fence was not ended early; it ends with the registration");
+            }
+        }
     }
 
     /// Waits until every transaction that could still use the source shards has ended: those
@@ -111,8 +145,12 @@ impl Run {
     /// is still there: a resumed run may find them gone), the registration ended. Returns the
     /// transactions the nodes counted as aborted by the migration.
     pub(super) async fn finish_after_drain(&mut self) -> Result<u64, DriverError> {
+        let started = Instant::now();
+        let id = self.id();
+        let step = |step: &str| step_done(id, started, step);
         if self.plan.mode == Mode::Remus {
             self.resolve_shadows().await?;
+            step("leftover shadows resolved");
         }
         let source = self.connect_when_up(&self.plan.source).await?;
         // The last guard before the only destructive step (F3): the source's copy goes only
@@ -145,7 +183,9 @@ impl Run {
             .await
             .map_err(sql(&self.plan.source))?;
         self.state.publication = false;
+        step("source copy and publication dropped");
         self.drop_origins().await?;
+        step("origins dropped");
         self.end_registration().await
     }
 
@@ -244,4 +284,16 @@ async fn execute_while_in_use(
             Err(e) => return Err(sql(node)(e)),
         }
     }
+}
+
+/// One cleanup step's end, as a time since `started`: what the clients live through right
+/// after the handover happens in this phase, so its steps are timed in the log.
+fn step_done(migration_id: u64, started: Instant, step: &str) {
+    info!(
+        migration_id,
+        phase = "cleanup",
+        step,
+        ms = started.elapsed().as_millis() as u64,
+        "cleanup step done"
+    );
 }

@@ -124,7 +124,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn drain_source_needs_registration_and_ends_with_the_migration() {
+    fn drain_source_needs_registration_and_ends_with_the_migration_or_empty() {
         assert!(outcome("SELECT remus.migration_drain_source(9201, 'n1')")
             .starts_with("22023: migration 9201 is not registered"));
         Spi::run("SELECT remus.migration_begin(9201, ARRAY[920101])").unwrap();
@@ -132,8 +132,22 @@ mod tests {
             crate::migration::handover::remus::drain_source_of(920101),
             None
         );
-        assert!(outcome("SELECT remus.migration_drain_source(9201, '')")
-            .starts_with("22023: node name must be"));
+        assert!(
+            outcome(&format!(
+                "SELECT remus.migration_drain_source(9201, '{}')",
+                "n".repeat(200)
+            ))
+            .starts_with("22023: node name must be"),
+            "a name longer than shared memory holds"
+        );
+        // '' ends the drain (the coordinator, once nothing older than Tm is left).
+        Spi::run("SELECT remus.migration_drain_source(9201, 'n1')").unwrap();
+        Spi::run("SELECT remus.migration_drain_source(9201, '')").unwrap();
+        assert_eq!(
+            crate::migration::handover::remus::drain_source_of(920101),
+            None,
+            "ended by ''"
+        );
         Spi::run("SELECT remus.migration_drain_source(9201, 'n1')").unwrap();
         assert_eq!(
             crate::migration::handover::remus::drain_source_of(920101).as_deref(),

@@ -238,15 +238,18 @@ mod remus {
 
     use crate::migration::handover::remus::*;
 
-    /// Remus mode, at Tm: from now until `migration_end`, a write routed to one of the
-    /// migration's shards on a node other than `source_node` first waits on `source_node` for
-    /// the transactions there that hold the row (they predate Tm), so it follows them the way
-    /// a READ COMMITTED writer follows an older one on a single node, instead of leaving them a
-    /// write-write conflict. The migration must be registered. Idempotent.
+    /// Remus mode, at Tm: from now until `migration_end` (or a call with `source_node` `''`),
+    /// a write routed to one of the migration's shards on a node other than `source_node` first
+    /// waits on `source_node` for the transactions there that hold the row (they predate Tm),
+    /// so it follows them the way a READ COMMITTED writer follows an older one on a single
+    /// node, instead of leaving them a write-write conflict. `''` ends that: the coordinator
+    /// calls it once every transaction older than Tm has ended, when the fence (a connection
+    /// to the source per fenced transaction) could only find nothing. The migration must be
+    /// registered. Idempotent.
     #[pg_extern(volatile, parallel_unsafe)]
     fn migration_drain_source(migration_id: i64, source_node: &str) {
         require_superuser("remus.migration_drain_source");
-        if source_node.is_empty() || source_node.len() >= NODE_NAME_BYTES {
+        if source_node.len() >= NODE_NAME_BYTES {
             RemusError::LengthOutOfRange {
                 what: "node name",
                 max: NODE_NAME_BYTES - 1,
