@@ -102,19 +102,14 @@ impl Run {
         if self.plan.mode != Mode::Remus {
             return;
         }
-        let id = self.id();
-        for node in &self.plan.nodes {
-            let ended = async {
-                let c = self.config.connector.connect(node).await?;
-                c.batch_execute(&format!("SELECT remus.migration_drain_source({id}, '')"))
-                    .await
-                    .map_err(sql(node))
-            }
+        // Each node's failure is warned; none stops cleanup.
+        let _ = self
+            .on_every_node_trying_all(
+                &format!("SELECT remus.migration_drain_source({}, '')", self.id()),
+                "cleanup",
+                "the drain fence was not ended early; it ends with the registration",
+            )
             .await;
-            if let Err(e) = ended {
-                warn!(migration_id = id, phase = "cleanup", node = %node.name, error = %e, "the drain fence was not ended early; it ends with the registration");
-            }
-        }
     }
 
     /// Waits until every transaction that could still use the source shards has ended: those

@@ -673,6 +673,31 @@ impl Run {
         Ok(rows)
     }
 
+    /// Runs `sql_text` on every node, each in a new session, going on past a node that fails
+    /// (warned as `failed`, with the phase): for steps that must reach every node that
+    /// answers. Returns the first failure once all were tried.
+    async fn on_every_node_trying_all(
+        &self,
+        sql_text: &str,
+        phase: &str,
+        failed: &str,
+    ) -> Result<(), DriverError> {
+        let id = self.id();
+        let mut first = None;
+        for node in &self.plan.nodes {
+            let r = async {
+                let c = self.config.connector.connect(node).await?;
+                c.batch_execute(sql_text).await.map_err(sql(node))
+            }
+            .await;
+            if let Err(e) = r {
+                warn!(migration_id = id, phase, node = %node.name, error = %e, "{failed}");
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
     fn table_list(&self) -> String {
         self.plan
             .tables

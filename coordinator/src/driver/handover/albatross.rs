@@ -254,22 +254,12 @@ impl Run {
     /// Lifts this migration's suspension on every node that answers; the first failure is
     /// returned after all were tried.
     async fn albatross_resume_all(&self) -> Result<(), DriverError> {
-        let id = self.id();
-        let mut first = None;
-        for node in &self.plan.nodes {
-            let r = async {
-                let c = self.config.connector.connect(node).await?;
-                c.batch_execute(&format!("SELECT remus.albatross_resume({id})"))
-                    .await
-                    .map_err(sql(node))
-            }
-            .await;
-            if let Err(e) = r {
-                warn!(migration_id = id, phase = "handover", node = %node.name, error = %e, "lifting the suspension failed");
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        self.on_every_node_trying_all(
+            &format!("SELECT remus.albatross_resume({})", self.id()),
+            "handover",
+            "lifting the suspension failed",
+        )
+        .await
     }
 }
 
