@@ -437,7 +437,8 @@ async fn parallel_apply_matches_serial_apply_and_the_watermark_covers_only_commi
     assert!(advances > 0);
     assert_eq!(applier.applied_lsn(), txns.last().unwrap().end_lsn);
     assert_eq!(applier.txns_applied(), N);
-    // The first four transactions were independent: each session committed some work.
+    // The first transactions were independent: the two sessions opened at the start were both
+    // busy with ready ones waiting, so two more opened, and each of the four committed work.
     let used = query_one(
         &par,
         "SELECT count(*) FROM pg_replication_origin_status WHERE remote_lsn <> '0/0'",

@@ -10,8 +10,9 @@
 //!   while the older transaction is still open (the fence locked every row of w = 1 before);
 //! - an upsert of (1, 1), and an UPDATE without shard key (sent to every shard), through a
 //!   third node wait for the older transaction, which then commits (no 40001), and the newer
-//!   write applies on top of it (neither was fenced before); the fence's own connection to the
-//!   source (`application_name` `pg_remus drain`) ends with the fenced transaction, not with the
+//!   write applies on top of it (neither was fenced before); a connection the fence opened to
+//!   the source for itself (`application_name` `pg_remus drain`, when the backend had no idle
+//!   one there) ends at the session's first transaction end after the fence, not with the
 //!   session (F19);
 //! - a newer transaction that holds a row on the source (a `warehouse` row, another table) that
 //!   the older one then waits for is not held back by that older writer: the older one cannot
@@ -234,7 +235,9 @@ fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
     until_lock_wait(
         &d.c,
         &d.source,
-        "strpos(query, 'FOR SHARE') > 0 AND application_name = 'pg_remus drain'",
+        // On the backend's own connection to the source when it has an idle one, else on one
+        // the fence opens for itself.
+        "strpos(query, 'FOR SHARE') > 0 AND application_name IN ('pg_remus drain', 'pg_remus')",
         || format!("{sql:?} did not wait on {} for the older writer", d.source),
     );
     let mut on_source = d.c.connect(&d.source).unwrap();
@@ -245,10 +248,15 @@ fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
     d.older
         .batch_execute("COMMIT")
         .expect("the older writer commits (no 40001)");
-    let (newer, written) = write.join().unwrap();
+    let (mut newer, written) = write.join().unwrap();
     assert_eq!(written.expect(sql), rows);
-    // F19: the fence's own connection to the source ended with the transaction that needed
-    // it, although the session that fenced is still open.
+    let (c, target, shard) = finish(d);
+    // F19: a connection the fence opened to the source for itself ends at the session's first
+    // transaction end after the fence ended (here with the migration), although the session
+    // that fenced is still open.
+    newer
+        .batch_execute("SELECT 1")
+        .expect("a statement after the migration");
     wait_until(
         Duration::from_secs(30),
         Duration::from_millis(20),
@@ -259,14 +267,10 @@ fn waits_for_the_older_writer(mut d: Drain, sql: &'static str, rows: u64) {
             ) == 0
         },
         || {
-            format!(
-                "a drain fence connection to {} outlived its transaction",
-                d.source
-            )
+            "a drain fence connection to the source outlived the fence and its session's next transaction".to_string()
         },
     );
     drop(newer);
-    let (c, target, shard) = finish(d);
     assert_eq!(
         q_on(&c, &target, shard, 1),
         22,

@@ -799,7 +799,8 @@ fn a_stream_or_destination_failure_during_dual_execution() {
         }
         assert!(
             started.elapsed() < Duration::from_secs(60),
-            "remus_migrations never reported the failure: {said:?}"
+            "remus_migrations never reported the failure: {said:?}\n{}",
+            c.daemon_logs(60)
         );
         thread::sleep(Duration::from_millis(20));
     }

@@ -113,10 +113,10 @@ impl Run {
                     .map(|p| format!("pid {p}"))
                     .unwrap_or_else(|| "a prepared transaction".into());
                 self.reporter
-                    .waiting_on(Some(format!(
+                    .waiting_on(Some(self.with_stream_note(format!(
                         "{n} {what} on {} (e.g. {who})",
                         self.plan.source.name
-                    )))
+                    ))))
                     .await;
                 info!(
                     migration_id = self.id(),

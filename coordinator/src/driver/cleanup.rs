@@ -38,9 +38,6 @@ impl Run {
             Err(e) => return Err(e),
         };
         step("drained");
-        if stream_lost.is_none() {
-            self.end_drain_fence().await;
-        }
         let propagator = self.state.propagator.take().expect("propagator running");
         self.state.final_txns_applied = propagator
             .progress
@@ -58,15 +55,17 @@ impl Run {
             },
             Some(e) => {
                 warn!(migration_id = id, phase = "cleanup", error = %e, "the stream failed after the handover; completing from the prepared shadows");
-                self.reporter
-                    .waiting_on(Some(format!("the stream failed after the handover ({e}); completing from the prepared shadows")))
-                    .await;
+                let note = format!(
+                    "the stream failed after the handover ({e}); completing from the prepared shadows"
+                );
+                self.reporter.waiting_on(Some(note.clone())).await;
+                self.state.stream_lost = Some(note);
                 // Abandoning the apply call makes the replay worker refuse validations, so
                 // source transactions older than Tm that are still to commit fail now rather
                 // than wait for a stream that will not come; then wait for all of them to end.
                 let conn = propagator.stop(false).await.ok();
                 self.drain_after_tm(false).await?;
-                self.end_drain_fence().await;
+                self.state.stream_lost = None;
                 self.reporter.waiting_on(None).await;
                 conn
             }
@@ -93,10 +92,10 @@ impl Run {
         Ok(())
     }
 
-    /// Remus, once drained: ends the drain fence on every node (`remus.migration_drain_source`
-    /// with `''`). No transaction older than Tm is left for a write on the moved shards to
-    /// wait for, and each fenced write costs a connection to the source until the registration
-    /// ends, the rest of cleanup. Best effort: a node that does not take it keeps fencing,
+    /// Remus, once the transactions older than Tm have ended: ends the drain fence on every
+    /// node (`remus.migration_drain_source` with `''`). No transaction older than Tm is left for
+    /// a write on the moved shards to wait for, and each fenced write costs the source a lock
+    /// query until the registration ends, the rest of cleanup. Best effort: a node that does not take it keeps fencing,
     /// harmlessly, until `migration_end`.
     async fn end_drain_fence(&self) {
         if self.plan.mode != Mode::Remus {
@@ -113,9 +112,11 @@ impl Run {
     }
 
     /// Waits until every transaction that could still use the source shards has ended: those
-    /// older than Tm on every node and (Remus) 2PC participants prepared on the source. With
-    /// `stream`, the target then applies the source's stream up to here.
+    /// older than Tm on every node and (Remus) 2PC participants prepared on the source; then
+    /// (Remus) ends the drain fence. With `stream`, the target then applies the source's stream
+    /// up to here.
     async fn drain_after_tm(&mut self, stream: bool) -> Result<(), DriverError> {
+        let started = Instant::now();
         for (node, at) in self.state.tm_committed_at.clone() {
             self.drain_older_transactions(&node, &at, "transactions older than the handover")
                 .await?;
@@ -127,6 +128,13 @@ impl Run {
             let prepared = self.prepared_shard_lockers().await?;
             self.wait_for_lockers(&prepared, "prepared transactions older than the handover")
                 .await?;
+            step_done(self.id(), started, "older transactions ended");
+            // Nothing is left for the fence to wait for: no source transaction older than Tm
+            // runs, and each one that committed has its shadow committed on the target, or
+            // prepared there (a 2PC participant's, committed by the stream below), whose row
+            // locks a newer writer on the target waits for as the fence would have.
+            self.end_drain_fence().await;
+            step_done(self.id(), started, "drain fence ended");
             if stream {
                 let lsn = self.sync_point().await?;
                 self.wait_applied(lsn).await?;
@@ -147,7 +155,7 @@ impl Run {
             self.resolve_shadows().await?;
             step("leftover shadows resolved");
         }
-        let source = self.connect_when_up(&self.plan.source).await?;
+        let source = self.session(&self.plan.source).await?;
         // The last guard before the only destructive step (F3): the source's copy goes only
         // where the source's own map, committed by Tm, already names the target.
         let astray: Vec<i64> = source
@@ -158,7 +166,10 @@ impl Run {
                 &[&self.plan.shard_ids, &self.plan.target.name],
             )
             .await
-            .map_err(sql(&self.plan.source))?
+            .map_err(|e| {
+                self.forget_session(&self.plan.source, &source);
+                sql(&self.plan.source)(e)
+            })?
             .iter()
             .map(|r| r.get(0))
             .collect();
@@ -176,7 +187,10 @@ impl Run {
                 self.publication()
             ))
             .await
-            .map_err(sql(&self.plan.source))?;
+            .map_err(|e| {
+                self.forget_session(&self.plan.source, &source);
+                sql(&self.plan.source)(e)
+            })?;
         self.state.publication = false;
         step("source copy and publication dropped");
         self.drop_origins().await?;
@@ -231,7 +245,7 @@ impl Run {
     }
 
     pub(super) async fn drop_origins(&self) -> Result<(), DriverError> {
-        let target = self.connect_when_up(&self.plan.target).await?;
+        let target = self.session(&self.plan.target).await?;
         // The sessions of a replay worker that died are still attached to their origins until
         // their backends notice the lost client and exit.
         execute_while_in_use(
@@ -241,6 +255,7 @@ impl Run {
             &names::origin_like_pattern(self.id()),
         )
         .await
+        .inspect_err(|_| self.forget_session(&self.plan.target, &target))
     }
 
     /// Ends the registration on every node; returns the transactions the nodes counted as

@@ -179,16 +179,20 @@ impl Run {
     /// replication origin of the migration (dropped with the others).
     pub(super) async fn resolve_shadows(&self) -> Result<(), DriverError> {
         self.stop_shadow_resolver().await;
-        let target = self.connect_when_up(&self.plan.target).await?;
-        let source = self.connect_when_up(&self.plan.source).await?;
+        let target = self.session(&self.plan.target).await?;
+        let source = self.session(&self.plan.source).await?;
         let sides = ShadowSides {
             id: self.id(),
             source: &self.plan.source,
             target: &self.plan.target,
         };
-        resolve_by_fate(&sides, &target, &source, Pass::Final, "cleanup")
-            .await
-            .map(|_| ())
+        let r = resolve_by_fate(&sides, &target, &source, Pass::Final, "cleanup").await;
+        if r.is_err() {
+            // The target's session may still be attached to the resolving origin.
+            self.forget_session(&self.plan.target, &target);
+            self.forget_session(&self.plan.source, &source);
+        }
+        r.map(|_| ())
     }
 
     /// Rollback: every prepared shadow of this migration on the target goes (the source keeps

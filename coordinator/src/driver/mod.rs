@@ -532,8 +532,11 @@ struct State {
     meter: std::sync::Mutex<meter::Meter>,
     /// Remus: catch-up did not converge; said with every later wait for the stream.
     not_converging: Option<String>,
-    /// The driver's own session on the source for its short statements ([`Run::source_session`]).
-    source_session: std::sync::Mutex<Option<Arc<tokio_postgres::Client>>>,
+    /// Cleanup completing without the stream (it failed after Tm): said with every wait of the
+    /// drain that follows, so that what an operator reads keeps naming the failure.
+    stream_lost: Option<String>,
+    /// The driver's own sessions, one per node, for its short statements ([`Run::session`]).
+    sessions: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio_postgres::Client>>>,
 }
 
 struct Run {
@@ -556,28 +559,105 @@ impl Run {
             .take()
     }
 
-    /// A session on the source for the driver's short statements of catch-up and the sync
-    /// barrier (sync points, lock checks, the WAL position, the switch to sync mode), kept for
-    /// the run: a new connection costs tens of milliseconds on a loaded source, and the barrier's
-    /// statements run while the shard's writers wait. Opened again once it has closed (a source
-    /// restart). Autocommit statements only, nothing set on the session.
+    /// The driver's session on the source ([`Self::session`]).
     async fn source_session(&self) -> Result<Arc<tokio_postgres::Client>, DriverError> {
-        let cached = self
-            .state
-            .source_session
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if let Some(client) = cached.filter(|c| !c.is_closed()) {
+        self.session(&self.plan.source).await
+    }
+
+    /// A session on `node` for the driver's short statements (sync points, lock checks, the
+    /// WAL position, the barrier's switch, Tm, the drain's polls, the registration's steps),
+    /// kept for the run: a new connection costs tens of milliseconds on a loaded node, and from
+    /// the barrier to the end of the drain fence the shard's writers wait on these statements.
+    /// Opened as [`Self::connect_when_up`] does, and again once it has closed (a node restart).
+    /// Autocommit statements only, nothing set on the session; a step whose statement failed
+    /// on it calls [`Self::forget_session`] so that no later step finds it mid-transaction.
+    async fn session(&self, node: &NodeRecord) -> Result<Arc<tokio_postgres::Client>, DriverError> {
+        if let Some(client) = self.cached_session(node) {
             return Ok(client);
         }
-        let client = Arc::new(self.config.connector.connect(&self.plan.source).await?);
-        *self
-            .state
-            .source_session
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(client.clone());
+        let client = Arc::new(self.connect_when_up(node).await?);
+        self.keep_session(node, &client);
         Ok(client)
+    }
+
+    /// [`Self::session`], but a node that does not answer is an error at once, whatever the
+    /// phase (steps that warn and go on, or fail, rather than wait for a node).
+    async fn session_now(
+        &self,
+        node: &NodeRecord,
+    ) -> Result<Arc<tokio_postgres::Client>, DriverError> {
+        if let Some(client) = self.cached_session(node) {
+            return Ok(client);
+        }
+        let client = Arc::new(self.config.connector.connect(node).await?);
+        self.keep_session(node, &client);
+        Ok(client)
+    }
+
+    fn cached_session(&self, node: &NodeRecord) -> Option<Arc<tokio_postgres::Client>> {
+        self.state
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&node.name)
+            .filter(|c| !c.is_closed())
+            .cloned()
+    }
+
+    fn keep_session(&self, node: &NodeRecord, client: &Arc<tokio_postgres::Client>) {
+        self.state
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node.name.clone(), client.clone());
+    }
+
+    /// Drops `client` from the cache if it is still `node`'s session: after a statement failed
+    /// on it, it may be closed, or inside a transaction that the failure aborted.
+    fn forget_session(&self, node: &NodeRecord, client: &Arc<tokio_postgres::Client>) {
+        let mut sessions = self
+            .state
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if sessions
+            .get(&node.name)
+            .is_some_and(|c| Arc::ptr_eq(c, client))
+        {
+            sessions.remove(&node.name);
+        }
+    }
+
+    /// Runs `sql_text` (one statement, autocommit) on `node`'s session; once more on a new
+    /// session if the cached one turns out to be closed (its node restarted since).
+    async fn query_on(
+        &self,
+        node: &NodeRecord,
+        sql_text: &str,
+    ) -> Result<Vec<tokio_postgres::Row>, DriverError> {
+        let c = self.session_now(node).await?;
+        match c.query(sql_text, &[]).await {
+            Ok(rows) => Ok(rows),
+            Err(e) => {
+                self.forget_session(node, &c);
+                if !c.is_closed() {
+                    return Err(sql(node)(e));
+                }
+                let c = self.session_now(node).await?;
+                c.query(sql_text, &[]).await.map_err(|e| {
+                    self.forget_session(node, &c);
+                    sql(node)(e)
+                })
+            }
+        }
+    }
+
+    /// `waiting` behind the note of a stream lost after Tm, if cleanup is completing without it.
+    fn with_stream_note(&self, waiting: String) -> String {
+        match &self.state.stream_lost {
+            Some(note) => format!("{note}; {waiting}"),
+            None => waiting,
+        }
     }
 
     fn publication(&self) -> String {
@@ -667,15 +747,14 @@ impl Run {
     async fn on_every_node(&self, sql_text: &str) -> Result<Vec<tokio_postgres::Row>, DriverError> {
         let mut rows = Vec::new();
         for node in &self.plan.nodes {
-            let c = self.config.connector.connect(node).await?;
-            rows.extend(c.query(sql_text, &[]).await.map_err(sql(node))?);
+            rows.extend(self.query_on(node, sql_text).await?);
         }
         Ok(rows)
     }
 
-    /// Runs `sql_text` on every node, each in a new session, going on past a node that fails
-    /// (warned as `failed`, with the phase): for steps that must reach every node that
-    /// answers. Returns the first failure once all were tried.
+    /// Runs `sql_text` (one statement) on every node, on its session ([`Self::query_on`]),
+    /// going on past a node that fails (warned as `failed`, with the phase): for steps that
+    /// must reach every node that answers. Returns the first failure once all were tried.
     async fn on_every_node_trying_all(
         &self,
         sql_text: &str,
@@ -685,12 +764,7 @@ impl Run {
         let id = self.id();
         let mut first = None;
         for node in &self.plan.nodes {
-            let r = async {
-                let c = self.config.connector.connect(node).await?;
-                c.batch_execute(sql_text).await.map_err(sql(node))
-            }
-            .await;
-            if let Err(e) = r {
+            if let Err(e) = self.query_on(node, sql_text).await {
                 warn!(migration_id = id, phase, node = %node.name, error = %e, "{failed}");
                 first.get_or_insert(e);
             }
@@ -829,7 +903,7 @@ impl Run {
         what: &str,
         drain: Drain,
     ) -> Result<u64, DriverError> {
-        let mut c = self.connect_when_up(node).await?;
+        let mut c = self.session(node).await?;
         let callers = callers_on(&node.name, self.plan.requested_by.as_ref());
         let tables: Vec<String> = self
             .plan
@@ -876,11 +950,15 @@ impl Run {
                 // back.
                 Err(e) if c.is_closed() || self.state.tm_decided => {
                     warn!(migration_id = self.id(), node = %node.name, error = %e, "polling for older transactions failed; reconnecting");
+                    self.forget_session(node, &c);
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    c = self.connect_when_up(node).await?;
+                    c = self.session(node).await?;
                     continue;
                 }
-                Err(e) => return Err(sql(node)(e)),
+                Err(e) => {
+                    self.forget_session(node, &c);
+                    return Err(sql(node)(e));
+                }
             };
             let n: i64 = row.get(0);
             if n == 0 {
@@ -903,12 +981,12 @@ impl Run {
                     None => String::new(),
                 };
                 self.reporter
-                    .waiting_on(Some(format!(
+                    .waiting_on(Some(self.with_stream_note(format!(
                         "{n} {what} on {} (e.g. pid {}, open since {}){limit}",
                         node.name,
                         pid.unwrap_or_default(),
                         since.unwrap_or_default()
-                    )))
+                    ))))
                     .await;
                 reported = Some((n, bound));
             }

@@ -45,9 +45,11 @@ pub struct RemoteConnection {
     pub prepared_gid: Option<String>,
     /// A protocol or network error left the connection unusable; it is dropped at transaction end.
     pub broken: bool,
-    /// Closed at the end of the transaction that used it: a connection for one rare purpose
-    /// (the drain fence) must not stay open in every backend that once needed it (review F19).
-    pub close_at_transaction_end: bool,
+    /// For a connection of one rare purpose (the drain fence), whether that purpose lasts: it
+    /// is closed at the first transaction end where this says false, so it does not stay open
+    /// in every backend that once needed it (review F19), yet a backend that fences one write
+    /// after another while the purpose lasts connects once. None: an ordinary cached connection.
+    pub needed_while: Option<fn() -> bool>,
     /// The command under way has been sent a cancel by [`Interrupts::Forward`].
     cancel_forwarded: bool,
     /// Statements prepared on this session, by text and parameter types: a routed statement
@@ -186,16 +188,26 @@ pub fn in_transaction_backend_pid(node: &str) -> Option<i32> {
     })
 }
 
+/// Has this backend a cached connection to `node` that is outside any remote transaction (so
+/// a short transaction of its own can run there first)?
+pub fn idle_connection_to(node: &str) -> bool {
+    CONNECTIONS.with(|c| {
+        c.borrow()
+            .get(node)
+            .is_some_and(|c| !c.in_transaction && !c.broken)
+    })
+}
+
 pub fn any_in_transaction() -> bool {
     CONNECTIONS.with(|c| c.borrow().values().any(|c| c.in_transaction))
 }
 
-/// Clears per-transaction state and drops broken connections and those closed at the end of
-/// their transaction.
+/// Clears per-transaction state and drops broken connections and those no longer needed
+/// ([`RemoteConnection::needed_while`]).
 pub fn end_of_transaction() {
     CONNECTIONS.with(|c| {
         let mut map = c.borrow_mut();
-        map.retain(|_, conn| !conn.broken && !conn.close_at_transaction_end);
+        map.retain(|_, conn| !conn.broken && conn.needed_while.is_none_or(|needed| needed()));
         for conn in map.values_mut() {
             conn.in_transaction = false;
             conn.modified = false;
@@ -279,7 +291,7 @@ impl RemoteConnection {
             modified: false,
             prepared_gid: None,
             broken: false,
-            close_at_transaction_end: false,
+            needed_while: None,
             cancel_forwarded: false,
             prepared: HashMap::new(),
             prepared_epoch: PREPARED_EPOCH.with(|e| e.get()),
@@ -330,6 +342,23 @@ impl RemoteConnection {
         };
         self.exec(&sql)?;
         self.role = caller;
+        Ok(())
+    }
+
+    /// Makes the peer run what follows as the node user this connection authenticated as
+    /// (undoes [`Self::act_as_caller`]; the next routed statement sets the caller again).
+    /// Outside a remote transaction only.
+    pub fn act_as_node_user(&mut self) -> Result<(), RemusError> {
+        if self.role.is_none() {
+            return Ok(());
+        }
+        if self.in_transaction {
+            return Err(RemusError::Unsupported(
+                "a statement as the node user inside a remote transaction opened as another role",
+            ));
+        }
+        self.exec("RESET remus.forwarded_role")?;
+        self.role = None;
         Ok(())
     }
 

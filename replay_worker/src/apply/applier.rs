@@ -20,6 +20,13 @@ use crate::scheduler::{DependencyScheduler, SubmitError, TxnSpec};
 /// Transactions accepted but not yet committed, per apply session, before `submit` waits.
 const PENDING_PER_SESSION: usize = 64;
 
+/// Apply sessions opened when the call starts; the rest, up to [`ApplyConfig::parallelism`],
+/// open one at a time while transactions are ready with every session busy (decision 0031). Each session
+/// is a backend the destination forks and warms up, about 10 ms of its CPU: a shard written
+/// at a few hundred transactions per second needs one or two, and sixteen opened at once
+/// stalled every client of a loaded two-core machine for tens of milliseconds.
+const INITIAL_SESSIONS: usize = 2;
+
 type Completion = (Session, u64, Result<(), ApplyError>);
 
 /// Applies one migration's shadow transactions over parallel destination sessions.
@@ -32,6 +39,12 @@ pub struct ShadowApplier {
     cfg: ApplyConfig,
     idle_sessions: Vec<Session>,
     running: JoinSet<Completion>,
+    /// Sessions being opened (see [`INITIAL_SESSIONS`]).
+    opening: JoinSet<Result<Session, ApplyError>>,
+    /// Sessions opened or being opened: the next one's worker number.
+    sessions_started: usize,
+    /// At most this many sessions: `cfg.parallelism`, or fewer once one failed to open.
+    max_sessions: usize,
     scheduler: DependencyScheduler,
     watermark: AppliedWatermark,
     jobs: HashMap<u64, Arc<Prepared>>,
@@ -52,6 +65,7 @@ impl std::fmt::Debug for ShadowApplier {
             .field("cfg", &self.cfg)
             .field("idle_sessions", &self.idle_sessions.len())
             .field("running", &self.running.len())
+            .field("opening", &self.opening.len())
             .field("applied_lsn", &self.watermark.applied_lsn())
             .field("durable_lsn", &self.durable_lsn())
             .field("txns_applied", &self.txns_applied)
@@ -60,17 +74,19 @@ impl std::fmt::Debug for ShadowApplier {
 }
 
 impl ShadowApplier {
-    /// Opens `cfg.parallelism` sessions to the destination, each with its replication origin
-    /// (created if missing) set up.
+    /// Opens the first sessions to the destination ([`INITIAL_SESSIONS`] of at most
+    /// `cfg.parallelism`), each with its replication origin (created if missing) set up.
     pub async fn connect(cfg: ApplyConfig) -> Result<ShadowApplier, ApplyError> {
         let parallelism = cfg.parallelism.max(1);
-        // Concurrently: each open is a connection and a setup round trip, and there are many.
+        let initial = parallelism.min(INITIAL_SESSIONS);
+        // Concurrently: each open is a connection and a setup round trip.
         let mut sessions = futures_util::future::try_join_all(
-            (0..parallelism).map(|worker| Session::open(&cfg, worker)),
+            (0..initial).map(|worker| Session::open(&cfg, worker)),
         )
         .await?;
         info!(
             migration_id = cfg.migration_id,
+            sessions = initial,
             parallelism,
             start_lsn = %format_lsn(cfg.start_lsn),
             "apply sessions connected"
@@ -87,6 +103,9 @@ impl ShadowApplier {
             cfg,
             idle_sessions: sessions,
             running: JoinSet::new(),
+            opening: JoinSet::new(),
+            sessions_started: initial,
+            max_sessions: parallelism,
             jobs: HashMap::new(),
             next_seq: 1,
             txns_applied: 0,
@@ -218,6 +237,24 @@ impl ShadowApplier {
     }
 
     fn dispatch(&mut self) {
+        self.assign_sessions();
+        // Ready transactions left with every session busy: one more session, up to the limit.
+        // One at a time, so that a backlog grows the sessions in steps rather than forking a
+        // burst of backends on the destination at once.
+        if self.scheduler.ready_len() > 0
+            && self.opening.is_empty()
+            && self.sessions_started < self.max_sessions
+        {
+            let worker = self.sessions_started;
+            self.sessions_started += 1;
+            let cfg = self.cfg.clone();
+            self.opening
+                .spawn(async move { Session::open(&cfg, worker).await }.in_current_span());
+        }
+    }
+
+    /// Hands ready transactions to idle sessions.
+    fn assign_sessions(&mut self) {
         while !self.idle_sessions.is_empty() {
             let Some(spec) = self.scheduler.next_ready() else {
                 break;
@@ -248,8 +285,14 @@ impl ShadowApplier {
     /// position if it advanced. Pends forever while nothing is running. Cancel-safe.
     pub async fn next_completion(&mut self) -> Result<Option<u64>, ApplyError> {
         self.check_failed()?;
-        let Some(joined) = self.running.join_next().await else {
-            return std::future::pending().await;
+        let joined = tokio::select! {
+            Some(joined) = self.running.join_next() => joined,
+            Some(opened) = self.opening.join_next() => {
+                self.session_opened(opened);
+                self.dispatch();
+                return Ok(None);
+            }
+            else => return std::future::pending().await,
         };
         let (session, seq, result) = match joined {
             Ok(c) => c,
@@ -275,10 +318,37 @@ impl ShadowApplier {
         Ok(advanced)
     }
 
-    /// Waits until everything submitted is committed.
+    /// A session opened for [`Self::dispatch`] joins the idle ones. One that failed to open is
+    /// warned and caps the sessions at those already open: the call goes on with them (it
+    /// has at least the first ones).
+    fn session_opened(
+        &mut self,
+        opened: Result<Result<Session, ApplyError>, tokio::task::JoinError>,
+    ) {
+        match opened {
+            Ok(Ok(session)) => {
+                info!(
+                    migration_id = self.cfg.migration_id,
+                    worker = session.worker,
+                    "apply session added"
+                );
+                self.idle_sessions.push(session);
+            }
+            Ok(Err(e)) => {
+                warn!(migration_id = self.cfg.migration_id, error = %e, "an apply session could not be added; going on with those open");
+                self.max_sessions = self.sessions_started;
+            }
+            Err(e) => {
+                warn!(migration_id = self.cfg.migration_id, error = %e, "opening an apply session failed; going on with those open");
+                self.max_sessions = self.sessions_started;
+            }
+        }
+    }
+
+    /// Waits until everything submitted is committed, and for sessions still opening.
     pub async fn drain(&mut self) -> Result<(), ApplyError> {
         self.dispatch();
-        while !self.running.is_empty() {
+        while !self.running.is_empty() || !self.opening.is_empty() {
             self.next_completion().await?;
         }
         self.check_failed()?;
@@ -349,6 +419,8 @@ impl ShadowApplier {
     pub async fn abort(mut self) {
         self.flusher.stop();
         self.running.abort_all();
+        // A session still opening closes when its task is aborted.
+        self.opening.abort_all();
         while let Some(joined) = self.running.join_next().await {
             if let Ok((session, _, _)) = joined {
                 self.idle_sessions.push(session);

@@ -8,7 +8,7 @@ use tracing::{info, warn};
 
 use remus_proto::names;
 
-use super::{describe, join, quote_literal, sql, DriverError, Run, VerificationFailed, NODE_WAIT};
+use super::{join, quote_literal, sql, DriverError, Run, VerificationFailed, NODE_WAIT};
 use crate::failpoint;
 use crate::migration::{Mode, Phase};
 use crate::node_registry::NodeRecord;
@@ -62,34 +62,61 @@ impl Run {
         let order = self.tm_order();
         let ids = join(&self.plan.shard_ids);
         let target = quote_literal(&self.plan.target.name);
-        let drain = if self.plan.mode == Mode::Remus {
-            self.drain_source_statement()
-        } else {
-            String::new()
-        };
         // Every node's Tm session is open before the first PREPARE: from it until each node's
         // COMMIT PREPARED, statements on the moved shards there wait (in doubt), and a new
-        // connection to a loaded node costs tens of milliseconds.
+        // connection to a loaded node costs tens of milliseconds. They are the driver's kept
+        // sessions ([`Run::session`]), so cleanup's drain and registration steps find them open.
         let mut opened = Vec::with_capacity(order.len());
         for node in &order {
-            opened.push(self.config.connector.connect(node).await?);
+            opened.push(self.session(node).await?);
         }
-        let mut sessions = Vec::new();
-        for (node, c) in order.iter().zip(opened) {
-            self.state.read_through = true;
-            self.state.tm_prepared = true;
-            c.batch_execute(&format!(
-                "{drain}
-                 BEGIN;
+        let started = Instant::now();
+        if self.plan.mode == Mode::Remus {
+            // The drain-source switch, on every node at once and before any PREPARE: each call
+            // makes the node's migration state durable (a file and its fsync), which the
+            // in-doubt window need not wait for. It acts only once Tm routes a write to the
+            // target, so it may come first whatever Tm's fate.
+            let drain = self.drain_source_statement();
+            let switched = futures_util::future::join_all(
+                order
+                    .iter()
+                    .zip(&opened)
+                    .map(|(node, c)| async { c.batch_execute(&drain).await.map_err(sql(node)) }),
+            )
+            .await;
+            switched.into_iter().collect::<Result<Vec<_>, _>>()?;
+        }
+        let switched_ms = started.elapsed().as_millis() as u64;
+        // Prepared on the target first, then on every other node at once. The target first:
+        // were its PREPARE held (a lock on its map row, a slow disk), no other node would be in
+        // doubt meanwhile, as when every node prepared in turn. The others at once: each PREPARE
+        // waits for its node's WAL flush, and the in-doubt window on the nodes already prepared
+        // lasts until the last one is.
+        self.state.read_through = true;
+        self.state.tm_prepared = true;
+        let batch = |node: &NodeRecord| {
+            format!(
+                "BEGIN;
                  SELECT remus.begin_read_through({id});
                  UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});
                  PREPARE TRANSACTION {};",
                 quote_literal(&names::tm_gid(id, &node.name))
-            ))
-            .await
-            .map_err(sql(node))?;
-            sessions.push((node.clone(), c));
+            )
+        };
+        let mut pairs = order.iter().zip(&opened);
+        if let Some((node, c)) = pairs.next() {
+            self.prepare_tm_on(node, c, &batch(node)).await?;
         }
+        let rest: Vec<_> = pairs.map(|(node, c)| (node, c, batch(node))).collect();
+        let prepared = futures_util::future::join_all(
+            rest.iter()
+                .map(|(node, c, b)| self.prepare_tm_on(node, c, b)),
+        )
+        .await;
+        prepared.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let prepared_ms = started.elapsed().as_millis() as u64;
+        let sessions: Vec<(NodeRecord, std::sync::Arc<tokio_postgres::Client>)> =
+            order.iter().cloned().zip(opened).collect();
         // Requirement 4: while Tm is in doubt, statements on the moved shards on these nodes
         // wait (remus.in_doubt_wait_timeout); an operator sees why. Written before the decision
         // so it stays visible if this coordinator stops here; the decision clears it.
@@ -117,45 +144,49 @@ impl Run {
             .failpoints
             .pause(failpoint::HANDOVER_DECIDED, id)
             .await;
-        let started = Instant::now();
+        let decided_ms = started.elapsed().as_millis() as u64;
+        let started_commits = Instant::now();
         for (node, c) in &sessions {
-            // Decided: a node that does not answer is retried (a fresh session each time)
-            // until it commits; giving up here would leave the map split.
             let gid = names::tm_gid(id, &node.name);
-            let mut attempt = 0u32;
-            loop {
-                let r = if attempt == 0 {
-                    // The Tm session itself first: no connection inside the in-doubt window.
-                    finish_tm_if_prepared(c, node, &gid, "COMMIT PREPARED").await
-                } else {
-                    async {
-                        let c = self.config.connector.connect(node).await?;
-                        finish_tm_if_prepared(&c, node, &gid, "COMMIT PREPARED").await
+            // The Tm session itself first (no connection inside the in-doubt window), with the
+            // node's map generation bump pipelined behind the COMMIT PREPARED: one round trip.
+            // (Two messages: COMMIT PREPARED cannot share a query string with another statement.)
+            let commit = format!("COMMIT PREPARED {}", quote_literal(&gid));
+            let bump = "SELECT remus.bump_map_generation()::text, clock_timestamp()::text";
+            let (committed, bumped) = tokio::join!(c.batch_execute(&commit), c.simple_query(bump));
+            let at = match (committed, bumped) {
+                (Ok(()), Ok(messages)) => messages.iter().find_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => r.get(1).map(str::to_string),
+                    _ => None,
+                }),
+                (committed, _) => {
+                    if let Err(e) = committed {
+                        warn!(migration_id = id, phase = "handover", node = %node.name, error = %e, "COMMIT PREPARED of Tm failed; retrying");
+                        self.commit_tm_retrying(node, &gid).await?;
                     }
-                    .await
-                };
-                match r {
-                    Ok(()) => break,
-                    Err(e) if attempt < 600 || started.elapsed() < NODE_WAIT => {
-                        attempt += 1;
-                        if attempt == 1 {
-                            warn!(migration_id = id, phase = "handover", node = %node.name, error = %describe(&e), "COMMIT PREPARED of Tm failed; retrying");
-                        }
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                    Err(e) => return Err(e),
+                    // Committed; the bump failed (or ran before a failed commit): again, on this
+                    // session or a new one.
+                    self.after_decision(
+                        node,
+                        c,
+                        "SELECT remus.bump_map_generation(), clock_timestamp()::text",
+                    )
+                    .await?
                 }
-            }
-            let at = self
-                .after_decision(
-                    node,
-                    c,
-                    "SELECT remus.bump_map_generation(), clock_timestamp()::text",
-                )
-                .await?
-                .unwrap_or_default();
-            self.state.tm_committed_at.push((node.clone(), at));
+            };
+            self.state
+                .tm_committed_at
+                .push((node.clone(), at.unwrap_or_default()));
         }
+        info!(
+            migration_id = id,
+            phase = "handover",
+            switched_ms,
+            prepared_ms,
+            decided_ms,
+            committed_ms = started_commits.elapsed().as_millis() as u64,
+            "Tm steps timed"
+        );
         for (node, c) in &sessions {
             // Per migration and idempotent (F13): a retry cannot end another migration's.
             self.after_decision(
@@ -172,6 +203,42 @@ impl Run {
             "Tm committed on every node"
         );
         Ok(())
+    }
+
+    /// Runs `node`'s Tm batch (BEGIN … PREPARE TRANSACTION) on its session `c`.
+    async fn prepare_tm_on(
+        &self,
+        node: &NodeRecord,
+        c: &std::sync::Arc<tokio_postgres::Client>,
+        batch: &str,
+    ) -> Result<(), DriverError> {
+        c.batch_execute(batch).await.map_err(|e| {
+            // The batch may have stopped inside its transaction block.
+            self.forget_session(node, c);
+            sql(node)(e)
+        })
+    }
+
+    /// COMMIT PREPARED of `node`'s Tm once its first attempt failed: decided, so a node that
+    /// does not answer is retried (a fresh session each time) until it commits; giving up here
+    /// would leave the map split.
+    async fn commit_tm_retrying(&self, node: &NodeRecord, gid: &str) -> Result<(), DriverError> {
+        let started = Instant::now();
+        let mut attempt = 0u32;
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            attempt += 1;
+            let r = async {
+                let c = self.config.connector.connect(node).await?;
+                finish_tm_if_prepared(&c, node, gid, "COMMIT PREPARED").await
+            }
+            .await;
+            match r {
+                Ok(()) => return Ok(()),
+                Err(_) if attempt < 600 || started.elapsed() < NODE_WAIT => {}
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     pub(super) fn tm_order(&self) -> Vec<NodeRecord> {

@@ -58,6 +58,16 @@ pub(crate) fn drain_source_of(shard_id: i64) -> Option<String> {
         .drain_source()
 }
 
+/// Is a drain fence on for any migration registered on this node?
+fn any_drain_fence() -> bool {
+    active()
+        && STATE
+            .share()
+            .migrations
+            .iter()
+            .any(|m| m.migration_id != 0 && m.drain_source().is_some())
+}
+
 /// Before a write of `table` in `placement`: if the shard is draining from another node, waits
 /// there for the older writers (holding or queued) of the rows `lock_rows` selects. `lock_rows`
 /// is `SELECT … FROM <table> WHERE … FOR SHARE` over the distributed table's name, with `$n`
@@ -81,11 +91,20 @@ pub(crate) fn wait_for_older_writers(
         return Ok(());
     }
     let addr = crate::cluster::nodes::lookup(&source)?;
-    // A session of its own, outside this transaction: the share lock is dropped as soon as the
-    // row is free and must not join the two-phase commit.
-    let fence = NodeAddr {
-        name: format!("{}#drain", addr.name),
-        ..addr
+    // The fence runs as a transaction of its own, outside this one: the share lock is dropped
+    // as soon as the row is free and must not join the two-phase commit. When this backend's
+    // cached connection to the source is not in this transaction (yet), that transaction runs
+    // there, before this one reaches the source; otherwise on a connection kept for fences.
+    // A new connection costs the loaded source about 10 ms of CPU: under the anchors' E1 every
+    // client backend opened one right after Tm, a burst that slowed every client.
+    let own_connection = remote::idle_connection_to(&addr.name);
+    let fence = if own_connection {
+        addr.clone()
+    } else {
+        NodeAddr {
+            name: format!("{}#drain", addr.name),
+            ..addr.clone()
+        }
     };
     // This transaction's own sessions on the source (this backend, if this node is the source;
     // its participant session there, if it has one): an older writer queued behind one of them
@@ -100,12 +119,19 @@ pub(crate) fn wait_for_older_writers(
     let shard_table = crate::catalog::shard_table_name(&table.rel_name, placement.shard_id);
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
     let waited = remote::with_connection(&fence, |c| {
+        // The lock query and the look at the source's sessions run as the node user: as an
+        // application role, pg_stat_activity would hide other roles' writers from it.
+        c.act_as_node_user()?;
         // Registered as in a transaction while it waits, so an ERROR here (a cancel, a
         // statement timeout) makes the abort callback cancel the remote wait and roll it back.
         c.in_transaction = true;
-        // Fences happen only during a cleanup drain: the connection goes with this transaction
-        // instead of staying open to the source in every backend that once fenced (F19).
-        c.close_at_transaction_end = true;
+        if !own_connection {
+            // Fences happen only during a cleanup drain: the connection is closed at the first
+            // transaction end after every fence on this node has ended, instead of staying open
+            // to the source in every backend that once fenced (F19); until then this backend's
+            // next fenced writes reuse it rather than pay a connection each.
+            c.needed_while = Some(any_drain_fence);
+        }
         let r = wait_until_row_queue_is_empty(
             c,
             &lock_row,
