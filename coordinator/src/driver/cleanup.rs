@@ -95,8 +95,8 @@ impl Run {
     /// Remus, once the transactions older than Tm have ended: ends the drain fence on every
     /// node (`remus.migration_drain_source` with `''`). No transaction older than Tm is left for
     /// a write on the moved shards to wait for, and each fenced write costs the source a lock
-    /// query until the registration ends, the rest of cleanup. Best effort: a node that does not take it keeps fencing,
-    /// harmlessly, until `migration_end`.
+    /// query until the registration ends, the rest of cleanup. Best effort: a node that does
+    /// not take it keeps fencing, harmlessly, until `migration_end`.
     async fn end_drain_fence(&self) {
         if self.plan.mode != Mode::Remus {
             return;

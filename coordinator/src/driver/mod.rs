@@ -572,12 +572,7 @@ impl Run {
     /// Autocommit statements only, nothing set on the session; a step whose statement failed
     /// on it calls [`Self::forget_session`] so that no later step finds it mid-transaction.
     async fn session(&self, node: &NodeRecord) -> Result<Arc<tokio_postgres::Client>, DriverError> {
-        if let Some(client) = self.cached_session(node) {
-            return Ok(client);
-        }
-        let client = Arc::new(self.connect_when_up(node).await?);
-        self.keep_session(node, &client);
-        Ok(client)
+        self.kept_session(node, true).await
     }
 
     /// [`Self::session`], but a node that does not answer is an error at once, whatever the
@@ -586,11 +581,29 @@ impl Run {
         &self,
         node: &NodeRecord,
     ) -> Result<Arc<tokio_postgres::Client>, DriverError> {
+        self.kept_session(node, false).await
+    }
+
+    /// `node`'s kept session, opened first if there is none open; `patient`: as
+    /// [`Self::connect_when_up`] connects, else at once.
+    async fn kept_session(
+        &self,
+        node: &NodeRecord,
+        patient: bool,
+    ) -> Result<Arc<tokio_postgres::Client>, DriverError> {
         if let Some(client) = self.cached_session(node) {
             return Ok(client);
         }
-        let client = Arc::new(self.config.connector.connect(node).await?);
-        self.keep_session(node, &client);
+        let client = Arc::new(if patient {
+            self.connect_when_up(node).await?
+        } else {
+            self.config.connector.connect(node).await?
+        });
+        self.state
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node.name.clone(), client.clone());
         Ok(client)
     }
 
@@ -602,14 +615,6 @@ impl Run {
             .get(&node.name)
             .filter(|c| !c.is_closed())
             .cloned()
-    }
-
-    fn keep_session(&self, node: &NodeRecord, client: &Arc<tokio_postgres::Client>) {
-        self.state
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(node.name.clone(), client.clone());
     }
 
     /// Drops `client` from the cache if it is still `node`'s session: after a statement failed

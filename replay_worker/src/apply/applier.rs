@@ -21,10 +21,10 @@ use crate::scheduler::{DependencyScheduler, SubmitError, TxnSpec};
 const PENDING_PER_SESSION: usize = 64;
 
 /// Apply sessions opened when the call starts; the rest, up to [`ApplyConfig::parallelism`],
-/// open one at a time while transactions are ready with every session busy (decision 0031). Each session
-/// is a backend the destination forks and warms up, about 10 ms of its CPU: a shard written
-/// at a few hundred transactions per second needs one or two, and sixteen opened at once
-/// stalled every client of a loaded two-core machine for tens of milliseconds.
+/// open one at a time while transactions are ready with every session busy (decision 0031).
+/// Each session is a backend the destination forks and warms up, about 10 ms of its CPU: a
+/// shard written at a few hundred transactions per second needs one or two, and sixteen
+/// opened at once stalled every client of a loaded two-core machine for tens of milliseconds.
 const INITIAL_SESSIONS: usize = 2;
 
 type Completion = (Session, u64, Result<(), ApplyError>);
@@ -334,15 +334,14 @@ impl ShadowApplier {
                 );
                 self.idle_sessions.push(session);
             }
-            Ok(Err(e)) => {
-                warn!(migration_id = self.cfg.migration_id, error = %e, "an apply session could not be added; going on with those open");
-                self.max_sessions = self.sessions_started;
-            }
-            Err(e) => {
-                warn!(migration_id = self.cfg.migration_id, error = %e, "opening an apply session failed; going on with those open");
-                self.max_sessions = self.sessions_started;
-            }
+            Ok(Err(e)) => self.session_not_opened(&e),
+            Err(e) => self.session_not_opened(&e),
         }
+    }
+
+    fn session_not_opened(&mut self, e: &dyn std::fmt::Display) {
+        warn!(migration_id = self.cfg.migration_id, error = %e, "an apply session could not be added; going on with those open");
+        self.max_sessions = self.sessions_started;
     }
 
     /// Waits until everything submitted is committed, and for sessions still opening.

@@ -152,8 +152,10 @@ impl Run {
             // node's map generation bump pipelined behind the COMMIT PREPARED: one round trip.
             // (Two messages: COMMIT PREPARED cannot share a query string with another statement.)
             let commit = format!("COMMIT PREPARED {}", quote_literal(&gid));
-            let bump = "SELECT remus.bump_map_generation()::text, clock_timestamp()::text";
-            let (committed, bumped) = tokio::join!(c.batch_execute(&commit), c.simple_query(bump));
+            let (committed, bumped) = tokio::join!(
+                c.batch_execute(&commit),
+                c.simple_query(BUMP_MAP_GENERATION)
+            );
             let at = match (committed, bumped) {
                 (Ok(()), Ok(messages)) => messages.iter().find_map(|m| match m {
                     tokio_postgres::SimpleQueryMessage::Row(r) => r.get(1).map(str::to_string),
@@ -166,12 +168,7 @@ impl Run {
                     }
                     // Committed; the bump failed (or ran before a failed commit): again, on this
                     // session or a new one.
-                    self.after_decision(
-                        node,
-                        c,
-                        "SELECT remus.bump_map_generation(), clock_timestamp()::text",
-                    )
-                    .await?
+                    self.after_decision(node, c, BUMP_MAP_GENERATION).await?
                 }
             };
             self.state
@@ -271,6 +268,11 @@ impl Run {
         }
     }
 }
+
+/// After a node's COMMIT PREPARED of Tm: its map generation bump, with the time Tm counts as
+/// committed there (two text columns, for [`Run::after_decision`] and the pipelined first try).
+const BUMP_MAP_GENERATION: &str =
+    "SELECT remus.bump_map_generation()::text, clock_timestamp()::text";
 
 /// Runs `verb` (COMMIT PREPARED or ROLLBACK PREPARED) on a node's Tm transaction if it is still
 /// prepared there: every caller may be a retry after the first attempt got through.
