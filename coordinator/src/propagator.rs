@@ -183,7 +183,7 @@ impl Propagator {
                 return Ok(());
             }
             self.check()?;
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
 

@@ -617,15 +617,13 @@ async fn run_shadow(
     lock_timeout_ms: u32,
 ) -> Result<Verdict, ValidateError> {
     let dest = |e: tokio_postgres::Error| ValidateError::Destination(pg_message(&e));
-    client
-        .batch_execute(&format!(
-            "BEGIN; SET LOCAL lock_timeout = '{lock_timeout_ms}ms'"
-        ))
-        .await
-        .map_err(dest)?;
+    // The BEGIN goes in the first chunk's flight: under load each round trip to the
+    // destination costs a wake-up of its backend, and a source commit waits for all of them.
+    let begin = format!("BEGIN; SET LOCAL lock_timeout = '{lock_timeout_ms}ms'");
+    let mut prefix = Some(begin.as_str());
     let mut checks = first;
     loop {
-        if let Some(refused) = run_chunk(client, &checks).await? {
+        if let Some(refused) = run_chunk(client, prefix.take(), &checks).await? {
             return conflict(client, refused).await;
         }
         // The next chunk, if any (a broken request stream ends the validation: the caller
@@ -688,10 +686,16 @@ async fn pipelined(client: &Client, queries: &[&str]) -> Vec<QueryResult> {
 /// returns the write-write conflict it found, if any. Pipelined (see [`pipelined`]): a change
 /// may run after an earlier check found a conflict; the whole shadow is rolled back then
 /// anyway, and the statements still run in the write set's order, so every check sees exactly
-/// the earlier changes, as one statement after another would.
-async fn run_chunk(client: &Client, checks: &[Check]) -> Result<Option<String>, ValidateError> {
+/// the earlier changes, as one statement after another would. `prefix` (the shadow's BEGIN)
+/// is sent first in the same flight; its failure fails the chunk.
+async fn run_chunk(
+    client: &Client,
+    prefix: Option<&str>,
+    checks: &[Check],
+) -> Result<Option<String>, ValidateError> {
     let dest = |e: tokio_postgres::Error| ValidateError::Destination(pg_message(&e));
-    let mut queries: Vec<&str> = Vec::with_capacity(2 * checks.len());
+    let mut queries: Vec<&str> = Vec::with_capacity(2 * checks.len() + 1);
+    queries.extend(prefix);
     for check in checks {
         if let Some((lock, _)) = &check.lock {
             queries.push(lock);
@@ -699,6 +703,12 @@ async fn run_chunk(client: &Client, checks: &[Check]) -> Result<Option<String>, 
         queries.push(&check.apply);
     }
     let mut results = pipelined(client, &queries).await.into_iter();
+    if prefix.is_some() {
+        results
+            .next()
+            .expect("one result per query")
+            .map_err(dest)?;
+    }
     for check in checks {
         if let Some((_, shown)) = &check.lock {
             let rows = match results.next().expect("one result per query") {

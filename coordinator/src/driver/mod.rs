@@ -249,8 +249,21 @@ impl Reporter {
     /// have been applied. The record is read back with a compare-and-swap of `waiting_on`
     /// ([`Self::settle_decision`]); the decision stands if it says `cleanup`.
     async fn advance(&self, next: Phase) -> Result<(), DriverError> {
+        self.advance_noting(next, None).await
+    }
+
+    /// [`Self::advance`], with `waiting_on` set to `note` in the same write (one etcd write
+    /// instead of two).
+    async fn advance_noting(&self, next: Phase, note: Option<String>) -> Result<(), DriverError> {
         let id = self.id();
-        let written = self.store.advance(id, next, |_| {}).await;
+        let written = self
+            .store
+            .advance(id, next, |r| {
+                if let Some(n) = &note {
+                    r.waiting_on = Some(n.clone());
+                }
+            })
+            .await;
         let written = match written {
             Ok(_)
                 if next == Phase::Cleanup
@@ -535,6 +548,10 @@ struct State {
     /// Cleanup completing without the stream (it failed after Tm): said with every wait of the
     /// drain that follows, so that what an operator reads keeps naming the failure.
     stream_lost: Option<String>,
+    /// Remus: the drain-source switch ran on every node ([`Run::switch_drain_source`]).
+    drain_switched: bool,
+    /// Tm's in-doubt note is in `waiting_on` already (written with the handover's phase change).
+    tm_noted: bool,
     /// The driver's own sessions, one per node, for its short statements ([`Run::session`]).
     sessions: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio_postgres::Client>>>,
 }
@@ -739,10 +756,18 @@ impl Run {
             }
             Mode::Remus => {
                 self.reporter.advance(Phase::Barrier).await?;
+                // Before sync mode: from the barrier until Tm has committed, every source commit
+                // on the shards waits for its validation, so that stretch carries no step that
+                // can come earlier.
+                self.switch_drain_source().await?;
                 self.sync_barrier().await?;
                 self.reporter.advance(Phase::Dual).await?;
                 self.dual().await;
-                self.reporter.advance(Phase::Handover).await?;
+                // Tm's in-doubt note goes with the phase change: one etcd write, not two.
+                self.reporter
+                    .advance_noting(Phase::Handover, Some(self.tm_note()))
+                    .await?;
+                self.state.tm_noted = true;
                 self.handover_remus().await?;
             }
         }

@@ -42,6 +42,10 @@ impl Run {
                 unreachable.push(node);
             }
         }
+        if (self.state.tm_prepared || self.state.tm_noted) && unreachable.is_empty() {
+            // Tm's in-doubt note (written before its first PREPARE) is no longer true.
+            self.reporter.waiting_on(None).await;
+        }
         let conn = match self.state.propagator.take() {
             Some(p) => p.stop(false).await.ok(),
             None => self.take_repl(),

@@ -30,17 +30,35 @@ pub(crate) async fn commit_prepared_with_origin(
         format_lsn(commit_lsn),
         commit_time_us
     );
-    let result = finish_prepared(
-        client,
-        &format!("COMMIT PREPARED {}", quote_literal(gid)),
-        Some(&setup),
-    )
-    .await;
-    // The values are session globals that the next transaction would reuse.
-    let reset = client
-        .batch_execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
-        .await;
-    let found = result?;
+    let commit = format!("COMMIT PREPARED {}", quote_literal(gid));
+    // The values are session globals that the next transaction would reuse, hence the reset.
+    const RESET: &str = "SELECT pg_catalog.pg_replication_origin_xact_reset()";
+    // The first try in one flight (tokio-postgres sends each query when its future is first
+    // polled, and `join!` polls them in order): a source commit waits for this, and under load
+    // every round trip costs a wake-up of the destination's backend. Were the setup to fail,
+    // the commit would only miss its origin's progress, which a later commit advances past.
+    let (setup_done, committed, reset) = tokio::join!(
+        client.batch_execute(&setup),
+        client.batch_execute(&commit),
+        client.batch_execute(RESET)
+    );
+    let found = match committed {
+        Ok(()) => {
+            if let Err(e) = setup_done {
+                warn!(gid, error = %e, "origin setup before COMMIT PREPARED failed; committed without it");
+            }
+            true
+        }
+        Err(e) if e.code() == Some(&SqlState::UNDEFINED_OBJECT) => false,
+        // Busy (another session is finishing it) or failed: the careful path, in turn.
+        Err(_) => {
+            let result = finish_prepared(client, &commit, Some(&setup)).await;
+            let reset = client.batch_execute(RESET).await;
+            let found = result?;
+            reset?;
+            return Ok(found);
+        }
+    };
     reset?;
     Ok(found)
 }

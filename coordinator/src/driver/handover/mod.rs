@@ -71,62 +71,52 @@ impl Run {
             opened.push(self.session(node).await?);
         }
         let started = Instant::now();
-        if self.plan.mode == Mode::Remus {
-            // The drain-source switch, on every node at once and before any PREPARE: each call
-            // makes the node's migration state durable (a file and its fsync), which the
-            // in-doubt window need not wait for. It acts only once Tm routes a write to the
-            // target, so it may come first whatever Tm's fate.
-            let drain = self.drain_source_statement();
-            let switched = futures_util::future::join_all(
-                order
-                    .iter()
-                    .zip(&opened)
-                    .map(|(node, c)| async { c.batch_execute(&drain).await.map_err(sql(node)) }),
-            )
-            .await;
-            switched.into_iter().collect::<Result<Vec<_>, _>>()?;
+        // Requirement 4: while Tm is in doubt, statements on the moved shards on these nodes
+        // wait (remus.in_doubt_wait_timeout); an operator sees why. Written before the first
+        // PREPARE (Remus mode: with the phase change to handover), so that no etcd write lies
+        // inside the in-doubt window and the note is there if this coordinator stops once the
+        // nodes are prepared; the decision clears it.
+        if !self.state.tm_noted {
+            self.reporter.waiting_on(Some(self.tm_note())).await;
+        }
+        if self.plan.mode == Mode::Remus && !self.state.drain_switched {
+            self.switch_drain_source().await?;
         }
         let switched_ms = started.elapsed().as_millis() as u64;
-        // Prepared on the target first, then on every other node at once. The target first:
-        // were its PREPARE held (a lock on its map row, a slow disk), no other node would be in
-        // doubt meanwhile, as when every node prepared in turn. The others at once: each PREPARE
-        // waits for its node's WAL flush, and the in-doubt window on the nodes already prepared
-        // lasts until the last one is.
+        // The target's map row is taken first (its UPDATE, not yet prepared), then every node
+        // prepares at once. The row first: were it held (another session locks it), no node
+        // would be in doubt meanwhile, as when every node prepared in turn; while the target's
+        // UPDATE is open and not prepared, statements there still route by the old map, which
+        // is right until the decision. Then all at once: each PREPARE waits for its node's WAL
+        // flush, and a node's in-doubt window lasts from its PREPARE until the last one's.
         self.state.read_through = true;
         self.state.tm_prepared = true;
-        let batch = |node: &NodeRecord| {
-            format!(
-                "BEGIN;
-                 SELECT remus.begin_read_through({id});
-                 UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});
-                 PREPARE TRANSACTION {};",
-                quote_literal(&names::tm_gid(id, &node.name))
-            )
-        };
-        let mut pairs = order.iter().zip(&opened);
-        if let Some((node, c)) = pairs.next() {
-            self.prepare_tm_on(node, c, &batch(node)).await?;
+        let gid = |node: &NodeRecord| quote_literal(&names::tm_gid(id, &node.name));
+        let change = format!(
+            "BEGIN;
+             SELECT remus.begin_read_through({id});
+             UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});"
+        );
+        let mut batches: Vec<String> = order
+            .iter()
+            .map(|node| format!("{change}\n PREPARE TRANSACTION {};", gid(node)))
+            .collect();
+        if let (Some(node), Some(c)) = (order.first(), opened.first()) {
+            self.prepare_tm_on(node, c, &change).await?;
+            batches[0] = format!("PREPARE TRANSACTION {};", gid(node));
         }
-        let rest: Vec<_> = pairs.map(|(node, c)| (node, c, batch(node))).collect();
         let prepared = futures_util::future::join_all(
-            rest.iter()
-                .map(|(node, c, b)| self.prepare_tm_on(node, c, b)),
+            order
+                .iter()
+                .zip(&opened)
+                .zip(&batches)
+                .map(|((node, c), b)| self.prepare_tm_on(node, c, b)),
         )
         .await;
         prepared.into_iter().collect::<Result<Vec<_>, _>>()?;
         let prepared_ms = started.elapsed().as_millis() as u64;
         let sessions: Vec<(NodeRecord, std::sync::Arc<tokio_postgres::Client>)> =
             order.iter().cloned().zip(opened).collect();
-        // Requirement 4: while Tm is in doubt, statements on the moved shards on these nodes
-        // wait (remus.in_doubt_wait_timeout); an operator sees why. Written before the decision
-        // so it stays visible if this coordinator stops here; the decision clears it.
-        let prepared_on: Vec<&str> = sessions.iter().map(|(n, _)| n.name.as_str()).collect();
-        self.reporter
-            .waiting_on(Some(format!(
-                "the ownership change (Tm) is prepared on {} and not yet decided: statements on shards {ids} there wait for the decision (remus.in_doubt_wait_timeout)",
-                prepared_on.join(", ")
-            )))
-            .await;
         self.config
             .failpoints
             .pause(failpoint::HANDOVER_TM_PREPARED, id)
@@ -202,7 +192,7 @@ impl Run {
         Ok(())
     }
 
-    /// Runs `node`'s Tm batch (BEGIN … PREPARE TRANSACTION) on its session `c`.
+    /// Runs `node`'s Tm batch (BEGIN … PREPARE TRANSACTION, or a part of it) on its session `c`.
     async fn prepare_tm_on(
         &self,
         node: &NodeRecord,
@@ -236,6 +226,16 @@ impl Run {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Tm's in-doubt note for `waiting_on`.
+    pub(super) fn tm_note(&self) -> String {
+        let names: Vec<String> = self.tm_order().into_iter().map(|n| n.name).collect();
+        format!(
+            "the ownership change (Tm) is being prepared or is prepared on {} and not yet decided: statements on shards {} there wait for the decision (remus.in_doubt_wait_timeout)",
+            names.join(", "),
+            join(&self.plan.shard_ids)
+        )
     }
 
     pub(super) fn tm_order(&self) -> Vec<NodeRecord> {
