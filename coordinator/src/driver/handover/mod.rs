@@ -66,11 +66,7 @@ impl Run {
         // COMMIT PREPARED, statements on the moved shards there wait (in doubt), and a new
         // connection to a loaded node costs tens of milliseconds. They are the driver's kept
         // sessions ([`Run::session`]), so cleanup's drain and registration steps find them open.
-        let mut opened = Vec::with_capacity(order.len());
-        for node in &order {
-            opened.push(self.session(node).await?);
-        }
-        let started = Instant::now();
+        let opened = self.sessions_of(&order).await?;
         // Requirement 4: while Tm is in doubt, statements on the moved shards on these nodes
         // wait (remus.in_doubt_wait_timeout); an operator sees why. Written before the first
         // PREPARE (Remus mode: with the phase change to handover), so that no etcd write lies
@@ -79,6 +75,7 @@ impl Run {
         if !self.state.tm_noted {
             self.reporter.waiting_on(Some(self.tm_note())).await;
         }
+        let started = Instant::now();
         if self.plan.mode == Mode::Remus && !self.state.drain_switched {
             self.switch_drain_source().await?;
         }
@@ -97,13 +94,21 @@ impl Run {
              SELECT remus.begin_read_through({id});
              UPDATE remus.shard_map SET node_name = {target} WHERE shard_id IN ({ids});"
         );
-        let mut batches: Vec<String> = order
+        // The target (first in `order`) ran its change already; the others run theirs here.
+        let batches: Vec<String> = order
             .iter()
-            .map(|node| format!("{change}\n PREPARE TRANSACTION {};", gid(node)))
+            .enumerate()
+            .map(|(i, node)| {
+                let prepare = format!("PREPARE TRANSACTION {};", gid(node));
+                if i == 0 {
+                    prepare
+                } else {
+                    format!("{change}\n {prepare}")
+                }
+            })
             .collect();
         if let (Some(node), Some(c)) = (order.first(), opened.first()) {
             self.prepare_tm_on(node, c, &change).await?;
-            batches[0] = format!("PREPARE TRANSACTION {};", gid(node));
         }
         let prepared = futures_util::future::join_all(
             order
@@ -226,6 +231,18 @@ impl Run {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// The driver's kept session ([`Run::session`]) of each node of `nodes`, in that order.
+    pub(super) async fn sessions_of(
+        &self,
+        nodes: &[NodeRecord],
+    ) -> Result<Vec<std::sync::Arc<tokio_postgres::Client>>, DriverError> {
+        let mut opened = Vec::with_capacity(nodes.len());
+        for node in nodes {
+            opened.push(self.session(node).await?);
+        }
+        Ok(opened)
     }
 
     /// Tm's in-doubt note for `waiting_on`.

@@ -19,10 +19,7 @@ impl Run {
     /// window waits for it; Tm runs it if it has not run (a migration resumed at its handover).
     pub(in crate::driver) async fn switch_drain_source(&mut self) -> Result<(), DriverError> {
         let order = self.tm_order();
-        let mut opened = Vec::with_capacity(order.len());
-        for node in &order {
-            opened.push(self.session(node).await?);
-        }
+        let opened = self.sessions_of(&order).await?;
         let drain = self.drain_source_statement();
         let switched = futures_util::future::join_all(
             order
