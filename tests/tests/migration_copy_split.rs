@@ -144,4 +144,19 @@ fn a_large_shard_is_copied_by_several_sessions_while_it_is_written() {
         indexes.contains("UNIQUE INDEX") && indexes.contains("(n)"),
         "{indexes}"
     );
+    // The write-set capture trigger, added after the rows (not during the copy), is there and
+    // fires for every session: the next migration of this shard captures its writes.
+    let capture: Vec<String> = on_target
+        .query(
+            &format!(
+                "SELECT tgenabled::text FROM pg_trigger
+                  WHERE tgrelid = 'remus_shards.big_{shard}'::regclass AND tgname = 'remus_capture'"
+            ),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(capture, vec!["A".to_string()]);
 }

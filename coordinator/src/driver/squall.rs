@@ -158,7 +158,8 @@ impl Run {
         self.state.registered = true;
         self.on_every_node(&format!("SELECT remus.migration_begin({id}, {ids})"))
             .await?;
-        self.create_target_tables().await?;
+        self.create_target_tables(super::copy::CaptureTrigger::WithTable)
+            .await?;
         let source = self.config.connector.connect(&self.plan.source).await?;
         let limit = chunk_bytes() as i64;
         let mut inserts = String::new();
