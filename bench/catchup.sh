@@ -6,7 +6,9 @@
 # holds a copy of the shard table under the same schema-qualified name, subscribed to a
 # publication of that table on the source. Every 100 ms one psql session on the source samples
 # the clock, pg_current_wal_lsn(), both slots' confirmed_flush_lsn (the migration's remus_m<id>
-# and the subscription's catchup_sub) and the migration's phase and counters (remus_migrations).
+# and the subscription's catchup_sub) and the migration's phase and counters (remus_migrations);
+# a second one on the target samples what each applier has applied there (their replication
+# origins: `applied_sql`), which is not held back by how often an applier reports to its slot.
 # After the run the samples and pgbench's per-transaction log give, per 100 ms interval: the
 # source's commits/s and WAL bytes/s, each applier's bytes/s and lag (bytes and ms). Prints a
 # summary per mode. Measurement only (bench/README.md, "Catch-up against PostgreSQL's own
@@ -73,6 +75,17 @@ sample_sql="SELECT extract(epoch FROM clock_timestamp()), pg_current_wal_lsn() -
   m.phase, m.status, m.txns_replayed, m.replay_txns_per_sec, m.lag_bytes
   FROM (SELECT 1) one LEFT JOIN LATERAL
        (SELECT * FROM remus_migrations ORDER BY migration_id DESC LIMIT 1) m ON true;"
+
+# What each applier has applied on the target, sampled there every 100 ms: epoch s | the highest
+# source commit position any apply session of the migration has committed (its origins
+# remus_m<id>_w<k>; the sessions apply in parallel, so the contiguous position can trail it by
+# the transactions in flight) | the subscription's origin (pg_<oid>, one apply worker, in
+# order). Slots' confirmed positions advance only with each applier's feedback (the
+# subscription's in bursts), so peaks of confirmed advance overstate a burst's rate.
+applied_sql="SELECT extract(epoch FROM clock_timestamp()),
+  (SELECT max(remote_lsn) - '0/0' FROM pg_replication_origin_status WHERE external_id LIKE 'remus\\_m%\\_w%'),
+  (SELECT o.remote_lsn - '0/0' FROM pg_replication_origin_status o JOIN pg_subscription s ON o.external_id = 'pg_' || s.oid
+    WHERE s.subname = 'catchup_sub');"
 
 # Reads the sampler's lines, appends them to $1 and drives the subscription: creates its slot on
 # the source once the migration's slot exists (or the migration is past its copy without one),
@@ -249,6 +262,25 @@ analyze() {
             if (m[8] != "") printf "  waiting_on: %s\n", m[8] >> sum
             if (m[9] != "") printf "  error: %s\n", m[9] >> sum
         }' "$csv"
+    # Applied on the target (origins): each applier's best 1 s, and how long after the
+    # subscription's enable each had applied everything the source had written at that moment.
+    if [ -s "$out/$mode.applied.csv" ]; then
+        awk -F, -v csv="$csv" -v ev="$events" '
+            BEGIN { while ((getline line < ev) > 0) { split(line, e, " "); if (e[1] == "enabled") en = e[2] }
+                    while ((getline line < csv) > 0) { split(line, f, ","); if (en != "" && f[1] <= en) wal_at_en = f[2] } }
+            # 0: an origin made but not yet advanced (the subscription origin at its enable).
+            $1 ~ /^[0-9]/ { n++; t[n] = $1; r[n] = ($2 == "" || $2 + 0 == 0) ? "" : $2; s[n] = ($3 == "" || $3 + 0 == 0) ? "" : $3 }
+            function peak(x,   i, k, v, best) { best = ""
+                for (i = 2; i <= n; i++) { k = i; while (k > 1 && t[i] - t[k] < 1) k--
+                    if (t[i] - t[k] >= 0.5 && x[i] != "" && x[k] != "") { v = (x[i] - x[k]) / (t[i] - t[k]); if (best == "" || v > best) best = v } }
+                return best }
+            function drained(x,   i) { if (en == "" || wal_at_en == "") return "-"
+                for (i = 1; i <= n; i++) if (t[i] >= en && x[i] != "" && x[i] >= wal_at_en) return sprintf("%.2f s", t[i] - en)
+                return "never" }
+            function mb(v) { return v == "" ? "-" : sprintf("%.1f", v / 1048576) }
+            END { printf "  applied on the target (origins, 100 ms): replay peak %s MB/s (1 s), subscription peak %s MB/s; the source position at the enable applied %s after it by the replay, %s by the subscription\n",
+                mb(peak(r)), mb(peak(s)), drained(r), drained(s) }' "$out/$mode.applied.csv" >> "$summary"
+    fi
     # Longest interval with no commit of any writer, over the migration (+-1 s).
     awk -v a="$mig_start" -v b="$mig_end" '$1 >= a - 1 && $1 <= b + 1' "$out/$mode.commits" \
         | awk -v mode="$mode" 'NR > 1 && $1 - p > g { g = $1 - p; at = p } { p = $1 }
@@ -335,6 +367,9 @@ SQL
     (while [ ! -e "$stop" ]; do echo "$sample_sql"; sleep 0.1; done \
         | on "$source" stdbuf -oL psql -XAtq -F '|' 2>> "$out/$mode.sampler.err" | controller "$csv" "$events") &
     sampler=$!
+    (while [ ! -e "$stop" ]; do echo "$applied_sql"; sleep 0.1; done \
+        | on "$target" stdbuf -oL psql -XAtq -F ',' 2>> "$out/$mode.sampler.err" > "$out/$mode.applied.csv") &
+    applied_sampler=$!
     sleep "$warmup"
     mig_start=$(date +%s.%N)
     if ! result=$(on "$target" psql -XAt -F ' ' -v ON_ERROR_STOP=1 \
@@ -357,6 +392,7 @@ SQL
     done
     touch "$stop"
     wait "$sampler" || true
+    wait "$applied_sampler" || true
     on "$source" psql -XAt -F '|' -c "SELECT phase, status, phase_ms, txns_replayed, replay_bytes_per_sec,
         replay_txns_per_sec, source_wal_bytes_per_sec, coalesce(waiting_on, ''), coalesce(error, '')
         FROM remus_migrations ORDER BY migration_id DESC LIMIT 1" > "$out/$mode.migration.txt" || true
