@@ -39,9 +39,23 @@ pub const MESSAGE_PREFIX_C: &CStr = c"remus";
 /// stream position that everything committed before it precedes (a sync point).
 pub const SYNC_POINT_MESSAGE_PREFIX: &str = "remus_sync";
 
-/// Name of the write-set capture trigger on every shard table (on the source and, created with
-/// the table by the copy, on the target).
+/// Name of the write-set capture trigger on every shard table (on the source and, added after
+/// the copy's rows, on the target).
 pub const CAPTURE_TRIGGER: &str = "remus_capture";
+
+/// The DDL of [`CAPTURE_TRIGGER`] on shard table `shard_table` (schema-qualified, quoted) of
+/// shard `shard_id`: what the extension creates with every shard table and the coordinator on a
+/// migration's target. ENABLE ALWAYS: a session in `session_replication_role = replica` (a
+/// superuser's, a logical-replication apply worker's) must be captured too, or its commit would
+/// skip validation and be applied blindly on the destination after Tm (review finding F14).
+/// The migration's own replica-role sessions return at once (`remus.migration_session`).
+pub fn capture_trigger_ddl(shard_table: &str, shard_id: i64) -> String {
+    format!(
+        "CREATE TRIGGER {CAPTURE_TRIGGER} AFTER INSERT OR UPDATE OR DELETE ON {shard_table} \
+         FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{shard_id}');\n\
+         ALTER TABLE {shard_table} ENABLE ALWAYS TRIGGER {CAPTURE_TRIGGER};\n"
+    )
+}
 
 /// gRPC metadata key under which the coordinator sends the SQLSTATE of a refusal.
 pub const SQLSTATE_METADATA_KEY: &str = "remus-sqlstate";

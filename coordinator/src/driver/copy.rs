@@ -261,18 +261,10 @@ pub(super) enum CaptureTrigger {
     AfterCopy,
 }
 
-/// The write-set capture trigger of shard table `t`, as on the source: a later migration of
-/// this shard must not need DDL on a hot table. ALWAYS, as `catalog::shard_ddl` makes it:
-/// replica-role sessions are captured too (F14).
+/// The write-set capture trigger of shard table `t`, as the extension creates it with every
+/// shard table: a later migration of this shard must not need DDL on a hot table.
 fn capture_trigger_ddl(t: &crate::plan::ShardTable) -> String {
-    format!(
-        "CREATE TRIGGER {trigger} AFTER INSERT OR UPDATE OR DELETE ON {q} \
-         FOR EACH ROW EXECUTE FUNCTION remus.capture_write('{shard}');\n\
-         ALTER TABLE {q} ENABLE ALWAYS TRIGGER {trigger};\n",
-        trigger = names::CAPTURE_TRIGGER,
-        shard = t.shard_id,
-        q = t.qualified()
-    )
+    names::capture_trigger_ddl(&t.qualified(), t.shard_id)
 }
 
 /// The foreign keys of shell `$1` as DDL for its shard table `$2` (shard `$3`): each references
