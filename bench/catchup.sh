@@ -165,6 +165,15 @@ SQL
     } >> "$summary"
 )
 
+# awk functions of both analyses below (t[]: the samples' times): x's rate over the samples of
+# the second ending at sample i ("" when they span under 0.5 s or a value is missing), and bytes
+# as MB.
+awk_rates='
+function rate1s(x, i,   k) { k = i; while (k > 1 && t[i] - t[k] < 1) k--
+    if (t[i] - t[k] < 0.5 || x[i] == "" || x[k] == "") return ""; return (x[i] - x[k]) / (t[i] - t[k]) }
+function mb(v) { return v == "" ? "-" : sprintf("%.1f", v / 1048576) }
+'
+
 # The summary of mode $1's run from the files in $out: its samples, pgbench logs and events
 # (the migration's start and end, the client count and the load average, written by the run).
 analyze() {
@@ -181,7 +190,7 @@ analyze() {
     # applier's position). Rates over 1 s windows for the peaks.
     awk -F, -v OFS=, -v ms="$mig_start" -v me="$mig_end" -v mode="$mode" -v clients="$clients" \
         -v failed="$failed" -v load="$load" -v ev="$events" -v mig="$out/$mode.migration.txt" -v sum="$summary" \
-        -v derived="$out/$mode.series.csv" -v commits="$out/$mode.commits" '
+        -v derived="$out/$mode.series.csv" -v commits="$out/$mode.commits" "$awk_rates"'
         BEGIN { while ((getline x < commits) > 0) c[++nc] = x }
         { n++; t[n] = $1; w[n] = $2; r[n] = $3; s[n] = $4; ph[n] = $5; st[n] = $6; rt[n] = $8 }
         # How long ago the source first wrote past pos (0 when it has not): the age of the
@@ -189,10 +198,7 @@ analyze() {
         function lagms(pos, i,   j) { if (pos == "") return ""; if (w[i] <= pos) return 0; j = i
             while (j > 1 && w[j - 1] > pos) j--
             return (t[i] - t[j]) * 1000 }
-        function rate1s(x, i,   k) { k = i; while (k > 1 && t[i] - t[k] < 1) k--
-            if (t[i] - t[k] < 0.5 || x[i] == "" || x[k] == "") return ""; return (x[i] - x[k]) / (t[i] - t[k]) }
         function fmt(v) { return v == "" ? "-" : sprintf("%.0f", v) }
-        function mb(v) { return v == "" ? "-" : sprintf("%.1f", v / 1048576) }
         END {
             while ((getline line < ev) > 0) { split(line, e, " "); if (e[1] == "enabled") enabled_at = e[2]; if (e[1] == "slot") slot_at = e[2] }
             getline mline < mig; split(mline, m, "|")
@@ -265,19 +271,17 @@ analyze() {
     # Applied on the target (origins): each applier's best 1 s, and how long after the
     # subscription's enable each had applied everything the source had written at that moment.
     if [ -s "$out/$mode.applied.csv" ]; then
-        awk -F, -v csv="$csv" -v ev="$events" '
+        awk -F, -v csv="$csv" -v ev="$events" "$awk_rates"'
             BEGIN { while ((getline line < ev) > 0) { split(line, e, " "); if (e[1] == "enabled") en = e[2] }
                     while ((getline line < csv) > 0) { split(line, f, ","); if (en != "" && f[1] <= en) wal_at_en = f[2] } }
             # 0: an origin made but not yet advanced (the subscription origin at its enable).
             $1 ~ /^[0-9]/ { n++; t[n] = $1; r[n] = ($2 == "" || $2 + 0 == 0) ? "" : $2; s[n] = ($3 == "" || $3 + 0 == 0) ? "" : $3 }
-            function peak(x,   i, k, v, best) { best = ""
-                for (i = 2; i <= n; i++) { k = i; while (k > 1 && t[i] - t[k] < 1) k--
-                    if (t[i] - t[k] >= 0.5 && x[i] != "" && x[k] != "") { v = (x[i] - x[k]) / (t[i] - t[k]); if (best == "" || v > best) best = v } }
+            function peak(x,   i, v, best) { best = ""
+                for (i = 2; i <= n; i++) { v = rate1s(x, i); if (v != "" && (best == "" || v > best)) best = v }
                 return best }
             function drained(x,   i) { if (en == "" || wal_at_en == "") return "-"
                 for (i = 1; i <= n; i++) if (t[i] >= en && x[i] != "" && x[i] >= wal_at_en) return sprintf("%.2f s", t[i] - en)
                 return "never" }
-            function mb(v) { return v == "" ? "-" : sprintf("%.1f", v / 1048576) }
             END { printf "  applied on the target (origins, 100 ms): replay peak %s MB/s (1 s), subscription peak %s MB/s; the source position at the enable applied %s after it by the replay, %s by the subscription\n",
                 mb(peak(r)), mb(peak(s)), drained(r), drained(s) }' "$out/$mode.applied.csv" >> "$summary"
     fi
