@@ -38,8 +38,10 @@ summary() {
 # The test binaries link without cross-crate LTO: the release profile's thin LTO took about
 # 30 s per binary on two cores (22 of the integration tier's 55 minutes on a cold machine,
 # 2026-11-29) against about 6 s without it, at the price of building the dependencies once more
-# (about 3.5 minutes). The shipped binaries, the extension and the benches keep the profile's LTO:
-# only these two `cargo test` commands override it.
+# (about 3.5 minutes). The extension keeps the profile's LTO, but the unit tier builds the binaries
+# of the crates that have tests/ (remus-coordinator, remus-replay-worker) again without it, into
+# target/release, where the integration tests and the benches take them: rebuild with
+# `cargo build --release` (scripts/setup.sh) before a bench after this script.
 test_cargo() { CARGO_PROFILE_RELEASE_LTO=false cargo test --release "$@"; }
 
 run_tier unit test_cargo --workspace --exclude pg_remus --exclude integration
