@@ -11,6 +11,18 @@ export PATH="$HOME/.cargo/bin:$PATH"
 log() { printf '[%s %s] %s\n' "$(basename "$0")" "$(date +%H:%M:%S)" "$*"; }
 die() { log "ERROR: $*"; exit 1; }
 
+# `cargo test --release` as the test tiers run it (scripts/test.sh's unit tier,
+# scripts/integration.sh): without cross-crate LTO, in a target directory of its own. The
+# release profile's thin LTO took about 30 s per test binary on two cores against about 6 s
+# without it (22 of the integration tier's 55 minutes on a cold machine, 2026-11-29); the
+# dependencies are built once more for it (about 3.5 minutes). target/test keeps these builds
+# apart from target/release, whose LTO binaries (scripts/setup.sh) are the ones the integration
+# tests start (`test_support::cluster::bin_dir`) and the benches measure: in target/release the
+# unit tier's rebuild of remus-coordinator and remus-replay-worker would replace them.
+test_cargo() {
+    CARGO_TARGET_DIR="$REPO_ROOT/target/test" CARGO_PROFILE_RELEASE_LTO=false cargo test --release "$@"
+}
+
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }

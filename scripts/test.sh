@@ -35,15 +35,6 @@ summary() {
          END { printf "tests: %d passed, %d failed\n", p, f }' "$results"
 }
 
-# The test binaries link without cross-crate LTO: the release profile's thin LTO took about
-# 30 s per binary on two cores (22 of the integration tier's 55 minutes on a cold machine,
-# 2026-11-29) against about 6 s without it, at the price of building the dependencies once more
-# (about 3.5 minutes). The extension keeps the profile's LTO, but the unit tier builds the binaries
-# of the crates that have tests/ (remus-coordinator, remus-replay-worker) again without it, into
-# target/release, where the integration tests and the benches take them: rebuild with
-# `cargo build --release` (scripts/setup.sh) before a bench after this script.
-test_cargo() { CARGO_PROFILE_RELEASE_LTO=false cargo test --release "$@"; }
-
 run_tier unit test_cargo --workspace --exclude pg_remus --exclude integration
 
 # pgrx runs its own PostgreSQL as user postgres in a data directory that user owns.
@@ -70,8 +61,8 @@ run_tier regress regress
 # pg_regress prints "All N tests passed."; count its files like the other tiers' tests.
 sed -n 's/.*All \([0-9]*\) tests passed.*/test result: ok. \1 passed; 0 failed;/p' "$results.regress.log" >> "$results" 2>/dev/null || true
 
-# --no-fail-fast: a failing test binary must not hide the results of the binaries after it.
-run_tier integration test_cargo --no-fail-fast -p integration -- --test-threads=2
+# Two test binaries at a time, every one run even after one fails (scripts/integration.sh).
+run_tier integration "$REPO_ROOT/scripts/integration.sh"
 
 log "all tiers passed in $((SECONDS - start)) s"
 summary
