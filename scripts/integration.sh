@@ -23,7 +23,7 @@ jobs_max=${REMUS_IT_JOBS:-2}
 # in name order; a file missing here only makes the schedule worse, never wrong.
 LONGEST_FIRST=(migration_concurrency migration_remus migration_baselines coordinator_failover
                application_role distributed_ddl pgbench_tpcb migration_albatross tpcc
-               migration_squall migration_squall_faults replication drain_node router_local_plan
+               migration_squall migration_squall_faults drain_node router_local_plan
                node_addition two_phase fault_matrix migration_state_restart migration_recovery
                router_semantics bench_smoke foreign_keys)
 
@@ -34,23 +34,26 @@ trap 'rm -rf "$out"' EXIT
 # target/test); they start the LTO binaries of target/release.
 log "building the integration test binaries"
 test_cargo -p integration --no-run --message-format=json-render-diagnostics > "$out/build.json"
-# name <TAB> executable, for every test target (the package's tests/*.rs and its lib's tests).
-jq -r 'select(.reason == "compiler-artifact" and .profile.test == true and .executable != null)
-       | [.target.name, .executable] | @tsv' "$out/build.json" | sort > "$out/binaries.tsv"
-[ -s "$out/binaries.tsv" ] || die "cargo built no integration test binary"
+# The executable of every test target (the package's tests/*.rs and its lib's tests), by name.
+declare -A exe_of
+while IFS=$'\t' read -r name exe; do
+    exe_of[$name]=$exe
+done < <(jq -r 'select(.reason == "compiler-artifact" and .profile.test == true
+                       and .executable != null) | [.target.name, .executable] | @tsv' \
+            "$out/build.json")
+[ ${#exe_of[@]} -gt 0 ] || die "cargo built no integration test binary"
 
 ordered=()
 for name in "${LONGEST_FIRST[@]}"; do
-    grep -q "^$name	" "$out/binaries.tsv" && ordered+=("$name")
+    [ -n "${exe_of[$name]:-}" ] && ordered+=("$name")
 done
-while IFS=$'\t' read -r name _; do
-    [[ " ${ordered[*]} " == *" $name "* ]] || ordered+=("$name")
-done < "$out/binaries.tsv"
+for name in $(printf '%s\n' "${!exe_of[@]}" | sort); do
+    [[ " ${LONGEST_FIRST[*]} " == *" $name "* ]] || ordered+=("$name")
+done
 
 run_binary() {
     local name=$1; shift
-    local exe t0=$SECONDS rc=0
-    exe=$(awk -F'\t' -v n="$name" '$1 == n { print $2 }' "$out/binaries.tsv")
+    local exe=${exe_of[$name]} t0=$SECONDS rc=0
     # cargo runs a test binary in its package's directory; so does this.
     (cd tests && "$exe" --test-threads=2 "$@") > "$out/$name.log" 2>&1 || rc=$?
     echo "$rc" > "$out/$name.rc"
