@@ -437,3 +437,83 @@ fn a_cached_local_plan_is_not_used_once_the_map_names_another_owner() {
         );
     }
 }
+
+/// The plan `sql` (after `setup`) ran as, by `auto_explain` in a psql session on `node`: the
+/// executor's own plan, as started (not EXPLAIN's, which keeps the router node), and the rows.
+fn executed_plan(c: &TestCluster, node: &str, setup: &str, sql: &str) -> (String, String) {
+    use std::io::Write;
+    let mut psql = c
+        .libpq_command(node, "psql")
+        .args(["-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("psql");
+    let script = format!(
+        "{setup}
+         LOAD 'auto_explain';
+         SET auto_explain.log_min_duration = 0;
+         SET auto_explain.log_level = notice;
+         {sql};"
+    );
+    psql.stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    let out = psql.wait_with_output().unwrap();
+    let notices = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{script}: {notices}");
+    (
+        notices,
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+    )
+}
+
+/// A SELECT that execution routes to this node's shard runs as the local plan alone, with no
+/// router node above it (decision 0034): a prepared statement's generic plan, a custom plan
+/// and a statement with the key as a constant alike. A key elsewhere keeps the router node,
+/// and so does the statement under EXPLAIN.
+#[test]
+fn a_select_routed_here_runs_as_its_local_plan_alone() {
+    let (c, mut n1, mine, shard) = four_shards_and_a_key_on_n1(100);
+    let (theirs, _) = key_on(&mut n1, "n1", false);
+    n1.batch_execute(&format!(
+        "UPDATE kv SET n = 7 WHERE k = {mine}; UPDATE kv SET n = 9 WHERE k = {theirs}"
+    ))
+    .unwrap();
+    let local_scan = format!("Index Scan using kv_{shard}_pkey on kv_{shard}");
+    let prepare = "PREPARE get(bigint) AS SELECT n FROM kv WHERE k = $1;";
+    for mode in ["force_generic_plan", "force_custom_plan"] {
+        let setup = format!("SET plan_cache_mode = {mode}; {prepare}");
+        let (plan, rows) = executed_plan(&c, "n1", &setup, &format!("EXECUTE get({mine})"));
+        assert_eq!(rows, "7", "{mode}, owned key");
+        assert!(
+            plan.contains(&local_scan) && !plan.contains("RemusRouter"),
+            "{mode}, owned key: the local plan alone:\n{plan}"
+        );
+        let (plan, rows) = executed_plan(&c, "n1", &setup, &format!("EXECUTE get({theirs})"));
+        assert_eq!(rows, "9", "{mode}, key on another node");
+        assert!(
+            plan.contains("Custom Scan (RemusRouter)"),
+            "{mode}, key on another node: routed:\n{plan}"
+        );
+    }
+    let (plan, rows) = executed_plan(&c, "n1", "", &format!("SELECT n FROM kv WHERE k = {mine}"));
+    assert_eq!(rows, "7", "constant key");
+    assert!(
+        plan.contains(&local_scan) && !plan.contains("RemusRouter"),
+        "constant key: the local plan alone:\n{plan}"
+    );
+    // EXPLAIN ANALYZE shows the router node and how it ran.
+    n1.batch_execute(&format!(
+        "SET plan_cache_mode = force_generic_plan; {prepare}"
+    ))
+    .unwrap();
+    let plan = explain(&mut n1, &format!("EXECUTE get({mine})"));
+    assert!(
+        plan.contains("Custom Scan (RemusRouter)") && plan.contains("Ran: local plan"),
+        "EXPLAIN ANALYZE:\n{plan}"
+    );
+}

@@ -1,5 +1,6 @@
-//! `ExecutorStart_hook`: the ownership check (RM001) and the handover's checks, then the
-//! previous executor start.
+//! `ExecutorStart_hook`: the ownership check (RM001) and the handover's checks; a single-shard
+//! SELECT routed to this node swapped for its local plan (`router::modify::local_plan_on_top`);
+//! then the previous executor start.
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -20,7 +21,9 @@ unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, e
     // duration of the call; the body passes them to pg_sys as that API documents.
     unsafe {
         crate::cluster::forwarded_role::enter();
-        if let Err(e) = crate::router::ownership::check(query_desc) {
+        if let Err(e) = crate::router::ownership::check(query_desc)
+            .and_then(|()| crate::router::modify::local_plan_on_top(query_desc, eflags))
+        {
             e.raise();
         }
         match PREV_EXECUTOR_START {

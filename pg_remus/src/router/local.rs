@@ -284,7 +284,7 @@ pub(crate) unsafe fn local_plan_of(
 
 /// Locks every relation of a local plan and checks that it still exists. False: the plan is
 /// stale (a shard dropped since it was made), take the general path.
-unsafe fn relations_here(stmt: *mut pg_sys::PlannedStmt) -> bool {
+pub(crate) unsafe fn relations_here(stmt: *mut pg_sys::PlannedStmt) -> bool {
     // SAFETY: the plan is a valid PlannedStmt; locks and syscache probes by OID.
     unsafe {
         for rte in list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable) {
@@ -323,16 +323,7 @@ pub(crate) unsafe fn spliced_at_execution(
     // table array has `es_range_table_size` entries (ExecInitRangeTable).
     unsafe {
         let plan = (*stmt).planTree;
-        if plan.is_null()
-            || !(*stmt).subplans.is_null()
-            || !(*stmt).paramExecTypes.is_null()
-            || !(*stmt).rowMarks.is_null()
-            || (*stmt).parallelModeNeeded
-            || pg_sys::list_length((*plan).targetlist) as usize != outputs
-            || list_ptrs::<pg_sys::TargetEntry>((*plan).targetlist)
-                .iter()
-                .any(|te| (**te).resjunk)
-        {
+        if !runs_spliced(stmt, plan, outputs) {
             return None;
         }
         let mine = list_ptrs::<pg_sys::RangeTblEntry>((*stmt).rtable);
@@ -359,6 +350,33 @@ pub(crate) unsafe fn spliced_at_execution(
         // The executor reads its range table through this list (exec_rt_fetch).
         (*estate).es_range_table = (*stmt).rtable;
         Some(plan)
+    }
+}
+
+/// Can plan tree `plan` of local plan `stmt` run in place of a `RemusRouter` node returning
+/// `outputs` columns, in an executor started for another statement (spliced at execution) or
+/// as the statement's plan itself (`modify::on_top`)? Not when it needs what such an executor
+/// is not started with: subplans, executor parameters, row marks, parallel workers; nor when
+/// it returns other columns than the router's (junk columns, another count).
+///
+/// # Safety
+/// `stmt` must be a valid PlannedStmt and `plan` NULL or its plan tree.
+pub(crate) unsafe fn runs_spliced(
+    stmt: *mut pg_sys::PlannedStmt,
+    plan: *mut pg_sys::Plan,
+    outputs: usize,
+) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        !plan.is_null()
+            && (*stmt).subplans.is_null()
+            && (*stmt).paramExecTypes.is_null()
+            && (*stmt).rowMarks.is_null()
+            && !(*stmt).parallelModeNeeded
+            && pg_sys::list_length((*plan).targetlist) as usize == outputs
+            && !list_ptrs::<pg_sys::TargetEntry>((*plan).targetlist)
+                .iter()
+                .any(|te| (**te).resjunk)
     }
 }
 

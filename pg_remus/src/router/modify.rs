@@ -23,6 +23,9 @@ use crate::router::execute::{Join, Params};
 use crate::router::local::PlanContext;
 
 mod fence;
+mod on_top;
+
+pub(crate) use on_top::local_plan_on_top;
 
 // SAFETY: all-zero is a valid value of this C struct (NULL name, no callbacks); it is filled in
 // at preload, before PostgreSQL can see it.
