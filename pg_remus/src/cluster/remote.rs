@@ -60,6 +60,93 @@ pub struct RemoteConnection {
     /// The role the peer session runs this backend's statements as (`remus.forwarded_role`
     /// there, see `cluster::forwarded_role`); None: the node user it authenticated as.
     role: Option<pg_sys::Oid>,
+    /// What [`wait`](Self::wait) waits on, made at the first wait and kept while the socket
+    /// stays the same: one round trip then costs no epoll set made and closed again.
+    waits: Option<SocketWaits>,
+}
+
+/// A wait event set of this backend's latch, postmaster death and one connection's socket.
+struct SocketWaits {
+    set: NonNull<pg_sys::WaitEventSet>,
+    socket: pg_sys::pgsocket,
+    /// The socket's entry in `set`, and the events it waits for now.
+    position: i32,
+    events: u32,
+}
+
+impl SocketWaits {
+    /// A set for `socket`, waiting for `events` on it.
+    fn new(socket: pg_sys::pgsocket, events: u32) -> Self {
+        // SAFETY: the set is made in TopMemoryContext (it lives as long as the connection,
+        // across transactions) and freed by Drop; MyLatch is the backend's own latch.
+        unsafe {
+            let set = pg_sys::CreateWaitEventSet(pg_sys::TopMemoryContext, 3);
+            pg_sys::AddWaitEventToSet(
+                set,
+                pg_sys::WL_LATCH_SET,
+                pg_sys::PGINVALID_SOCKET,
+                pg_sys::MyLatch,
+                std::ptr::null_mut(),
+            );
+            pg_sys::AddWaitEventToSet(
+                set,
+                pg_sys::WL_EXIT_ON_PM_DEATH,
+                pg_sys::PGINVALID_SOCKET,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let position = pg_sys::AddWaitEventToSet(
+                set,
+                events,
+                socket,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            SocketWaits {
+                set: NonNull::new(set).expect("CreateWaitEventSet returns a set or raises"),
+                socket,
+                position,
+                events,
+            }
+        }
+    }
+
+    /// Waits until the latch is set or `events` happen on the socket; returns what happened.
+    fn wait(&mut self, events: u32) -> u32 {
+        // SAFETY: the set is live (owned by self); ModifyWaitEvent changes the socket's entry
+        // only; one WaitEvent is written by WaitEventSetWait.
+        unsafe {
+            if events != self.events {
+                pg_sys::ModifyWaitEvent(
+                    self.set.as_ptr(),
+                    self.position,
+                    events,
+                    std::ptr::null_mut(),
+                );
+                self.events = events;
+            }
+            let mut occurred: pg_sys::WaitEvent = std::mem::zeroed();
+            let n = pg_sys::WaitEventSetWait(
+                self.set.as_ptr(),
+                -1,
+                &mut occurred,
+                1,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            if n > 0 {
+                occurred.events
+            } else {
+                0
+            }
+        }
+    }
+}
+
+impl Drop for SocketWaits {
+    fn drop(&mut self) {
+        // SAFETY: the set was made by CreateWaitEventSet and is freed once, here.
+        unsafe { pg_sys::FreeWaitEventSet(self.set.as_ptr()) };
+    }
 }
 
 /// Most statements kept prepared per connection; past it they are all deallocated.
@@ -296,6 +383,7 @@ impl RemoteConnection {
             prepared: HashMap::new(),
             prepared_epoch: PREPARED_EPOCH.with(|e| e.get()),
             role: None,
+            waits: None,
         };
         // SAFETY: conn is a live PGconn owned by `me`.
         if unsafe { pq::PQstatus(me.conn.as_ptr()) } == pq::ConnStatusType::CONNECTION_BAD {
@@ -400,17 +488,19 @@ impl RemoteConnection {
         if interrupts == Interrupts::Forward {
             self.forward_pending_cancel();
         }
-        // SAFETY: the socket belongs to our live PGconn; MyLatch is the backend's own latch.
+        // SAFETY: the socket belongs to our live PGconn (libpq may change it while it
+        // connects: the set is made again for a new one).
+        let socket = unsafe { pq::PQsocket(self.conn.as_ptr()) };
+        let events = event as u32;
+        let waits = match self.waits.as_mut().filter(|w| w.socket == socket) {
+            Some(w) => w,
+            None => self.waits.insert(SocketWaits::new(socket, events)),
+        };
+        let rc = waits.wait(events);
+        // SAFETY: MyLatch is the backend's own latch; interrupts are serviced as PostgreSQL's
+        // own waits do.
         unsafe {
-            let sock = pq::PQsocket(self.conn.as_ptr());
-            let rc = pg_sys::WaitLatchOrSocket(
-                pg_sys::MyLatch,
-                (pg_sys::WL_LATCH_SET | pg_sys::WL_EXIT_ON_PM_DEATH) as i32 | event,
-                sock,
-                0,
-                pg_sys::PG_WAIT_EXTENSION,
-            );
-            if rc & pg_sys::WL_LATCH_SET as i32 != 0 {
+            if rc & pg_sys::WL_LATCH_SET != 0 {
                 pg_sys::ResetLatch(pg_sys::MyLatch);
                 if interrupts == Interrupts::Service {
                     pgrx::check_for_interrupts!();
@@ -762,6 +852,8 @@ impl RemoteConnection {
 
 impl Drop for RemoteConnection {
     fn drop(&mut self) {
+        // The wait set watches the socket PQfinish closes: freed first.
+        self.waits = None;
         // SAFETY: we own the PGconn, and it holds one external FD slot.
         unsafe {
             pq::PQfinish(self.conn.as_ptr());
