@@ -29,6 +29,10 @@ pub static FORWARDED: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// the DDL refusal that a migration puts up.
 pub static MIGRATION_SESSION: GucSetting<bool> = GucSetting::<bool>::new(false);
 
+/// A single-shard SELECT routed to this node runs as its local plan alone, without the
+/// `RemusRouter` node (decision 0034); off: the router node stays, as with EXPLAIN.
+pub static LOCAL_PLAN_ON_TOP: GucSetting<bool> = GucSetting::<bool>::new(true);
+
 /// gRPC address of the coordinator, for `remus_migrate_shard(s)` and `remus_migrations`.
 pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(None);
@@ -140,6 +144,14 @@ pub fn register() {
         c"Exempt from ownership checks, the admission gate, the write fence and the DDL refusal of running migrations.",
         &MIGRATION_SESSION,
         GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"remus.enable_local_plan_on_top",
+        c"A single-shard SELECT routed to this node runs as its local plan alone.",
+        c"Off keeps the RemusRouter node above the local plan (decision 0034), for comparison and diagnosis.",
+        &LOCAL_PLAN_ON_TOP,
+        GucContext::Userset,
         GucFlags::default(),
     );
     GucRegistry::define_string_guc(

@@ -56,7 +56,8 @@ pub(crate) unsafe fn local_plan_on_top(
     // list and the parameters are live for the statement's execution.
     unsafe {
         let stmt = (*query_desc).plannedstmt;
-        if eflags as u32 & KEEPS_ROUTER != 0
+        if !crate::guc::LOCAL_PLAN_ON_TOP.get()
+            || eflags as u32 & KEEPS_ROUTER != 0
             || (*query_desc).instrument_options != 0
             || (*query_desc).operation != pg_sys::CmdType::CMD_SELECT
             || stmt.is_null()
