@@ -398,6 +398,10 @@ impl RemoteConnection {
                 pq::PostgresPollingStatusType::PGRES_POLLING_WRITING => pg_sys::WL_SOCKET_WRITEABLE,
                 _ => return Err(me.connection_error()),
             };
+            // While it connects, libpq may close its socket and open another (the next
+            // address, a refused encryption), which can get the same number: a kept set would
+            // no longer watch it. Each wait here makes its own.
+            me.waits = None;
             me.wait(event as i32, Interrupts::Service);
         }
         // SAFETY: as above; non-blocking mode so sends never block outside our latch wait.
@@ -488,8 +492,8 @@ impl RemoteConnection {
         if interrupts == Interrupts::Forward {
             self.forward_pending_cancel();
         }
-        // SAFETY: the socket belongs to our live PGconn (libpq may change it while it
-        // connects: the set is made again for a new one).
+        // SAFETY: the socket belongs to our live PGconn (the set is made again for another
+        // socket; `connect` drops it before each of its waits).
         let socket = unsafe { pq::PQsocket(self.conn.as_ptr()) };
         let events = event as u32;
         let waits = match self.waits.as_mut().filter(|w| w.socket == socket) {
