@@ -387,6 +387,31 @@ pub(crate) unsafe fn extern_param(
     }
 }
 
+/// The value of `expr` when it is a constant or an external parameter set in `params`: its
+/// datum, whether it is NULL, and its type. None: it must be evaluated.
+///
+/// # Safety
+/// `expr` must be a valid expression; `params` NULL or the statement's parameters.
+pub(crate) unsafe fn constant_or_param(
+    expr: *mut pg_sys::Expr,
+    params: pg_sys::ParamListInfo,
+) -> Option<(pg_sys::Datum, bool, pg_sys::Oid)> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let node = expr as *mut pg_sys::Node;
+        if is_tag(node, pg_sys::NodeTag::T_Const) {
+            let c = node as *mut pg_sys::Const;
+            return Some(((*c).constvalue, (*c).constisnull, (*c).consttype));
+        }
+        if is_tag(node, pg_sys::NodeTag::T_Param) {
+            let p = node as *mut pg_sys::Param;
+            let prm = extern_param(params, p, false)?;
+            return Some((prm.value, prm.isnull, (*p).paramtype));
+        }
+        None
+    }
+}
+
 /// Evaluates a Var-free expression (Const, Param, casts of those) in the node's context.
 ///
 /// # Safety
@@ -400,16 +425,8 @@ pub unsafe fn eval_expr(
     unsafe {
         // A constant, or a parameter of the statement (as a prepared statement's key is): no
         // expression state to build for every execution.
-        let node = expr as *mut pg_sys::Node;
-        if is_tag(node, pg_sys::NodeTag::T_Const) {
-            let c = node as *mut pg_sys::Const;
-            return ((*c).constvalue, (*c).constisnull, (*c).consttype);
-        }
-        if is_tag(node, pg_sys::NodeTag::T_Param) {
-            let p = node as *mut pg_sys::Param;
-            if let Some(prm) = extern_param((*(*ps).state).es_param_list_info, p, false) {
-                return (prm.value, prm.isnull, (*p).paramtype);
-            }
+        if let Some(known) = constant_or_param(expr, (*(*ps).state).es_param_list_info) {
+            return known;
         }
         let state = pg_sys::ExecInitExpr(expr, ps);
         let mut isnull = false;

@@ -556,7 +556,7 @@ pub(crate) unsafe fn run_modify(
 ///
 /// # Safety
 /// `cscan` must be the executing plan node and `query` its Query; inside a transaction.
-pub(crate) unsafe fn local_plan_at_execution(
+unsafe fn local_plan_at_execution(
     cscan: *mut pg_sys::CustomScan,
     query: *mut pg_sys::Query,
     anchor: &DistTable,
@@ -596,6 +596,38 @@ pub(crate) unsafe fn local_plan_at_execution(
             });
         }
         Ok(plan)
+    }
+}
+
+/// The local plan that serves `placement` (the shard execution chose on this node) for plan
+/// node `cscan` carrying `query`: the one made at plan time when it is for that very shard,
+/// otherwise one made at execution ([`local_plan_at_execution`]). None: a shard of the group
+/// is not here (take the general path).
+///
+/// # Safety
+/// `cscan` must be the executing `RemusRouter` plan node and `query` its Query; inside a
+/// transaction.
+pub(crate) unsafe fn local_plan_for_shard(
+    cscan: *mut pg_sys::CustomScan,
+    query: *mut pg_sys::Query,
+    table: &DistTable,
+    placement: &crate::catalog::ShardPlacement,
+    source_text: *const c_char,
+) -> Result<Option<*mut pg_sys::PlannedStmt>, RemusError> {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
+        match local_plan_of(&private).filter(|(_, shard)| *shard == placement.shard_id) {
+            Some((stmt, _)) => Ok(Some(stmt)),
+            None => local_plan_at_execution(
+                cscan,
+                query,
+                table,
+                placement.shard_index as usize,
+                placement.shard_id,
+                source_text,
+            ),
+        }
     }
 }
 

@@ -777,10 +777,9 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         let private = list_ptrs::<pg_sys::Node>((*cscan).custom_private);
         let query = private[0] as *mut pg_sys::Query;
         let group = group_of(&private);
-        let local = super::local::local_plan_of(&private);
         if (*query).commandType == pg_sys::CmdType::CMD_SELECT {
             let (value, anchor) = group.ok_or(RemusError::TableDisappeared)?;
-            return run_select(s, query, value, anchor, local);
+            return run_select(s, query, value, anchor);
         }
         let rt = (*query).resultRelation as usize;
         let shell = (*list_ptrs::<pg_sys::RangeTblEntry>((*query).rtable)[rt - 1]).relid;
@@ -856,21 +855,15 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
         let mut affected = 0u64;
         // A local plan serves only the one shard it was made for, decided here to be this
         // node's (`super::local`); without one made at plan time, one is made now.
-        let local = if let Some(w) = mine {
-            let p = &w.placement;
-            match local.filter(|(_, shard)| *shard == p.shard_id) {
-                Some((stmt, _)) => Some(stmt),
-                None => super::local::local_plan_at_execution(
-                    cscan,
-                    query,
-                    &table,
-                    p.shard_index as usize,
-                    p.shard_id,
-                    (*estate).es_sourceText,
-                )?,
-            }
-        } else {
-            None
+        let local = match mine {
+            Some(w) => super::local::local_plan_for_shard(
+                cscan,
+                query,
+                &table,
+                &w.placement,
+                (*estate).es_sourceText,
+            )?,
+            None => None,
         };
         // An autocommit write on one other node is that node's transaction of its own: one
         // round trip, no BEGIN or COMMIT (its outcome is the participant's answer).
@@ -994,7 +987,6 @@ unsafe fn run_select(
     query: *mut pg_sys::Query,
     value: *mut pg_sys::Expr,
     anchor_relid: pg_sys::Oid,
-    local: Option<(*mut pg_sys::PlannedStmt, i64)>,
 ) -> Result<(), RemusError> {
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
@@ -1034,17 +1026,13 @@ unsafe fn run_select(
                 (*s).ran = Ran::LocalPlan;
                 return Ok(());
             }
-            let stmt = match local.filter(|(_, shard)| *shard == placement.shard_id) {
-                Some((stmt, _)) => Some(stmt),
-                None => super::local::local_plan_at_execution(
-                    ps.plan as *mut pg_sys::CustomScan,
-                    query,
-                    &table,
-                    placement.shard_index as usize,
-                    placement.shard_id,
-                    (*estate).es_sourceText,
-                )?,
-            };
+            let stmt = super::local::local_plan_for_shard(
+                ps.plan as *mut pg_sys::CustomScan,
+                query,
+                &table,
+                &placement,
+                (*estate).es_sourceText,
+            )?;
             let outputs = pg_sys::list_length((*ps.plan).targetlist) as usize;
             if let Some(stmt) = stmt {
                 crate::migration::squall::wait_for_pulls_in(estate, stmt)?;

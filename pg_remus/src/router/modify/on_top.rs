@@ -13,7 +13,7 @@
 //! read with the statement's snapshot and pinned for the (transaction, shard), every table of
 //! the group routed to the same node. The local plan is the one the router would run: the
 //! spliced plan made at plan time, or the one made at execution and kept per shard
-//! (`local::local_plan_at_execution`). The statement's privileges are checked on the shells
+//! (`local::local_plan_for_shard`). The statement's privileges are checked on the shells
 //! first, as the router plan's `ExecutorStart` would check them (a local plan made at
 //! execution names shard tables and checks nothing). Then squall's wait for pulls sees the
 //! shard tables, and replaces the statement's snapshot if it must.
@@ -28,8 +28,8 @@ use pgrx::pg_sys;
 
 use crate::error::RemusError;
 use crate::pg::list::list_ptrs;
-use crate::router::execute::extern_param;
-use crate::router::local::{local_plan_at_execution, local_plan_of, runs_spliced};
+use crate::router::execute::constant_or_param;
+use crate::router::local::{local_plan_for_shard, runs_spliced};
 use crate::router::placement::dist_table;
 
 use super::{group_of, is_router_plan, same_node_for_every_table, spliced_of};
@@ -74,7 +74,10 @@ pub(crate) unsafe fn local_plan_on_top(
         let Some((value, anchor)) = group_of(&private) else {
             return Ok(());
         };
-        let Some((datum, value_type)) = known_value(value, (*query_desc).params) else {
+        // A constant or a parameter of the statement (a prepared statement's key); `key =
+        // NULL` selects nothing, and the router returns no row without routing.
+        let Some((datum, false, value_type)) = constant_or_param(value, (*query_desc).params)
+        else {
             return Ok(());
         };
         let Some(table) = dist_table(anchor)? else {
@@ -97,17 +100,8 @@ pub(crate) unsafe fn local_plan_on_top(
             }
             flat_copy(stmt, stmt, child)
         } else {
-            let local = match local_plan_of(&private).filter(|(_, s)| *s == placement.shard_id) {
-                Some((local, _)) => Some(local),
-                None => local_plan_at_execution(
-                    cscan,
-                    query,
-                    &table,
-                    placement.shard_index as usize,
-                    placement.shard_id,
-                    (*query_desc).sourceText,
-                )?,
-            };
+            let local =
+                local_plan_for_shard(cscan, query, &table, &placement, (*query_desc).sourceText)?;
             let Some(local) = local.filter(|l| runs_spliced(*l, (**l).planTree, outputs)) else {
                 return Ok(());
             };
@@ -123,35 +117,6 @@ pub(crate) unsafe fn local_plan_on_top(
         // squall: the shard tables now in the plan are waited for, as a local plan the router
         // starts waits for them.
         crate::migration::squall::wait_for_pulls(query_desc)
-    }
-}
-
-/// The value of the anchor's key expression when it is a constant or a parameter of the
-/// statement (a prepared statement's key): its datum and type. None: the router evaluates it.
-///
-/// # Safety
-/// `value` must be a valid expression; `params` NULL or the statement's parameters.
-unsafe fn known_value(
-    value: *mut pg_sys::Expr,
-    params: pg_sys::ParamListInfo,
-) -> Option<(pg_sys::Datum, pg_sys::Oid)> {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        let node = value as *mut pg_sys::Node;
-        let (datum, isnull, ty) = match (*node).type_ {
-            pg_sys::NodeTag::T_Const => {
-                let c = node as *mut pg_sys::Const;
-                ((*c).constvalue, (*c).constisnull, (*c).consttype)
-            }
-            pg_sys::NodeTag::T_Param => {
-                let p = node as *mut pg_sys::Param;
-                let prm = extern_param(params, p, false)?;
-                (prm.value, prm.isnull, (*p).paramtype)
-            }
-            _ => return None,
-        };
-        // `key = NULL` selects nothing: the router returns no row without routing.
-        (!isnull).then_some((datum, ty))
     }
 }
 
