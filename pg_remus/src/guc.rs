@@ -29,8 +29,8 @@ pub static FORWARDED: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// the DDL refusal that a migration puts up.
 pub static MIGRATION_SESSION: GucSetting<bool> = GucSetting::<bool>::new(false);
 
-/// A single-shard SELECT routed to this node runs as its local plan alone, without the
-/// `RemusRouter` node (decision 0034); off: the router node stays, as with EXPLAIN.
+/// A single-shard SELECT or write routed to this node runs as its local plan alone, without
+/// the `RemusRouter` node (decision 0034); off: the router node stays, as with EXPLAIN.
 pub static LOCAL_PLAN_ON_TOP: GucSetting<bool> = GucSetting::<bool>::new(true);
 
 /// gRPC address of the coordinator, for `remus_migrate_shard(s)` and `remus_migrations`.
@@ -148,7 +148,7 @@ pub fn register() {
     );
     GucRegistry::define_bool_guc(
         c"remus.enable_local_plan_on_top",
-        c"A single-shard SELECT routed to this node runs as its local plan alone.",
+        c"A single-shard SELECT or INSERT/UPDATE/DELETE routed to this node runs as its local plan alone.",
         c"Off keeps the RemusRouter node above the local plan (decision 0034), for comparison and diagnosis.",
         &LOCAL_PLAN_ON_TOP,
         GucContext::Userset,

@@ -517,3 +517,149 @@ fn a_select_routed_here_runs_as_its_local_plan_alone() {
         "EXPLAIN ANALYZE:\n{plan}"
     );
 }
+
+/// A write on one shard that execution routes to this node runs as the shard's own
+/// ModifyTable plan alone, with no router node above it (decision 0034, amended): an UPDATE, a
+/// DELETE and a single-row INSERT, with and without RETURNING, through a prepared statement's
+/// generic plan, a custom plan and a constant key. Rows counted and returned are the
+/// statement's; a key elsewhere, a multi-row INSERT and EXPLAIN ANALYZE keep the router node.
+#[test]
+fn a_write_routed_here_runs_as_its_local_plan_alone() {
+    let (c, mut n1, mine, shard) = four_shards_and_a_key_on_n1(100);
+    let (theirs, _) = key_on(&mut n1, "n1", false);
+    // A key above the loaded rows (1..=100) whose shard n1 owns or does not, for the INSERTs.
+    let fresh = |db: &mut postgres::Client, owned: bool| -> i64 {
+        db.query_one(
+            "SELECT k::bigint FROM generate_series(1000, 20000) k
+               JOIN remus_shards s ON s.shard_id = remus_shard_id_for('kv', k)
+              WHERE (s.node_name = 'n1') = $1
+              ORDER BY k LIMIT 1",
+            &[&owned],
+        )
+        .unwrap()
+        .get(0)
+    };
+    let local_update = format!("Update on kv_{shard}");
+    let alone = |plan: &str, node: &str, what: &str| {
+        assert!(
+            plan.contains(node) && !plan.contains("RemusRouter"),
+            "{what}: the local plan alone:\n{plan}"
+        );
+    };
+    let prepare = "PREPARE bump(bigint) AS UPDATE kv SET n = n + 1 WHERE k = $1 RETURNING n;
+                   PREPARE bump_quiet(bigint) AS UPDATE kv SET n = n + 10 WHERE k = $1;";
+    let mut expected = 0;
+    for mode in ["force_generic_plan", "force_custom_plan"] {
+        let setup = format!("SET plan_cache_mode = {mode}; {prepare}");
+        let (plan, rows) = executed_plan(&c, "n1", &setup, &format!("EXECUTE bump({mine})"));
+        expected += 1;
+        assert_eq!(
+            rows,
+            expected.to_string(),
+            "{mode}: RETURNING of the owned key"
+        );
+        alone(&plan, &local_update, &format!("{mode}, UPDATE … RETURNING"));
+        let (plan, rows) = executed_plan(&c, "n1", &setup, &format!("EXECUTE bump_quiet({mine})"));
+        expected += 10;
+        assert_eq!(rows, "", "{mode}: no RETURNING");
+        alone(&plan, &local_update, &format!("{mode}, UPDATE"));
+        assert_eq!(
+            n_of(&c, "n2", mine) as i64,
+            expected,
+            "{mode}: the row, read elsewhere"
+        );
+        let (plan, rows) = executed_plan(&c, "n1", &setup, &format!("EXECUTE bump({theirs})"));
+        assert!(
+            plan.contains("Custom Scan (RemusRouter)"),
+            "{mode}, key on another node: routed:\n{plan}"
+        );
+        assert!(!rows.is_empty(), "{mode}: RETURNING of the routed key");
+    }
+    // A constant key: an INSERT, an UPDATE and a DELETE, each alone on the shard.
+    let new = fresh(&mut n1, true);
+    let new_shard: i64 = n1
+        .query_one("SELECT remus_shard_id_for('kv', $1::bigint)", &[&new])
+        .unwrap()
+        .get(0);
+    let (plan, rows) = executed_plan(
+        &c,
+        "n1",
+        "",
+        &format!("INSERT INTO kv VALUES ({new}, 'new', 5) RETURNING n"),
+    );
+    assert_eq!(rows, "5", "INSERT … RETURNING");
+    alone(&plan, &format!("Insert on kv_{new_shard}"), "INSERT");
+    let (plan, _) = executed_plan(
+        &c,
+        "n1",
+        "",
+        &format!("UPDATE kv SET v = 'changed' WHERE k = {new} AND n = 5"),
+    );
+    alone(
+        &plan,
+        &format!("Update on kv_{new_shard}"),
+        "UPDATE, constant key",
+    );
+    let (plan, rows) = executed_plan(
+        &c,
+        "n1",
+        "",
+        &format!("DELETE FROM kv WHERE k = {new} RETURNING v"),
+    );
+    assert_eq!(rows, "changed", "DELETE … RETURNING");
+    alone(&plan, &format!("Delete on kv_{new_shard}"), "DELETE");
+    // The counts the client is told are the shard's.
+    assert_eq!(
+        n1.execute("UPDATE kv SET n = n + 100 WHERE k = $1", &[&mine])
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        n1.execute("DELETE FROM kv WHERE k = $1", &[&new]).unwrap(),
+        0,
+        "a deleted row is not deleted twice"
+    );
+    assert_eq!(n_of(&c, "n3", mine) as i64, expected + 100);
+    // A multi-row INSERT is split by shard: the router's.
+    let other = fresh(&mut n1, false);
+    let (plan, _) = executed_plan(
+        &c,
+        "n1",
+        "",
+        &format!("INSERT INTO kv VALUES ({new}, 'a', 1), ({other}, 'b', 2)"),
+    );
+    assert!(
+        plan.contains("Custom Scan (RemusRouter)"),
+        "multi-row INSERT: routed:\n{plan}"
+    );
+    let count: i64 = c
+        .connect("n2")
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM kv WHERE k = ANY($1)",
+            &[&vec![new, other]],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(count, 2, "both rows of the multi-row INSERT");
+    // EXPLAIN ANALYZE shows the router node and how it ran.
+    let plan = explain(
+        &mut n1,
+        &format!("UPDATE kv SET n = n + 1 WHERE k = {mine}"),
+    );
+    assert!(
+        plan.contains("Custom Scan (RemusRouter)") && plan.contains("Ran: local plan"),
+        "EXPLAIN ANALYZE:\n{plan}"
+    );
+    // Off, the router node stays above the same write (remus.enable_local_plan_on_top).
+    let (plan, _) = executed_plan(
+        &c,
+        "n1",
+        "SET remus.enable_local_plan_on_top = off;",
+        &format!("UPDATE kv SET n = n + 1 WHERE k = {mine}"),
+    );
+    assert!(
+        plan.contains("Custom Scan (RemusRouter)"),
+        "setting off: the router node:\n{plan}"
+    );
+}

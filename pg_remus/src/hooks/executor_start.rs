@@ -1,5 +1,6 @@
 //! `ExecutorStart_hook`: the ownership check (RM001) and the handover's checks; a single-shard
-//! SELECT routed to this node swapped for its local plan (`router::modify::local_plan_on_top`);
+//! SELECT or write routed to this node swapped for its local plan
+//! (`router::modify::local_plan_on_top`);
 //! then the previous executor start.
 
 use pgrx::pg_sys;

@@ -354,9 +354,9 @@ pub(crate) unsafe fn spliced_at_execution(
 }
 
 /// Can plan tree `plan` of local plan `stmt` run in place of a `RemusRouter` node returning
-/// `outputs` columns, in an executor started for another statement (spliced at execution) or
-/// as the statement's plan itself (`modify::on_top`)? Not when it needs what such an executor
-/// is not started with: subplans, executor parameters, row marks, parallel workers; nor when
+/// `outputs` columns, in an executor started for another statement (spliced at execution)?
+/// (`modify::on_top`, which starts the executor on the local plan's own header, has its own
+/// test.) Not when it needs what such an executor is not started with: subplans, executor parameters, row marks, parallel workers; nor when
 /// it returns other columns than the router's (junk columns, another count).
 ///
 /// # Safety
@@ -368,9 +368,30 @@ pub(crate) unsafe fn runs_spliced(
 ) -> bool {
     // SAFETY: the caller upholds this function's `# Safety` contract.
     unsafe {
-        !plan.is_null()
+        runs_on_top(stmt, plan, outputs)
             && (*stmt).subplans.is_null()
             && (*stmt).paramExecTypes.is_null()
+    }
+}
+
+/// Can plan tree `plan` of local plan `stmt` run as the statement's plan, in place of a
+/// `RemusRouter` node returning `outputs` columns? The executor is started on `stmt`'s own
+/// header (`modify::on_top`), so its subplans and executor parameters come with it (every
+/// ModifyTable has one, its EvalPlanQual parameter), unlike a plan spliced under the router
+/// node ([`runs_spliced`]). Not a plan that locks rows (the drain fence is the router's)
+/// or wants parallel workers, nor one that returns other columns than the router's (junk
+/// columns, another count), which the portal's row description was made from.
+///
+/// # Safety
+/// `stmt` must be a valid PlannedStmt and `plan` NULL or its plan tree.
+pub(crate) unsafe fn runs_on_top(
+    stmt: *mut pg_sys::PlannedStmt,
+    plan: *mut pg_sys::Plan,
+    outputs: usize,
+) -> bool {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        !plan.is_null()
             && (*stmt).rowMarks.is_null()
             && !(*stmt).parallelModeNeeded
             && pg_sys::list_length((*plan).targetlist) as usize == outputs
