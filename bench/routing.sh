@@ -28,7 +28,8 @@
 # Environment: SECONDS_PER_RUN (20), ROUNDS (1; rounds interleave the configurations, the
 # schema is loaded once in round 1), CLIENTS (8), AGG_CLIENTS (4), WARM (5 s of -S first),
 # SCALE and SHARDS (toolkit: 20, 8), CONFIGS ("plain r1 r3 csingle citus"),
-# WORKLOADS ("sel selprep agg tpcb"), REMUS_REPO (this repository), WORK, OUT, PORT_BASE (toolkit),
+# WORKLOADS ("sel selprep agg tpcb"), REMUS_REPO (this repository), WORK, OUT,
+# PORT_BASE (30000: the servers use 30010-30402, below the ephemeral port range),
 # KEEP_DATA (0: data directories are removed at the end, results kept), SETUP_TIMEOUT (1800 s).
 # pg_remus configurations run under `flock -s /tmp/remus-ext.lock` (REMUS_EXT_LOCK), so that a
 # reinstall of the extension (which takes the lock exclusively) never swaps the .so under them.
@@ -51,6 +52,9 @@ WARM=${WARM:-5}; SETUP_TIMEOUT=${SETUP_TIMEOUT:-1800}; KEEP_DATA=${KEEP_DATA:-0}
 CONFIGS=${CONFIGS:-plain r1 r3 csingle citus}; WORKLOADS=${WORKLOADS:-sel selprep agg tpcb}
 LOCK=${REMUS_EXT_LOCK:-/tmp/remus-ext.lock}
 export SECONDS_PER_RUN=$SECS ROUNDS CLIENTS AGG_CLIENTS WARM SETUP_TIMEOUT CONFIGS WORKLOADS
+# Below the ephemeral port range (32768 and up here), where a client connection can hold a
+# server's port: the toolkit's own default, 40000, is inside it.
+export PORT_BASE=${PORT_BASE:-30000}
 # The toolkit: settings, ports, start/stop, q/pgb (psql/pgbench over TCP), WORK, OUT, SCALE.
 # shellcheck source=/dev/null
 source "$ANCHOR_DIR/lib.sh"

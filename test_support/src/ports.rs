@@ -6,7 +6,8 @@
 //! `base(k) = AREA.start + 200 * (k / 10) + 10 * (k % 10)`, 700 blocks in all. Everything
 //! stays below 32768, where Linux's ephemeral range begins (any client socket of a concurrently
 //! running test may hold a port there), and away from the fixed base ports of the scripts
-//! (`scripts/test.sh` 29001, `bench/*.sh` 24801 and 25801, `scripts/demo.sh` 6001).
+//! (`scripts/test.sh` 29001, `bench/*.sh` 24801 and 25801, `bench/catchup.sh`'s Citus 28800,
+//! `bench/routing.sh` 30000 and `bench/cpu_per_txn.sh` 31000, `scripts/demo.sh` 6001).
 //!
 //! A block is held by an exclusive `flock` on `/tmp/remus-test-ports/<base>.lock`, taken
 //! without waiting and kept until the [`PortBlock`] is dropped. `flock` locks belong to an

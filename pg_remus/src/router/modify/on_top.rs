@@ -28,7 +28,7 @@
 //! Anything else keeps the router node, which decides again at its first row (the pin makes
 //! that the same answer): EXPLAIN and instrumented runs (they show the router node and how it
 //! ran), cursors that scroll or rewind, row locks (the drain fence), a key that is not a
-//! constant or a parameter, a node that is not the owner, a local plan that locks rows, wants
+//! constant or a parameter (for a write, nor a cast of one), a node that is not the owner, a local plan that locks rows, wants
 //! parallel workers or returns junk columns (`runs_on_top`); and for writes, a
 //! draining shard (the drain fence waits in the router), a reference table, a write within a
 //! shard group, a multi-row INSERT and a key or identity value drawn from a sequence.
@@ -56,9 +56,8 @@ const KEEPS_ROUTER: u32 = pg_sys::EXEC_FLAG_EXPLAIN_ONLY
 
 /// Replaces the `RemusRouter` plan `query_desc` is about to start by its local plan, when
 /// execution routes the statement (a SELECT or a write) to this node's shard (see the module
-/// comment); otherwise
-/// leaves it as it is. Errors are the router's own, raised at start instead of at the first
-/// row.
+/// comment); otherwise leaves it as it is. Errors are the router's own, raised at start instead
+/// of at the first row.
 ///
 /// # Safety
 /// `query_desc` must be the QueryDesc that ExecutorStart is starting, its executor not built.
