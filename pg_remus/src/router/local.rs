@@ -356,8 +356,9 @@ pub(crate) unsafe fn spliced_at_execution(
 /// Can plan tree `plan` of local plan `stmt` run in place of a `RemusRouter` node returning
 /// `outputs` columns, in an executor started for another statement (spliced at execution)?
 /// (`modify::on_top`, which starts the executor on the local plan's own header, has its own
-/// test.) Not when it needs what such an executor is not started with: subplans, executor parameters, row marks, parallel workers; nor when
-/// it returns other columns than the router's (junk columns, another count).
+/// test, [`runs_on_top`].) Not when it needs what such an executor is not started with:
+/// subplans, executor parameters, row marks, parallel workers; nor when it returns other
+/// columns than the router's (junk columns, another count).
 ///
 /// # Safety
 /// `stmt` must be a valid PlannedStmt and `plan` NULL or its plan tree.

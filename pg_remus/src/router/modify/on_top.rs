@@ -28,10 +28,11 @@
 //! Anything else keeps the router node, which decides again at its first row (the pin makes
 //! that the same answer): EXPLAIN and instrumented runs (they show the router node and how it
 //! ran), cursors that scroll or rewind, row locks (the drain fence), a key that is not a
-//! constant or a parameter (for a write, nor a cast of one), a node that is not the owner, a local plan that locks rows, wants
-//! parallel workers or returns junk columns (`runs_on_top`); and for writes, a
-//! draining shard (the drain fence waits in the router), a reference table, a write within a
-//! shard group, a multi-row INSERT and a key or identity value drawn from a sequence.
+//! constant or a parameter (for a write, nor a cast of one), a node that is not the owner, a
+//! local plan that locks rows, wants parallel workers or returns junk columns (`runs_on_top`);
+//! and for writes, a draining shard (the drain fence waits in the router), a reference table, a
+//! write within a shard group, a multi-row INSERT and a key or identity value drawn from a
+//! sequence.
 
 use pgrx::pg_sys;
 
@@ -43,8 +44,8 @@ use crate::router::local::{local_plan_for_shard, runs_on_top};
 use crate::router::placement::dist_table;
 
 use super::{
-    draining, group_of, is_identity_value, is_router_plan, same_node_for_every_table, spliced_of,
-    top_level_conjuncts,
+    draining, group_of, is_identity_value, is_router_plan, same_node_for_every_table,
+    single_shard_key, spliced_of,
 };
 
 /// Executor flags under which the router node stays: EXPLAIN shows it; a local plan is made
@@ -199,36 +200,17 @@ unsafe fn write_here(
         if table.kind != 'h' || table.key_attno <= 0 {
             return Ok(None);
         }
-        let key = if (*query).commandType == pg_sys::CmdType::CMD_INSERT {
-            let values = rtable
+        // An identity value is drawn on this node by the router, into a copy of the statement.
+        if (*query).commandType == pg_sys::CmdType::CMD_INSERT
+            && list_ptrs::<pg_sys::TargetEntry>((*query).targetList)
                 .iter()
-                .any(|r| (**r).rtekind == pg_sys::RTEKind::RTE_VALUES);
-            let entries = list_ptrs::<pg_sys::TargetEntry>((*query).targetList);
-            if values
-                || entries
-                    .iter()
-                    .any(|te| is_identity_value((**te).expr as *mut pg_sys::Node))
-            {
-                return Ok(None);
-            }
-            entries
-                .iter()
-                .find(|te| (***te).resno == table.key_attno)
-                .map(|te| (**te).expr)
-        } else if (*query).jointree.is_null() {
-            None
-        } else {
-            top_level_conjuncts((*(*query).jointree).quals)
-                .into_iter()
-                .find_map(|c| {
-                    crate::router::key::key_equality_value(
-                        c,
-                        (*query).resultRelation,
-                        table.key_attno,
-                    )
-                })
-        };
-        let Some(key) = key else {
+                .any(|te| is_identity_value((**te).expr as *mut pg_sys::Node))
+        {
+            return Ok(None);
+        }
+        // The same shard the plan-time local plan was made for: a one-row INSERT's key, an
+        // UPDATE's or DELETE's first `key = value` conjunct.
+        let Some(key) = single_shard_key(query, table.key_attno) else {
             return Ok(None);
         };
         // `key = NULL` writes nothing and an INSERT of a NULL key is refused: the router's.
