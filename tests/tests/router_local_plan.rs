@@ -11,14 +11,19 @@ fn explain(db: &mut postgres::Client, sql: &str) -> String {
     integration::protocol::explain(db, "ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF", sql)
 }
 
-/// A key of `kv` whose shard `node` owns (`owned`) or does not own.
+/// A key of `kv` whose shard `node` owns (`owned`) or does not own, and its shard.
 fn key_on(db: &mut postgres::Client, node: &str, owned: bool) -> (i64, i64) {
+    key_from(db, node, owned, 1)
+}
+
+/// [`key_on`], the smallest such key from `from` on.
+fn key_from(db: &mut postgres::Client, node: &str, owned: bool, from: i64) -> (i64, i64) {
     let r = db
         .query_one(
-            "SELECT k::bigint, s.shard_id FROM generate_series(1, 10000) k
+            "SELECT k::bigint, s.shard_id FROM generate_series($3::bigint, $3::bigint + 10000) k
                JOIN remus_shards s ON s.shard_id = remus_shard_id_for('kv', k)
               WHERE (s.node_name = $1) = $2 ORDER BY k LIMIT 1",
-            &[&node, &owned],
+            &[&node, &owned, &from],
         )
         .unwrap();
     (r.get(0), r.get(1))
@@ -527,18 +532,6 @@ fn a_select_routed_here_runs_as_its_local_plan_alone() {
 fn a_write_routed_here_runs_as_its_local_plan_alone() {
     let (c, mut n1, mine, shard) = four_shards_and_a_key_on_n1(100);
     let (theirs, _) = key_on(&mut n1, "n1", false);
-    // A key above the loaded rows (1..=100) whose shard n1 owns or does not, for the INSERTs.
-    let fresh = |db: &mut postgres::Client, owned: bool| -> i64 {
-        db.query_one(
-            "SELECT k::bigint FROM generate_series(1000, 20000) k
-               JOIN remus_shards s ON s.shard_id = remus_shard_id_for('kv', k)
-              WHERE (s.node_name = 'n1') = $1
-              ORDER BY k LIMIT 1",
-            &[&owned],
-        )
-        .unwrap()
-        .get(0)
-    };
     let local_update = format!("Update on kv_{shard}");
     let alone = |plan: &str, node: &str, what: &str| {
         assert!(
@@ -576,11 +569,8 @@ fn a_write_routed_here_runs_as_its_local_plan_alone() {
         assert!(!rows.is_empty(), "{mode}: RETURNING of the routed key");
     }
     // A constant key: an INSERT, an UPDATE and a DELETE, each alone on the shard.
-    let new = fresh(&mut n1, true);
-    let new_shard: i64 = n1
-        .query_one("SELECT remus_shard_id_for('kv', $1::bigint)", &[&new])
-        .unwrap()
-        .get(0);
+    // Keys above the loaded rows (1..=100), for the INSERTs.
+    let (new, new_shard) = key_from(&mut n1, "n1", true, 1000);
     let (plan, rows) = executed_plan(
         &c,
         "n1",
@@ -621,7 +611,7 @@ fn a_write_routed_here_runs_as_its_local_plan_alone() {
     );
     assert_eq!(n_of(&c, "n3", mine) as i64, expected + 100);
     // A multi-row INSERT is split by shard: the router's.
-    let other = fresh(&mut n1, false);
+    let (other, _) = key_from(&mut n1, "n1", false, 1000);
     let (plan, _) = executed_plan(
         &c,
         "n1",
