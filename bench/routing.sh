@@ -18,6 +18,9 @@
 #   sel      select-only, simple protocol          (-S,              CLIENTS clients, -j 2)
 #   selprep  select-only, prepared                 (-S -M prepared,  CLIENTS clients, -j 2)
 #   tpcb     TPC-B, builtin tpcb-like               (-b tpcb-like,    CLIENTS clients, -j 2)
+#   tpcbprep TPC-B, prepared (not in the default set: a transaction's statements with
+#            parameters, as application drivers send them)
+#                                                   (-b tpcb-like -M prepared, CLIENTS, -j 2)
 #   agg      fan-out aggregate, one statement file  (-f: SELECT count(*), sum(abalance) FROM
 #            pgbench_accounts; AGG_CLIENTS clients) over SCALE * 100,000 rows
 # Prints a markdown table (tps, ratio to plain PostgreSQL of the same run); a workload that fails
@@ -165,6 +168,7 @@ run_config() {
             sel) args=(-S -c "$CLIENTS" -j 2);;
             selprep) args=(-S -M prepared -c "$CLIENTS" -j 2);;
             tpcb) args=(-b tpcb-like -c "$CLIENTS" -j 2);;
+            tpcbprep) args=(-b tpcb-like -M prepared -c "$CLIENTS" -j 2);;
             agg) args=(-f "$D/agg.sql" -c "$AGG_CLIENTS" -j "$((AGG_CLIENTS < 2 ? AGG_CLIENTS : 2))");;
             *) die "unknown workload $w";;
         esac
@@ -241,11 +245,12 @@ python3 - "$D" "$CONFIGS" "$WORKLOADS" "$SCALE" <<'EOF' | tee "$D/table.md"
 import collections, os, sys
 d, configs, scale = sys.argv[1], sys.argv[2].split(), int(sys.argv[4])
 # columns in the order of issue 16 (the runs put TPC-B last, so that its writes come after the reads)
-workloads = [w for w in ("sel", "selprep", "tpcb", "agg") if w in sys.argv[3].split()]
+workloads = [w for w in ("sel", "selprep", "tpcb", "tpcbprep", "agg") if w in sys.argv[3].split()]
 names = {"plain": "plain PostgreSQL 15", "r1": "pg_remus, 1 node (owner)",
          "r3": "pg_remus, 3 nodes, via n1 (owns no shard)", "csingle": "Citus 13.2.2, single node",
          "citus": "Citus 13.2.2, coordinator + 2 workers"}
 heads = {"sel": "select-only", "selprep": "select-only -M prepared", "tpcb": "TPC-B (tpcb-like)",
+         "tpcbprep": "TPC-B -M prepared",
          "agg": "count(*), sum over %s rows" % format(scale * 100000, ",")}
 tps, bad, failed_txn = collections.defaultdict(list), collections.defaultdict(int), collections.defaultdict(int)
 for line in open(os.path.join(d, "results.txt")):

@@ -329,3 +329,168 @@ fn a_lost_client_stops_the_statement_on_every_participant() {
         }
     }
 }
+
+/// A remote transaction opened by a statement with parameters (an application driver's bind
+/// parameters, a prepared statement) opens in the flight of that statement: the BEGIN, the
+/// savepoints the local transaction has open, the statement's Parse when the session has not
+/// prepared its shape, and its Bind/Execute go to the owner pipelined, ended by one Sync, so
+/// that joining a node costs no round trip of its own. The owner's log shows every remote BEGIN
+/// arriving as an extended-protocol statement and none as a simple query of its own. The flight
+/// does what the statements one by one did: the node's savepoint is rolled back there, an error
+/// anywhere in it aborts the transaction and leaves the connection usable, a shape whose first
+/// execution failed runs the next time, and a statement_timeout stops the owner's statement.
+#[test]
+fn a_remote_transaction_opens_in_the_flight_of_its_first_statement_with_parameters() {
+    let (c, _, _) = cluster_and_a_key_on_n1();
+    let mut n1 = c.connect("n1").unwrap();
+    let keys: Vec<i64> = n1
+        .query(
+            "SELECT k::bigint FROM generate_series(1, 200) k
+               JOIN remus_shards s ON s.shard_id = remus_shard_id_for('kv', k)
+              WHERE s.node_name = 'n2' ORDER BY k LIMIT 4",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys.len(), 4, "keys on n2: {keys:?}");
+    let v = |k: i64| -> String {
+        c.connect("n3")
+            .unwrap()
+            .query_one("SELECT v FROM kv WHERE k = $1", &[&k])
+            .unwrap()
+            .get(0)
+    };
+    let mut n2 = c.connect("n2").unwrap();
+    n2.batch_execute("ALTER SYSTEM SET log_statement = 'all'")
+        .unwrap();
+    n2.batch_execute("SELECT pg_reload_conf()").unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || {
+            let s: String = c
+                .connect("n2")
+                .unwrap()
+                .query_one("SHOW log_statement", &[])
+                .unwrap()
+                .get(0);
+            s == "all"
+        },
+        || "log_statement never became 'all' on n2".into(),
+    );
+    // n1's session connects to n2 from here on, with the new setting.
+    let mut n1 = c.connect("n1").unwrap();
+
+    // Two writes in one transaction, the node joined by the first.
+    let mut tx = n1.transaction().unwrap();
+    for _ in 0..2 {
+        let n = tx
+            .execute("UPDATE kv SET v = v || '+' WHERE k = $1", &[&keys[0]])
+            .unwrap();
+        assert_eq!(n, 1);
+    }
+    tx.commit().unwrap();
+    assert_eq!(v(keys[0]), format!("v{}++", keys[0]));
+
+    // Another isolation level travels in the flight too.
+    n1.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .unwrap();
+    let got: String = n1
+        .query_one("SELECT v FROM kv WHERE k = $1", &[&keys[1]])
+        .unwrap()
+        .get(0);
+    assert_eq!(got, format!("v{}", keys[1]));
+    n1.batch_execute("COMMIT").unwrap();
+
+    // Joined under a savepoint: rolling back to it undoes the write on the owner.
+    n1.batch_execute("BEGIN; SAVEPOINT a").unwrap();
+    n1.execute("UPDATE kv SET v = 'gone' WHERE k = $1", &[&keys[1]])
+        .unwrap();
+    n1.batch_execute("ROLLBACK TO SAVEPOINT a").unwrap();
+    n1.execute("UPDATE kv SET v = v || '!' WHERE k = $1", &[&keys[1]])
+        .unwrap();
+    n1.batch_execute("COMMIT").unwrap();
+    assert_eq!(v(keys[1]), format!("v{}!", keys[1]));
+
+    // An error in the flight: the transaction is aborted, the connection goes on.
+    n1.batch_execute("BEGIN").unwrap();
+    let e = n1
+        .execute("INSERT INTO kv VALUES ($1, 'dup')", &[&keys[2]])
+        .expect_err("a duplicate key");
+    assert_eq!(sqlstate(&e), "23505", "{e}");
+    let e = n1
+        .execute("UPDATE kv SET v = 'x' WHERE k = $1", &[&keys[2]])
+        .expect_err("the transaction is aborted");
+    assert_eq!(sqlstate(&e), "25P02", "{e}");
+    n1.batch_execute("ROLLBACK").unwrap();
+    n1.execute("UPDATE kv SET v = v || '#' WHERE k = $1", &[&keys[2]])
+        .unwrap();
+    assert_eq!(v(keys[2]), format!("v{}#", keys[2]));
+
+    // A shape prepared in a flight whose execution failed runs the next time.
+    let divide = "UPDATE kv SET v = v || (10 / $2::int)::text WHERE k = $1";
+    for (d, ok) in [(0, false), (5, true)] {
+        let mut tx = n1.transaction().unwrap();
+        match tx.execute(divide, &[&keys[3], &d]) {
+            Ok(n) => {
+                assert!(ok, "10 / 0 ran");
+                assert_eq!(n, 1);
+                tx.commit().unwrap();
+            }
+            Err(e) => {
+                assert!(!ok, "10 / {d}: {e}");
+                assert_eq!(sqlstate(&e), "22012", "{e}");
+            }
+        }
+    }
+    assert_eq!(v(keys[3]), format!("v{}2", keys[3]));
+
+    // A statement_timeout stops the owner's statement of a flight.
+    n1.batch_execute("BEGIN; SET LOCAL statement_timeout = '300ms'")
+        .unwrap();
+    let e = n1
+        .query(
+            "SELECT pg_sleep(60) AS flight_timeout FROM kv WHERE k = $1",
+            &[&keys[0]],
+        )
+        .expect_err("statement_timeout");
+    assert_eq!(sqlstate(&e), "57014", "{e}");
+    n1.batch_execute("ROLLBACK").unwrap();
+    ends_on(&c, "n2", "flight_timeout", "the timed-out flight");
+    let mut tx = n1.transaction().unwrap();
+    let got: String = tx
+        .query_one("SELECT v FROM kv WHERE k = $1", &[&keys[0]])
+        .unwrap()
+        .get(0);
+    assert_eq!(got, format!("v{}++", keys[0]));
+    tx.commit().unwrap();
+
+    // How the BEGINs reached n2.
+    let log = std::fs::read_to_string(&c.state().unwrap().node("n2").unwrap().log).unwrap();
+    let pipelined = |iso: &str| {
+        log.lines()
+            .filter(|l| l.contains(&format!("execute <unnamed>: BEGIN ISOLATION LEVEL {iso}")))
+            .count()
+    };
+    assert!(
+        pipelined("READ COMMITTED") >= 5,
+        "remote BEGINs in the flights, read committed: {}\n{log}",
+        pipelined("READ COMMITTED")
+    );
+    assert_eq!(pipelined("REPEATABLE READ"), 1, "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("execute <unnamed>: SAVEPOINT ")),
+        "the savepoint in the flight:\n{log}"
+    );
+    let alone: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("statement: BEGIN ISOLATION LEVEL"))
+        .collect();
+    assert!(
+        alone.is_empty(),
+        "remote BEGINs sent in a round trip of their own: {alone:?}"
+    );
+}

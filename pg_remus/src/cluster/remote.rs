@@ -57,6 +57,8 @@ pub struct RemoteConnection {
     prepared: HashMap<(String, Vec<u32>), CString>,
     /// The [`PREPARED_EPOCH`] `prepared` belongs to.
     prepared_epoch: u64,
+    /// How many statement names this session has handed out (`remus_<n>`).
+    prepared_names: u64,
     /// The role the peer session runs this backend's statements as (`remus.forwarded_role`
     /// there, see `cluster::forwarded_role`); None: the node user it authenticated as.
     role: Option<pg_sys::Oid>,
@@ -382,6 +384,7 @@ impl RemoteConnection {
             cancel_forwarded: false,
             prepared: HashMap::new(),
             prepared_epoch: PREPARED_EPOCH.with(|e| e.get()),
+            prepared_names: 0,
             role: None,
             waits: None,
         };
@@ -596,7 +599,21 @@ impl RemoteConnection {
         params: &[Option<String>],
         types: &[u32],
     ) -> Result<RemoteResult, RemusError> {
-        self.exec_params_inner(sql, params, types, Interrupts::Service)
+        self.exec_params_inner(&[], sql, params, types, Interrupts::Service)
+    }
+
+    /// [`exec_params`](Self::exec_params) after `opening`, statements without parameters (the
+    /// remote transaction's BEGIN and savepoints), all in one flight: one round trip where
+    /// sending them one after another would take one per statement. The result is the
+    /// statement's; an error of any of them is the first error.
+    pub fn exec_params_after(
+        &mut self,
+        opening: &[String],
+        sql: &str,
+        params: &[Option<String>],
+        types: &[u32],
+    ) -> Result<RemoteResult, RemusError> {
+        self.exec_params_inner(opening, sql, params, types, Interrupts::Service)
     }
 
     /// [`exec_params`](Self::exec_params) for a statement whose outcome is the local
@@ -610,21 +627,40 @@ impl RemoteConnection {
         params: &[Option<String>],
         types: &[u32],
     ) -> Result<(RemoteResult, bool), RemusError> {
-        let r = self.exec_params_inner(sql, params, types, Interrupts::Forward)?;
+        let r = self.exec_params_inner(&[], sql, params, types, Interrupts::Forward)?;
         Ok((r, self.cancel_forwarded))
     }
 
+    /// Runs `sql` as a statement prepared on this session, after `opening`. What the session
+    /// has not prepared yet is prepared in the same flight: the opening statements, the
+    /// statement's Parse and its Bind/Execute go out together in libpq's pipeline mode, ended by
+    /// one Sync, so a new shape, or a remote transaction opened by a statement with parameters,
+    /// costs no round trip of its own.
     fn exec_params_inner(
         &mut self,
+        opening: &[String],
         sql: &str,
         params: &[Option<String>],
         types: &[u32],
         interrupts: Interrupts,
     ) -> Result<RemoteResult, RemusError> {
-        if params.is_empty() {
+        if params.is_empty() && opening.is_empty() {
             return self.exec_inner(sql, interrupts);
         }
-        let name = self.prepared_statement(sql, types)?;
+        self.forget_prepared_of_older_epoch()?;
+        let key = (sql.to_string(), types.to_vec());
+        let known = self.prepared.get(&key).cloned();
+        if known.is_none() && self.prepared.len() >= MAX_PREPARED {
+            self.exec("DEALLOCATE ALL")?;
+            self.prepared.clear();
+        }
+        // Every C string is made before anything is sent: nothing between entering pipeline
+        // mode and its Sync may return early but a broken connection.
+        let opening: Vec<CString> = opening
+            .iter()
+            .map(|o| cstring(o))
+            .collect::<Result<_, _>>()?;
+        let text = cstring(sql)?;
         let values: Vec<Option<CString>> = params
             .iter()
             .map(|p| p.as_deref().map(cstring).transpose())
@@ -633,30 +669,69 @@ impl RemoteConnection {
             .iter()
             .map(|v| v.as_ref().map_or(std::ptr::null(), |v| v.as_ptr()))
             .collect();
-        // SAFETY: arrays of `params.len()` entries that outlive the call; text format.
-        let sent = unsafe {
-            pq::PQsendQueryPrepared(
-                self.conn.as_ptr(),
-                name.as_ptr(),
-                params.len() as i32,
-                ptrs.as_ptr(),
-                std::ptr::null(),
-                std::ptr::null(),
-                0,
-            )
+        let oids: Vec<pq::Oid> = types.iter().map(|t| *t as pq::Oid).collect();
+        let name = match &known {
+            Some(name) => name.clone(),
+            None => {
+                // Never reused on this session, so a statement prepared in a flight whose
+                // Execute failed (and so never recorded) cannot collide with a later one.
+                self.prepared_names += 1;
+                cstring(&format!("remus_{}", self.prepared_names))?
+            }
         };
-        if sent == 0 {
+        let conn = self.conn.as_ptr();
+        let pipelined = known.is_none() || !opening.is_empty();
+        // SAFETY: live, idle PGconn (a connection is never left in pipeline mode: `collect`
+        // leaves it); every pointer is to a NUL-terminated string or an array of
+        // `params.len()` / `types.len()` entries that outlives the calls; text format.
+        let sent = unsafe {
+            (!pipelined || pq::PQenterPipelineMode(conn) == 1)
+                && opening.iter().all(|o| {
+                    pq::PQsendQueryParams(
+                        conn,
+                        o.as_ptr(),
+                        0,
+                        std::ptr::null(),
+                        std::ptr::null(),
+                        std::ptr::null(),
+                        std::ptr::null(),
+                        0,
+                    ) == 1
+                })
+                && (known.is_some()
+                    || pq::PQsendPrepare(
+                        conn,
+                        name.as_ptr(),
+                        text.as_ptr(),
+                        oids.len() as i32,
+                        oids.as_ptr(),
+                    ) == 1)
+                && pq::PQsendQueryPrepared(
+                    conn,
+                    name.as_ptr(),
+                    params.len() as i32,
+                    ptrs.as_ptr(),
+                    std::ptr::null(),
+                    std::ptr::null(),
+                    0,
+                ) == 1
+                && (!pipelined || pq::PQpipelineSync(conn) == 1)
+        };
+        if !sent {
             return Err(self.connection_error());
         }
         self.cancel_forwarded = false;
         self.flush(interrupts)?;
-        self.collect(interrupts)
+        let r = self.collect(interrupts)?;
+        if known.is_none() {
+            self.prepared.insert(key, name);
+        }
+        Ok(r)
     }
 
-    /// The name of `sql` (with parameter types `types`) prepared on this session, preparing it
-    /// first if needed. Prepared statements outlive transactions, so a rolled-back transaction
-    /// keeps them; an error preparing leaves nothing behind.
-    fn prepared_statement(&mut self, sql: &str, types: &[u32]) -> Result<CString, RemusError> {
+    /// Prepared statements outlive transactions, so a rolled-back transaction keeps them; a
+    /// definition change since they were prepared ([`PREPARED_EPOCH`]) drops them all.
+    fn forget_prepared_of_older_epoch(&mut self) -> Result<(), RemusError> {
         let epoch = PREPARED_EPOCH.with(|e| e.get());
         if self.prepared_epoch != epoch {
             if !self.prepared.is_empty() {
@@ -665,34 +740,7 @@ impl RemoteConnection {
             }
             self.prepared_epoch = epoch;
         }
-        let key = (sql.to_string(), types.to_vec());
-        if let Some(name) = self.prepared.get(&key) {
-            return Ok(name.clone());
-        }
-        if self.prepared.len() >= MAX_PREPARED {
-            self.exec("DEALLOCATE ALL")?;
-            self.prepared.clear();
-        }
-        let name = cstring(&format!("remus_{}", self.prepared.len() + 1))?;
-        let c = cstring(sql)?;
-        let oids: Vec<pq::Oid> = types.iter().map(|t| *t as pq::Oid).collect();
-        // SAFETY: live PGconn; NUL-terminated name and text, `types.len()` OIDs.
-        let sent = unsafe {
-            pq::PQsendPrepare(
-                self.conn.as_ptr(),
-                name.as_ptr(),
-                c.as_ptr(),
-                types.len() as i32,
-                oids.as_ptr(),
-            )
-        };
-        if sent == 0 {
-            return Err(self.connection_error());
-        }
-        self.flush(Interrupts::Service)?;
-        self.collect(Interrupts::Service)?;
-        self.prepared.insert(key, name.clone());
-        Ok(name)
+        Ok(())
     }
 
     fn flush(&mut self, interrupts: Interrupts) -> Result<(), RemusError> {
@@ -713,9 +761,18 @@ impl RemoteConnection {
         }
     }
 
+    /// Collects the results of what was sent. In pipeline mode that is every statement of the
+    /// flight up to its Sync (libpq ends each statement's results with a NULL; the Sync has a
+    /// result of its own): their counts and rows added up (the opening statements have none)
+    /// and the first error; the connection then leaves pipeline mode.
     fn collect(&mut self, interrupts: Interrupts) -> Result<RemoteResult, RemusError> {
+        // SAFETY: live PGconn.
+        let pipelined = unsafe { pq::PQpipelineStatus(self.conn.as_ptr()) }
+            != pq::PGpipelineStatus::PQ_PIPELINE_OFF;
         let mut out = RemoteResult::default();
         let mut first_error: Option<RemusError> = None;
+        // Within a flight a NULL ends one statement's results; two in a row: nothing is left.
+        let mut ended_one = false;
         loop {
             // SAFETY: live PGconn.
             while unsafe { pq::PQisBusy(self.conn.as_ptr()) } != 0 {
@@ -727,9 +784,19 @@ impl RemoteConnection {
             }
             // SAFETY: as above; each PGresult is cleared by `ResultGuard`.
             let res = unsafe { pq::PQgetResult(self.conn.as_ptr()) };
-            let Some(res) = NonNull::new(res) else { break };
+            let Some(res) = NonNull::new(res) else {
+                if pipelined && !ended_one {
+                    ended_one = true;
+                    continue;
+                }
+                break;
+            };
+            ended_one = false;
             let res = ResultGuard(res);
             match res.status() {
+                pq::ExecStatusType::PGRES_PIPELINE_SYNC => break,
+                // Skipped by the server after an earlier statement's error, which is reported.
+                pq::ExecStatusType::PGRES_PIPELINE_ABORTED => {}
                 pq::ExecStatusType::PGRES_COMMAND_OK => out.affected += res.affected(),
                 pq::ExecStatusType::PGRES_TUPLES_OK => {
                     out.affected += res.affected();
@@ -745,6 +812,11 @@ impl RemoteConnection {
         }
         if !self.status_ok() {
             return Err(first_error.unwrap_or_else(|| self.connection_error()));
+        }
+        // SAFETY: live PGconn whose flight has been read to its Sync.
+        if pipelined && unsafe { pq::PQexitPipelineMode(self.conn.as_ptr()) } != 1 {
+            let e = self.connection_error();
+            return Err(first_error.unwrap_or(e));
         }
         match first_error {
             Some(e) => Err(e),
@@ -820,12 +892,21 @@ impl RemoteConnection {
     /// Asks the remote backend to cancel what it is running, then drains its results.
     pub fn cancel_running(&mut self) {
         // SAFETY: live PGconn.
-        if unsafe { pq::PQtransactionStatus(self.conn.as_ptr()) }
-            != pq::PGTransactionStatusType::PQTRANS_ACTIVE
-        {
+        let (active, pipelined) = unsafe {
+            (
+                pq::PQtransactionStatus(self.conn.as_ptr())
+                    == pq::PGTransactionStatusType::PQTRANS_ACTIVE,
+                pq::PQpipelineStatus(self.conn.as_ptr()) != pq::PGpipelineStatus::PQ_PIPELINE_OFF,
+            )
+        };
+        // A flight left in pipeline mode by an ERROR raised here is read to its Sync (and the
+        // connection taken out of pipeline mode) even when the peer has already answered it.
+        if !active && !pipelined {
             return;
         }
-        self.send_cancel();
+        if active {
+            self.send_cancel();
+        }
         if self.collect(Interrupts::Hold).is_err() {
             self.broken = true;
         }

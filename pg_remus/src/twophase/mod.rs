@@ -219,16 +219,16 @@ pub fn exec_params_in_transaction(
             // One round trip: the remote transaction opens in the same simple query as its
             // first statement (it runs in the block BEGIN opened, as if sent after it). A shard
             // marker stays at the start of the text, where the remote looks for it.
+            let opening: String = opening.iter().map(|o| format!("{o}; ")).collect();
             let text = match shard_marker::split(sql) {
                 Some((marker, rest)) => format!("{marker}{opening}{rest}"),
                 None => format!("{opening}{sql}"),
             };
             return c.exec(&text);
         }
-        if !opening.is_empty() {
-            c.exec(&opening)?;
-        }
-        c.exec_params(sql, params, types)
+        // With parameters: the opening statements and the statement in one flight (extended
+        // protocol, pipelined), one round trip too.
+        c.exec_params_after(&opening, sql, params, types)
     })
 }
 
@@ -315,19 +315,19 @@ pub fn read_on_nodes<T>(
 fn join_transaction(c: &mut remote::RemoteConnection) -> Result<(), RemusError> {
     let opening = transaction_opening(c);
     if !opening.is_empty() {
-        c.exec(&opening)?;
+        c.exec(&opening.join("; "))?;
     }
     Ok(())
 }
 
-/// The commands that open, once per local transaction, the remote transaction on `c` at the
-/// local isolation level, with the savepoints the local transaction has open (each followed by
-/// `; `), for the caller to send; empty when it is open already. The connection counts as in
+/// The statements that open, once per local transaction, the remote transaction on `c` at the
+/// local isolation level, with the savepoints the local transaction has open, for the caller to
+/// send in this order; none when it is open already. The connection counts as in
 /// the transaction from here on: an ERROR raised while they run (a cancel) leaves the abort
 /// path to cancel and roll back whatever they started there.
-fn transaction_opening(c: &mut remote::RemoteConnection) -> String {
+fn transaction_opening(c: &mut remote::RemoteConnection) -> Vec<String> {
     if c.in_transaction {
-        return String::new();
+        return Vec::new();
     }
     // SAFETY: plain read of a backend global.
     let iso = match unsafe { pg_sys::XactIsoLevel } as u32 {
@@ -336,14 +336,13 @@ fn transaction_opening(c: &mut remote::RemoteConnection) -> String {
         _ => "READ COMMITTED",
     };
     c.in_transaction = true;
-    let mut opening = format!("BEGIN ISOLATION LEVEL {iso}; ");
+    let mut opening = vec![format!("BEGIN ISOLATION LEVEL {iso}")];
     // Joining inside subtransactions: recreate their savepoints there too.
-    for subid in savepoints::open() {
-        opening.push_str(&format!(
-            "SAVEPOINT {}; ",
-            savepoints::savepoint_name(subid)
-        ));
-    }
+    opening.extend(
+        savepoints::open()
+            .into_iter()
+            .map(|subid| format!("SAVEPOINT {}", savepoints::savepoint_name(subid))),
+    );
     opening
 }
 
