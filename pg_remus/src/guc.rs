@@ -33,6 +33,11 @@ pub static MIGRATION_SESSION: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// the `RemusRouter` node (decision 0034); off: the router node stays, as with EXPLAIN.
 pub static LOCAL_PLAN_ON_TOP: GucSetting<bool> = GucSetting::<bool>::new(true);
 
+/// A statement with constants routed to another node goes with its constants as parameters,
+/// prepared there once per shape (design note 0002, `router::deparse::lift_constants`); off:
+/// as text with its literals, parsed and planned there every time.
+pub static LIFT_CONSTANTS: GucSetting<bool> = GucSetting::<bool>::new(true);
+
 /// gRPC address of the coordinator, for `remus_migrate_shard(s)` and `remus_migrations`.
 pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(None);
@@ -151,6 +156,14 @@ pub fn register() {
         c"A single-shard SELECT or INSERT/UPDATE/DELETE routed to this node runs as its local plan alone.",
         c"Off keeps the RemusRouter node above the local plan (decision 0034), for comparison and diagnosis.",
         &LOCAL_PLAN_ON_TOP,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"remus.enable_constant_lifting",
+        c"A statement with constants routed to another node goes with them as parameters, prepared there once per shape.",
+        c"Off sends its text with the literals, parsed and planned on that node every time (design note 0002), for comparison and diagnosis.",
+        &LIFT_CONSTANTS,
         GucContext::Userset,
         GucFlags::default(),
     );

@@ -279,3 +279,225 @@ fn read_only_transactions_take_no_xid(c: &TestCluster, model: &Model) {
         db.batch_execute("COMMIT").unwrap();
     }
 }
+
+/// A statement's rows, every value as text, and its last command tag's count.
+type TextResult = (Vec<Vec<Option<String>>>, Option<u64>);
+
+/// The [`TextResult`] of a simple-protocol statement.
+fn simple_rows(db: &mut postgres::Client, sql: &str) -> TextResult {
+    let mut rows = Vec::new();
+    let mut count = None;
+    for m in db
+        .simple_query(sql)
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    {
+        match m {
+            postgres::SimpleQueryMessage::Row(r) => {
+                rows.push((0..r.len()).map(|i| r.get(i).map(str::to_string)).collect())
+            }
+            postgres::SimpleQueryMessage::CommandComplete(n) => count = Some(n),
+            _ => {}
+        }
+    }
+    (rows, count)
+}
+
+/// A statement with constants sent to another node goes with its constants as parameters
+/// (design note 0002): the owner's log shows it executed as a statement prepared on the
+/// entry's session, with `$n` where the constants were. It returns what the owner's own local
+/// plan returns and what the literal text returns (`remus.enable_constant_lifting = off`), for
+/// a constant of every type that is lifted, and for the constants that keep their literal
+/// (a type modifier, a collation, EXTRACT's field, a sublink, IN lists, NULL, ORDER BY and
+/// GROUP BY positions), under the client settings that change how values are written as text
+/// (DateStyle 'SQL, DMY', IntervalStyle, extra_float_digits, TimeZone), in which a date bound
+/// as a parameter through another node must still reach it as the same date.
+#[test]
+fn constants_routed_to_another_node_go_as_parameters_of_a_prepared_shape() {
+    let c = TestCluster::start(3).expect("cluster up");
+    let mut n1 = c.connect("n1").unwrap();
+    n1.batch_execute(
+        "CREATE TABLE typed (k bigint PRIMARY KEY, i2 smallint, i4 int, n numeric, f4 real,
+                             f8 double precision, b bool, t text, vc varchar(10), d date,
+                             ts timestamp, tz timestamptz, u uuid, c text COLLATE \"C\",
+                             iv interval);
+         SELECT remus_create_distributed_table('typed', 'k', 4);
+         INSERT INTO typed
+         SELECT k, k, k * 10, k + 0.5, k / 4.0, k / 3.0, k % 2 = 0, 't' || k, 'v' || k,
+                date '2026-01-01' + k::int, timestamp '2026-01-01' + k * interval '1 hour',
+                timestamptz '2026-01-01 00:00+00' + k * interval '1 hour', md5(k::text)::uuid,
+                'c' || k, k * interval '1 day'
+           FROM generate_series(1, 40) k;",
+    )
+    .unwrap();
+    let owner: String = n1
+        .query_one(
+            "SELECT node_name FROM remus_shards WHERE shard_id = remus_shard_id_for('typed', 7)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let u7: String = n1
+        .query_one("SELECT md5('7')::uuid::text", &[])
+        .unwrap()
+        .get(0);
+    let mut on_owner = c.connect(&owner).unwrap();
+    on_owner
+        .batch_execute("ALTER SYSTEM SET log_statement = 'all'")
+        .unwrap();
+    on_owner.batch_execute("SELECT pg_reload_conf()").unwrap();
+    let reads = [
+        // Lifted: operator arguments of every lifted type, LIMIT.
+        "SELECT k, i4 FROM typed WHERE k = 7 AND i2 = 7 AND i4 = 70 AND n = 7.5 AND NOT b
+            AND t = 't7' AND vc = 'v7' AND c = 'c7' LIMIT 3"
+            .to_string(),
+        "SELECT k, f4, f8 FROM typed WHERE k = 7 AND f4 = 1.75 AND f8 > 2.3333 AND f8 < 2.3334"
+            .to_string(),
+        "SELECT k, d, ts, tz FROM typed WHERE k = 7 AND d = '2026-01-08'
+            AND ts = '2026-01-01 07:00' AND tz = '2026-01-01 07:00+00'
+            AND d < date '2026-02-01' AND ts > '2025-12-31'"
+            .to_string(),
+        format!("SELECT k, u FROM typed WHERE k = 7 AND u = '{u7}'"),
+        "SELECT k, t || '-' || 3 FROM typed WHERE k = 7 AND t LIKE 't%' AND i4 + 1 = 71"
+            .to_string(),
+        // A statement's own parameters (not lifted) of types written by the client settings.
+        "PREPARE dated(date, timestamptz) AS
+            SELECT k, d FROM typed WHERE k = 7 AND d = $1 AND tz = $2;
+         EXECUTE dated('2026-01-08', '2026-01-01 07:00+00')"
+            .to_string(),
+        // Kept literal, beside lifted ones.
+        "SELECT k, EXTRACT(year FROM d), 'lit' FROM typed WHERE k = 7
+            AND EXTRACT(month FROM ts) = 1 AND vc = 'v7x'::varchar(2)
+            AND t IN ('t7', 't8') AND c = 'c7' COLLATE \"C\" AND t IS NOT NULL
+            AND i4 > (SELECT 5) AND i4 IS DISTINCT FROM 3 AND iv = '7 days'
+            ORDER BY 2, 1 OFFSET 0"
+            .to_string(),
+        "SELECT k, count(*) FROM typed WHERE k = 7 AND t <> '' GROUP BY 1 ORDER BY 1".to_string(),
+        "SELECT k FROM typed WHERE k = 7 AND t = NULL".to_string(),
+    ];
+    let settings = [
+        "RESET ALL",
+        "SET DateStyle = 'SQL, DMY'; SET IntervalStyle = 'sql_standard';
+         SET extra_float_digits = -3; SET TimeZone = 'Asia/Kolkata'",
+    ];
+    for setting in settings {
+        let mut expected: Vec<TextResult> = Vec::new();
+        for (i, sql) in reads.iter().enumerate() {
+            let mut db = c.connect(&owner).unwrap();
+            db.batch_execute(setting).unwrap();
+            let here = simple_rows(&mut db, sql);
+            let want_rows = if i == reads.len() - 1 { 0 } else { 1 };
+            assert_eq!(
+                here.0.len(),
+                want_rows,
+                "{sql} on its owner ({setting}): {here:?}"
+            );
+            expected.push(here);
+        }
+        for entry in c.node_names() {
+            for lifting in ["on", "off"] {
+                let mut db = c.connect(&entry).unwrap();
+                db.batch_execute(setting).unwrap();
+                db.batch_execute(&format!("SET remus.enable_constant_lifting = {lifting}"))
+                    .unwrap();
+                for (sql, want) in reads.iter().zip(&expected) {
+                    assert_eq!(
+                        &simple_rows(&mut db, sql),
+                        want,
+                        "{sql} through {entry}, lifting {lifting} ({setting})"
+                    );
+                }
+            }
+        }
+    }
+
+    // Writes with constants through another node, in a session writing dates as SQL, DMY.
+    let entry = c.node_names().into_iter().find(|n| *n != owner).unwrap();
+    let new_key: i64 = n1
+        .query_one(
+            "SELECT k::bigint FROM generate_series(7000000, 7100000) k
+              WHERE remus_shard_id_for('typed', k) = remus_shard_id_for('typed', 7)
+              ORDER BY k LIMIT 1",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let mut db = c.connect(&entry).unwrap();
+    db.batch_execute("SET DateStyle = 'SQL, DMY'").unwrap();
+    for (sql, count) in [
+        ("UPDATE typed SET i4 = i4 + 1, d = '2026-03-04', t = 'u7' WHERE k = 7".to_string(), 1),
+        (
+            format!("INSERT INTO typed (k, i4, d, ts, t) VALUES ({new_key}, 5, '2026-03-05', '2026-03-05 06:07', 'new')"),
+            1,
+        ),
+        (format!("UPDATE typed SET f8 = 0.1 WHERE k = {new_key} AND d = '2026-03-05'"), 1),
+        (format!("DELETE FROM typed WHERE k = {new_key} AND d = '2026-03-04'"), 0),
+    ] {
+        let (_, n) = simple_rows(&mut db, &sql);
+        assert_eq!(n, Some(count), "{sql} through {entry}");
+    }
+    db.batch_execute("BEGIN").unwrap();
+    let (rows, _) = simple_rows(
+        &mut db,
+        "UPDATE typed SET n = n * 2 WHERE k = 7 AND i4 = 71 RETURNING n",
+    );
+    assert_eq!(rows, vec![vec![Some("15.0".to_string())]]);
+    db.batch_execute("COMMIT").unwrap();
+    let mut check = c.connect(&owner).unwrap();
+    let r = check
+        .query_one("SELECT i4, d::text, t, n::text FROM typed WHERE k = 7", &[])
+        .unwrap();
+    assert_eq!(
+        (
+            r.get::<_, i32>(0),
+            r.get::<_, String>(1),
+            r.get::<_, String>(2),
+            r.get::<_, String>(3)
+        ),
+        (
+            71,
+            "2026-03-04".to_string(),
+            "u7".to_string(),
+            "15.0".to_string()
+        )
+    );
+    let r = check
+        .query_one(
+            "SELECT d::text, ts::text, f8 FROM typed WHERE k = $1",
+            &[&new_key],
+        )
+        .unwrap();
+    assert_eq!(
+        (
+            r.get::<_, String>(0),
+            r.get::<_, String>(1),
+            r.get::<_, f64>(2)
+        ),
+        (
+            "2026-03-05".to_string(),
+            "2026-03-05 06:07:00".to_string(),
+            0.1
+        )
+    );
+
+    // How the statements reached the owner: executed as prepared shapes with parameters.
+    let log = std::fs::read_to_string(&c.state().unwrap().node(&owner).unwrap().log).unwrap();
+    let prepared = log
+        .lines()
+        .filter(|l| l.contains("execute remus_") && l.contains("typed") && l.contains("$1"))
+        .count();
+    assert!(
+        prepared >= 10,
+        "statements executed as prepared shapes: {prepared}\n{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("statement: /*remus:shard=") && l.contains("'t7'")),
+        "with lifting off, the literal text:\n{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains("execute remus_")
+            && l.contains("EXTRACT(month FROM")
+            && l.contains("COLLATE \"C\"")),
+        "kept literals beside lifted constants:\n{log}"
+    );
+}

@@ -70,3 +70,34 @@ pub(crate) unsafe fn copy_datum(d: pg_sys::Datum, byval: bool, len: i16) -> pg_s
         }
     }
 }
+
+/// Runs `f` with the settings under which the text that output functions write reads the same
+/// on every node (a remote session reads it with `datestyle=ISO`, `intervalstyle=postgres`):
+/// the client's own DateStyle, IntervalStyle or extra_float_digits would otherwise change what
+/// the other node reads (`06/12/2026` is June 12 there), and its search_path how names print.
+pub(crate) fn with_portable_settings<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: GUCs set at a new nest level and restored right after, around `f`.
+    unsafe {
+        let nest = pg_sys::NewGUCNestLevel();
+        for (name, value) in [
+            (c"search_path", c"pg_catalog"),
+            (c"datestyle", c"ISO"),
+            (c"intervalstyle", c"postgres"),
+            (c"extra_float_digits", c"3"),
+        ] {
+            pg_sys::set_config_option(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            );
+        }
+        let r = f();
+        pg_sys::AtEOXact_GUC(true, nest);
+        r
+    }
+}

@@ -71,14 +71,15 @@ impl Params {
         }
     }
 
-    /// The values as text and their type OIDs, as a remote node takes them.
+    /// The values as text and their type OIDs, as a remote node takes them. Values of a type
+    /// whose text form follows the session's settings (dates, times, intervals, floats, and
+    /// any type not known here) are written under the settings the remote reads them with.
     ///
     /// # Safety
     /// The datums must be valid values of their types.
     pub(crate) unsafe fn as_text(&self) -> (Vec<Option<String>>, Vec<u32>) {
-        // SAFETY: the pointers this private function takes come from its callers in this module,
-        // which pass what PostgreSQL handed them for the current call; they are live throughout.
-        unsafe {
+        // SAFETY: the datums are valid values of their types (this function's contract).
+        let write = || unsafe {
             let mut vals = Vec::with_capacity(self.values.len());
             let mut types = Vec::with_capacity(self.values.len());
             for i in 0..self.values.len() {
@@ -95,8 +96,39 @@ impl Params {
                 });
             }
             (vals, types)
+        };
+        if self
+            .types
+            .iter()
+            .zip(&self.nulls)
+            .any(|(t, null)| !null && !text_is_portable(*t))
+        {
+            crate::pg::datum::with_portable_settings(write)
+        } else {
+            write()
         }
     }
+}
+
+/// Is the text form of a `ty` value the same under any DateStyle, IntervalStyle and
+/// extra_float_digits?
+fn text_is_portable(ty: pg_sys::Oid) -> bool {
+    matches!(
+        ty,
+        pg_sys::INT2OID
+            | pg_sys::INT4OID
+            | pg_sys::INT8OID
+            | pg_sys::NUMERICOID
+            | pg_sys::TEXTOID
+            | pg_sys::VARCHAROID
+            | pg_sys::BPCHAROID
+            | pg_sys::BOOLOID
+            | pg_sys::UUIDOID
+            | pg_sys::OIDOID
+            | pg_sys::BYTEAOID
+            | pg_sys::JSONOID
+            | pg_sys::JSONBOID
+    )
 }
 
 /// How a statement joins the current transaction on another node.

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# A/B of the path through a node that owns no shard (issue 16): the anchor toolkit's 3-node
+# pg_remus cluster (../shared/anchors/citus, `setup.sh remus`: pgbench -i -s SCALE, accounts and
+# history over SHARDS shards, none on n1), entered through n1, every client over TCP. Variants
+# run interleaved, round after round, on the same cluster and data, so that the machine's drift
+# (10-30 % between runs here) falls on every variant alike.
+#
+# A variant is NAME=PGOPTIONS (session settings of pgbench's connections, e.g.
+# "lift_off=-c remus.enable_constant_lifting=off"), or NAME=@/path/to/pg_remus.so: the cluster is
+# stopped, that build of the extension copied in and the cluster started before the variant runs
+# (an A/B of two builds; the installed .so is put back at the end). Workloads: stock pgbench
+# scripts, `pgbench -n --max-tries=1 -T SECS -c CLIENTS -j 2`:
+#   sel (-S), selprep (-S -M prepared), tpcb (-b tpcb-like), tpcbprep (-b tpcb-like -M prepared)
+# Prints a markdown table of tps per variant (median of the rounds, and each round's).
+#
+# Environment: VARIANTS (required, space-separated NAME=VALUE; quote values with spaces as one
+# word: "on= off=-c%20remus.enable_constant_lifting=off" takes %20 for a space), WORKLOADS
+# ("sel tpcb"), ROUNDS (3), SECS (20), CLIENTS (8), SCALE / SHARDS (toolkit: 20, 8), WORK
+# (default /var/tmp/remus-remote-ab), PORT_BASE (30500), ANCHOR_DIR, REUSE (1: keep a cluster
+# already set up in WORK).
+# Usage: VARIANTS="on= off=-c%20remus.enable_constant_lifting=off" bash bench/remote_ab.sh
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ANCHOR_DIR=${ANCHOR_DIR:-$ROOT/../shared/anchors/citus}
+[ -f "$ANCHOR_DIR/lib.sh" ] || { echo "remote_ab.sh: no anchor toolkit at $ANCHOR_DIR" >&2; exit 2; }
+ANCHOR_DIR=$(cd "$ANCHOR_DIR" && pwd)
+: "${VARIANTS:?set VARIANTS, e.g. \"on= off=-c%20remus.enable_constant_lifting=off\"}"
+WORKLOADS=${WORKLOADS:-sel tpcb}; ROUNDS=${ROUNDS:-3}; SECS=${SECS:-20}; CLIENTS=${CLIENTS:-8}
+REUSE=${REUSE:-1}
+export WORK=${WORK:-/var/tmp/remus-remote-ab} PORT_BASE=${PORT_BASE:-30500} REMUS_REPO=$ROOT
+# shellcheck source=/dev/null
+source "$ANCHOR_DIR/lib.sh"
+D=$OUT/remote_ab
+mkdir -p "$D"
+SO=$(pg_config --pkglibdir)/pg_remus.so
+cp "$SO" "$D/installed.so"
+restore() { remus_stop r3; cp "$D/installed.so" "$SO"; }
+trap restore EXIT
+
+if [ "$REUSE" = 1 ] && [ -f "$(remus_dir r3)/cluster.json" ]; then
+    log "reusing the cluster in $(remus_dir r3)"
+    remus_start r3
+else
+    log "setting up the 3-node cluster (toolkit setup.sh remus)"
+    "$ANCHOR_DIR/setup.sh" remus > "$D/setup.log" 2>&1 || die "setup failed, see $D/setup.log"
+fi
+current_so=installed
+: > "$D/results.txt"
+for round in $(seq 1 "$ROUNDS"); do
+    for v in $VARIANTS; do
+        name=${v%%=*}; value=${v#*=}; opts=""
+        if [ "${value#@}" != "$value" ]; then
+            if [ "$current_so" != "$name" ]; then
+                remus_stop r3
+                cp "${value#@}" "$SO"
+                remus_start r3
+                current_so=$name
+            fi
+        else
+            opts=${value//%20/ }
+        fi
+        for w in $WORKLOADS; do
+            case $w in
+                sel) args=(-S);; selprep) args=(-S -M prepared);;
+                tpcb) args=(-b tpcb-like);; tpcbprep) args=(-b tpcb-like -M prepared);;
+                *) die "unknown workload $w";;
+            esac
+            o=$D/r$round-$name-$w.out
+            PGOPTIONS=$opts PGPASSFILE=$(passfile_of r3n1) timeout $((SECS + 120)) \
+                pgbench -h 127.0.0.1 -p "$(port_of r3n1)" -n --max-tries=1 -T "$SECS" \
+                -c "$CLIENTS" -j 2 "${args[@]}" > "$o" 2>&1 || true
+            tps=$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' "$o" | head -n1)
+            log "round $round $name $w: ${tps:-failed} tps"
+            echo "$round $name $w ${tps:-0}" >> "$D/results.txt"
+        done
+    done
+done
+python3 - "$D/results.txt" "$VARIANTS" "$WORKLOADS" <<'EOF' | tee "$D/table.md"
+import collections, statistics, sys
+runs = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    _, name, w, tps = line.split()
+    runs[(name, w)].append(float(tps))
+names = [v.split("=", 1)[0] for v in sys.argv[2].split()]
+workloads = sys.argv[3].split()
+print("| variant | " + " | ".join(workloads) + " |")
+print("|---|" + "---:|" * len(workloads))
+for n in names:
+    cells = []
+    for w in workloads:
+        r = runs[(n, w)]
+        cells.append("%.0f (%s)" % (statistics.median(r), " / ".join("%.0f" % x for x in r)) if r else "-")
+    print("| %s | %s |" % (n, " | ".join(cells)))
+base = names[0]
+for n in names[1:]:
+    print("\n%s / %s: " % (n, base) + ", ".join(
+        "%s %.2f" % (w, statistics.median(runs[(n, w)]) / statistics.median(runs[(base, w)]))
+        for w in workloads if runs[(n, w)] and runs[(base, w)] and statistics.median(runs[(base, w)]) > 0))
+EOF
