@@ -320,14 +320,21 @@ fn constants_routed_to_another_node_go_as_parameters_of_a_prepared_shape() {
                              f8 double precision, b bool, t text, vc varchar(10), d date,
                              ts timestamp, tz timestamptz, u uuid, c text COLLATE \"C\",
                              iv interval);
-         SELECT remus_create_distributed_table('typed', 'k', 4);
-         INSERT INTO typed
-         SELECT k, k, k * 10, k + 0.5, k / 4.0, k / 3.0, k % 2 = 0, 't' || k, 'v' || k,
-                date '2026-01-01' + k::int, timestamp '2026-01-01' + k * interval '1 hour',
-                timestamptz '2026-01-01 00:00+00' + k * interval '1 hour', md5(k::text)::uuid,
-                'c' || k, k * interval '1 day'
-           FROM generate_series(1, 40) k;",
+         SELECT remus_create_distributed_table('typed', 'k', 4);",
     )
+    .unwrap();
+    n1.batch_execute(&format!(
+        "INSERT INTO typed VALUES {}",
+        (1..=40)
+            .map(|k| format!(
+                "({k}, {k}, {k} * 10, {k} + 0.5, {k} / 4.0, {k} / 3.0, {k} % 2 = 0, 't{k}', 'v{k}',
+                  date '2026-01-01' + {k}, timestamp '2026-01-01' + {k} * interval '1 hour',
+                  timestamptz '2026-01-01 00:00+00' + {k} * interval '1 hour', md5('{k}')::uuid,
+                  'c{k}', {k} * interval '1 day')"
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
     .unwrap();
     let owner: String = n1
         .query_one(
@@ -481,8 +488,19 @@ fn constants_routed_to_another_node_go_as_parameters_of_a_prepared_shape() {
 
     // How the statements reached the owner: executed as prepared shapes with parameters.
     let log = std::fs::read_to_string(&c.state().unwrap().node(&owner).unwrap().log).unwrap();
-    let prepared = log
-        .lines()
+    // One entry per logged statement: a deparsed statement spans several lines.
+    let mut entries: Vec<String> = Vec::new();
+    for line in log.lines() {
+        match entries.last_mut() {
+            Some(e) if line.starts_with('\t') => {
+                e.push(' ');
+                e.push_str(line.trim());
+            }
+            _ => entries.push(line.to_string()),
+        }
+    }
+    let prepared = entries
+        .iter()
         .filter(|l| l.contains("execute remus_") && l.contains("typed") && l.contains("$1"))
         .count();
     assert!(
@@ -490,12 +508,13 @@ fn constants_routed_to_another_node_go_as_parameters_of_a_prepared_shape() {
         "statements executed as prepared shapes: {prepared}\n{log}"
     );
     assert!(
-        log.lines()
+        entries
+            .iter()
             .any(|l| l.contains("statement: /*remus:shard=") && l.contains("'t7'")),
         "with lifting off, the literal text:\n{log}"
     );
     assert!(
-        log.lines().any(|l| l.contains("execute remus_")
+        entries.iter().any(|l| l.contains("execute remus_")
             && l.contains("EXTRACT(month FROM")
             && l.contains("COLLATE \"C\"")),
         "kept literals beside lifted constants:\n{log}"
