@@ -13,6 +13,7 @@
 #   sel (-S), selprep (-S -M prepared), tpcb (-b tpcb-like), tpcbprep (-b tpcb-like -M prepared)
 # Prints a markdown table of tps per variant (median of the rounds, and each round's).
 #
+# After a swap of builds, WARM seconds (5) of select-only warm the restarted cluster's buffers.
 # Environment: VARIANTS (required, space-separated NAME=VALUE; quote values with spaces as one
 # word: "on= off=-c%20remus.enable_constant_lifting=off" takes %20 for a space), WORKLOADS
 # ("sel tpcb"), ROUNDS (3), SECS (20), CLIENTS (8), SCALE / SHARDS (toolkit: 20, 8), WORK
@@ -55,6 +56,9 @@ for round in $(seq 1 "$ROUNDS"); do
                 cp "${value#@}" "$SO"
                 remus_start r3
                 current_so=$name
+                # A restarted cluster starts with cold buffers: warm them as the setup did.
+                PGPASSFILE=$(passfile_of r3n1) timeout 120 pgbench -h 127.0.0.1 \
+                    -p "$(port_of r3n1)" -n -S -T "${WARM:-5}" -c "$CLIENTS" -j 2 > /dev/null 2>&1 || true
             fi
         else
             opts=${value//%20/ }

@@ -276,7 +276,10 @@ fn a_lost_client_stops_the_statement_on_every_participant() {
             // default 0 the loss is noticed at the next write to the client.
             let mut sql = "SET client_connection_check_interval = '100ms';\n".to_string();
             if in_transaction {
-                sql += &format!("BEGIN;\nUPDATE kv SET v = '{marker}' WHERE k = {key};\n");
+                // The marker as a function's argument: a constant routed to another node as a
+                // SET value would go as a parameter (design note 0002), out of the owner's
+                // pg_stat_activity.query that `sessions` reads.
+                sql += &format!("BEGIN;\nUPDATE kv SET v = lower('{marker}') WHERE k = {key};\n");
             }
             if running_one {
                 sql += &format!("SELECT pg_sleep(60) AS {marker} FROM kv WHERE k = {key};\n");
