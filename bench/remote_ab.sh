@@ -8,7 +8,8 @@
 # A variant is NAME=PGOPTIONS (session settings of pgbench's connections, e.g.
 # "lift_off=-c remus.enable_constant_lifting=off"), or NAME=@/path/to/pg_remus.so: the cluster is
 # stopped, that build of the extension copied in and the cluster started before the variant runs
-# (an A/B of two builds; the installed .so is put back at the end). Workloads: stock pgbench
+# (an A/B of two builds; the installed .so is put back at the end). A settings variant runs on
+# the build of the last build variant before it (the installed one if none). Workloads: stock pgbench
 # scripts, `pgbench -n --max-tries=1 -T SECS -c CLIENTS -j 2`:
 #   sel (-S), selprep (-S -M prepared), tpcb (-b tpcb-like), tpcbprep (-b tpcb-like -M prepared)
 # Prints a markdown table of tps per variant (median of the rounds, and each round's).
