@@ -105,7 +105,7 @@ pub unsafe fn lift_constants(query: *mut pg_sys::Query) -> Option<(*mut pg_sys::
         let copy = pg_sys::copyObjectImpl(query as *const c_void) as *mut pg_sys::Query;
         let mut params = Params::none();
         let cx = (&raw mut params).cast::<c_void>();
-        lift_in((*copy).jointree as *mut pg_sys::Node, cx);
+        lift_operator_arguments((*copy).jointree as *mut pg_sys::Node, cx);
         if matches!(
             (*copy).commandType,
             pg_sys::CmdType::CMD_UPDATE | pg_sys::CmdType::CMD_INSERT
@@ -115,7 +115,7 @@ pub unsafe fn lift_constants(query: *mut pg_sys::Query) -> Option<(*mut pg_sys::
                 if let Some(p) = as_param((*te).expr as *mut pg_sys::Node, &mut params) {
                     (*te).expr = p as *mut pg_sys::Expr;
                 } else {
-                    lift_in((*te).expr as *mut pg_sys::Node, cx);
+                    lift_operator_arguments((*te).expr as *mut pg_sys::Node, cx);
                 }
             }
         }
@@ -140,14 +140,8 @@ unsafe fn has_values_list(q: *mut pg_sys::Query) -> bool {
     }
 }
 
-/// Lifts the operator arguments of `node`'s expressions (see [`lift_constants`]).
-unsafe fn lift_in(node: *mut pg_sys::Node, cx: *mut c_void) {
-    // SAFETY: `node` is NULL or an expression tree of the copy; `cx` the caller's Params.
-    unsafe {
-        lift_operator_arguments(node, cx);
-    }
-}
-
+/// Lifts the operator arguments of `node`'s expressions (see [`lift_constants`]); the
+/// expression walker's callback.
 #[pg_guard]
 unsafe extern "C-unwind" fn lift_operator_arguments(
     node: *mut pg_sys::Node,

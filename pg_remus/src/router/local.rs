@@ -685,6 +685,29 @@ unsafe fn node_cache(cscan: *mut pg_sys::CustomScan) -> pg_sys::MemoryContext {
     }
 }
 
+/// The text `query` (carried by plan node `cscan`) goes to `placement`'s node as, and the
+/// parameters it then goes with when they are not the statement's own `params`: its constants
+/// lifted into parameters when it goes to another node with no parameters of its own
+/// (`super::deparse::lifted_for`, design note 0002), otherwise [`deparsed`].
+///
+/// # Safety
+/// As [`deparsed`]; `params` are the executing statement's.
+pub(crate) unsafe fn statement_for(
+    cscan: *mut pg_sys::CustomScan,
+    query: *mut pg_sys::Query,
+    cacheable: bool,
+    placement: &crate::catalog::ShardPlacement,
+    params: &super::execute::Params,
+) -> (std::rc::Rc<str>, Option<super::execute::Params>) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        match super::deparse::lifted_for(placement, query, params) {
+            Some((sql, lifted)) => (sql.into(), Some(lifted)),
+            None => (deparsed(cscan, query, cacheable), None),
+        }
+    }
+}
+
 /// `query` (carried by plan node `cscan`) deparsed for its owner. A statement with parameters
 /// (`cacheable`: a prepared or extended-protocol statement, whose text does not change between
 /// executions) is deparsed once per plan node; others each time.

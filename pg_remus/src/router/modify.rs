@@ -887,33 +887,23 @@ unsafe fn run(s: *mut ModifyState) -> Result<(), RemusError> {
                 }
             }
             (*s).ran = Ran::Routed;
-            let r = match super::deparse::lifted_for(&w.placement, w.query, &params) {
-                Some((sql, lifted)) => super::execute::run_on_shard(
-                    &w.placement,
-                    &sql,
-                    &lifted,
-                    &out_types,
-                    true,
-                    join,
-                )?,
-                None => {
-                    // Cached only for the plan's own Query: a multi-row INSERT's per-shard
-                    // copies are new at every execution.
-                    let sql = super::local::deparsed(
-                        cscan,
-                        w.query,
-                        !params.values.is_empty() && w.query == query,
-                    );
-                    super::execute::run_on_shard(
-                        &w.placement,
-                        &sql,
-                        &params,
-                        &out_types,
-                        true,
-                        join,
-                    )?
-                }
-            };
+            // Cached only for the plan's own Query: a multi-row INSERT's per-shard copies are
+            // new at every execution.
+            let (sql, lifted) = super::local::statement_for(
+                cscan,
+                w.query,
+                !params.values.is_empty() && w.query == query,
+                &w.placement,
+                &params,
+            );
+            let r = super::execute::run_on_shard(
+                &w.placement,
+                &sql,
+                lifted.as_ref().unwrap_or(&params),
+                &out_types,
+                true,
+                join,
+            )?;
             // A reference table's copies all change alike: report (and return) one of them.
             if reference && !crate::guc::is_this_node(&w.placement.node_name) {
                 continue;
@@ -1077,18 +1067,15 @@ unsafe fn run_select(
                     (pg_sys::exprType(e), pg_sys::exprTypmod(e))
                 })
                 .collect();
-        let mut params = Params::from_list((*estate).es_param_list_info);
-        let sql = match super::deparse::lifted_for(&placement, query, &params) {
-            Some((sql, lifted)) => {
-                params = lifted;
-                sql.into()
-            }
-            None => super::local::deparsed(
-                ps.plan as *mut pg_sys::CustomScan,
-                query,
-                !params.values.is_empty(),
-            ),
-        };
+        let params = Params::from_list((*estate).es_param_list_info);
+        let (sql, lifted) = super::local::statement_for(
+            ps.plan as *mut pg_sys::CustomScan,
+            query,
+            !params.values.is_empty(),
+            &placement,
+            &params,
+        );
+        let params = lifted.unwrap_or(params);
         (*s).ran = Ran::Routed;
         // Row locks are writes for the commit: the participant holding them commits with the
         // others (2PC), never ahead of them, and never as a transaction of its own.
