@@ -10,27 +10,45 @@ fn count(db: &mut postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).unwrap().get(0)
 }
 
-/// A trigger function for a deferred constraint trigger that sleeps at COMMIT: on a cancel it
-/// lets the COMMIT fail, or, once `swallow.on_cancel` is set, survives it (the COMMIT then
-/// completes).
+/// A trigger function for a deferred constraint trigger that holds a COMMIT (or a PREPARE
+/// TRANSACTION) under way until a cancel arrives. By default it sleeps, and the cancel aborts the
+/// commit. Once `swallow.on_cancel` is set it raises the transaction's synchronous_commit
+/// instead, so the commit, its WAL record written, waits for a synchronous standby that never
+/// connects ([`wait_for_a_standby_that_never_connects`]): PostgreSQL ends that wait on a cancel
+/// with a WARNING and the commit stands, as any commit already under way when a cancel arrives.
+/// (Catching `query_canceled` in PL/pgSQL instead was racy: one cancel request arrives as two
+/// SIGINTs, to the backend and to its process group, and a second one landing between the catch
+/// and the next protected block, e.g. at the CHECK_FOR_INTERRUPTS that starts every PL/pgSQL
+/// statement, aborted the commit. Two SIGINTs 100-150 µs apart did it by hand.)
 const SLOW_COMMIT: &str = "CREATE TABLE public.swallow (on_cancel bool);
      INSERT INTO public.swallow VALUES (false);
      CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
      BEGIN
-         BEGIN
+         IF (SELECT on_cancel FROM public.swallow) THEN
+             PERFORM set_config('synchronous_commit', 'on', true);
+         ELSE
              PERFORM pg_sleep(30);
-         EXCEPTION WHEN query_canceled THEN
-             IF NOT (SELECT on_cancel FROM public.swallow) THEN RAISE; END IF;
-             -- One cancel request can arrive as two SIGINTs: the postmaster signals the
-             -- backend, then its process group. On a loaded machine the second can come
-             -- after the first was handled and abort the commit this trigger lets through.
-             BEGIN
-                 PERFORM pg_sleep(0.5);
-             EXCEPTION WHEN query_canceled THEN NULL;
-             END;
-         END;
+         END IF;
          RETURN NULL;
      END $$;";
+
+/// `pg_stat_activity` rows of a commit held by `slow_commit()`, in either of its ways.
+const HELD_AT_COMMIT: &str = "wait_event IN ('PgSleep', 'SyncRep')";
+
+/// Names a synchronous standby that never connects on `node`, for [`SLOW_COMMIT`], and
+/// restarts it so that every process (the checkpointer publishes the setting to committing
+/// backends) has read it. Commits there do not wait unless their transaction asks for it:
+/// synchronous_commit is `local` by default.
+fn wait_for_a_standby_that_never_connects(c: &TestCluster, node: &str) {
+    let mut db = c.connect(node).unwrap();
+    db.batch_execute("ALTER SYSTEM SET synchronous_standby_names = 'never_connects'")
+        .unwrap();
+    db.batch_execute("ALTER SYSTEM SET synchronous_commit = local")
+        .unwrap();
+    drop(db);
+    c.stop_node(node).unwrap();
+    c.start_node(node).unwrap();
+}
 
 /// Runs `sql` in a new session on n1, cancels that session once `under_way` (a count on n2)
 /// finds a row, and returns how `sql` ended.
@@ -384,23 +402,18 @@ fn decisions_survive_an_unreachable_participant() {
 fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
     let c = TestCluster::start(2).expect("cluster up");
     let mut n1 = c.connect("n1").unwrap();
-    let mut n2 = c.connect("n2").unwrap();
     n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)")
         .unwrap();
-    // On n2 the PREPARE runs a deferred trigger that sleeps and survives one cancel, so the
-    // PREPARE completes even after the coordinator's abort path has cancelled it.
+    // On n2 the PREPARE runs a deferred trigger that makes it wait for a synchronous standby
+    // that never connects (see SLOW_COMMIT): a cancel ends that wait and the PREPARE stands, so
+    // it completes even after the coordinator's abort path has cancelled it.
+    wait_for_a_standby_that_never_connects(&c, "n2");
+    let mut n2 = c.connect("n2").unwrap();
     n2.batch_execute(
         "CREATE TABLE t (id int PRIMARY KEY);
          CREATE FUNCTION slow_prepare() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
-             PERFORM pg_sleep(30);
-             RETURN NULL;
-         EXCEPTION WHEN query_canceled THEN
-             -- A late second SIGINT of the same cancel request (see SLOW_COMMIT) is absorbed.
-             BEGIN
-                 PERFORM pg_sleep(0.5);
-             EXCEPTION WHEN query_canceled THEN NULL;
-             END;
+             PERFORM set_config('synchronous_commit', 'on', true);
              RETURN NULL;
          END $$;
          CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON t DEFERRABLE INITIALLY DEFERRED
@@ -412,7 +425,8 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
         "BEGIN; INSERT INTO t VALUES (1);
          SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES (1)');
          COMMIT;",
-        "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE 'PREPARE TRANSACTION%'",
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE query LIKE 'PREPARE TRANSACTION%' AND wait_event = 'SyncRep'",
         "the participant never started its PREPARE",
     )
     .unwrap_err();
@@ -436,11 +450,12 @@ fn a_commit_interrupted_during_prepare_leaves_nothing_prepared() {
 #[test]
 fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
     let c = TestCluster::start(2).expect("cluster up");
+    wait_for_a_standby_that_never_connects(&c, "n2");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     n1.batch_execute("CREATE TABLE t (id int PRIMARY KEY)")
         .unwrap();
-    // n2's COMMIT runs a deferred trigger that sleeps; `swallow` decides whether it survives
+    // n2's COMMIT runs a deferred trigger that holds it; `swallow` decides whether it survives
     // the cancel (then the COMMIT completes) or lets it abort the COMMIT.
     n2.batch_execute(&format!(
         "CREATE TABLE t (id int PRIMARY KEY);
@@ -454,7 +469,7 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
         cancel_once_under_way(
             &c,
             &format!("BEGIN; SELECT remus_run_on_node('n2', 'INSERT INTO public.t VALUES ({id})'); COMMIT;"),
-            "SELECT count(*) FROM pg_stat_activity WHERE query = 'COMMIT' AND wait_event = 'PgSleep'",
+            &format!("SELECT count(*) FROM pg_stat_activity WHERE query = 'COMMIT' AND {HELD_AT_COMMIT}"),
             "the participant never started its COMMIT",
         )
     };
@@ -482,6 +497,7 @@ fn a_cancel_during_a_lone_remote_commit_reports_what_the_participant_did() {
 #[test]
 fn a_cancelled_autocommit_write_through_a_non_owner_reports_what_the_owner_did() {
     let c = TestCluster::start(2).expect("cluster up");
+    wait_for_a_standby_that_never_connects(&c, "n2");
     let mut n1 = c.connect("n1").unwrap();
     let mut n2 = c.connect("n2").unwrap();
     let rows: Vec<String> = (1..=20).map(|id| format!("({id}, 0)")).collect();
@@ -519,7 +535,7 @@ fn a_cancelled_autocommit_write_through_a_non_owner_reports_what_the_owner_did()
         cancel_once_under_way(
             &c,
             &format!("UPDATE w SET v = v + 1 WHERE id = {id}"),
-            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%UPDATE%' AND wait_event = 'PgSleep'",
+            &format!("SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%UPDATE%' AND {HELD_AT_COMMIT}"),
             "the owner never reached the write's commit",
         )
     };
