@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of the path through a node that owns no shard (issue 16): the anchor toolkit's 3-node
 # pg_remus cluster (../shared/anchors/citus, `setup.sh remus`: pgbench -i -s SCALE, accounts and
-# history over SHARDS shards, none on n1), entered through n1, every client over TCP. Variants
+# history over SHARDS shards, none on n1), entered through n1, every client over TCP. CLUSTER=r1
+# runs the same on the toolkit's 1-node cluster (`setup.sh remus1`: the owner's path). Variants
 # run interleaved, round after round, on the same cluster and data, so that the machine's drift
 # (10-30 % between runs here) falls on every variant alike.
 #
@@ -19,7 +20,7 @@
 # word: "on= off=-c%20remus.enable_constant_lifting=off" takes %20 for a space), WORKLOADS
 # ("sel tpcb"), ROUNDS (3), SECS (20), CLIENTS (8), SCALE / SHARDS (toolkit: 20, 8), WORK
 # (default /var/tmp/remus-remote-ab), PORT_BASE (30500), ANCHOR_DIR, REUSE (1: keep a cluster
-# already set up in WORK).
+# already set up in WORK), CLUSTER (r3, or r1).
 # Usage: VARIANTS="on= off=-c%20remus.enable_constant_lifting=off" bash bench/remote_ab.sh
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,6 +30,9 @@ ANCHOR_DIR=$(cd "$ANCHOR_DIR" && pwd)
 : "${VARIANTS:?set VARIANTS, e.g. \"on= off=-c%20remus.enable_constant_lifting=off\"}"
 WORKLOADS=${WORKLOADS:-sel tpcb}; ROUNDS=${ROUNDS:-3}; SECS=${SECS:-20}; CLIENTS=${CLIENTS:-8}
 REUSE=${REUSE:-1}
+CLUSTER=${CLUSTER:-r3}
+case $CLUSTER in r3) SETUP=remus;; r1) SETUP=remus1;; *) echo "remote_ab.sh: CLUSTER is r3 or r1" >&2; exit 2;; esac
+ENTRY=${CLUSTER}n1
 export WORK=${WORK:-/var/tmp/remus-remote-ab} PORT_BASE=${PORT_BASE:-30500} REMUS_REPO=$ROOT
 # shellcheck source=/dev/null
 source "$ANCHOR_DIR/lib.sh"
@@ -36,15 +40,15 @@ D=$OUT/remote_ab
 mkdir -p "$D"
 SO=$(pg_config --pkglibdir)/pg_remus.so
 cp "$SO" "$D/installed.so"
-restore() { remus_stop r3; cp "$D/installed.so" "$SO"; }
+restore() { remus_stop "$CLUSTER"; cp "$D/installed.so" "$SO"; }
 trap restore EXIT
 
-if [ "$REUSE" = 1 ] && [ -f "$(remus_dir r3)/cluster.json" ]; then
-    log "reusing the cluster in $(remus_dir r3)"
-    remus_start r3
+if [ "$REUSE" = 1 ] && [ -f "$(remus_dir "$CLUSTER")/cluster.json" ]; then
+    log "reusing the cluster in $(remus_dir "$CLUSTER")"
+    remus_start "$CLUSTER"
 else
-    log "setting up the 3-node cluster (toolkit setup.sh remus)"
-    "$ANCHOR_DIR/setup.sh" remus > "$D/setup.log" 2>&1 || die "setup failed, see $D/setup.log"
+    log "setting up the cluster (toolkit setup.sh $SETUP)"
+    "$ANCHOR_DIR/setup.sh" "$SETUP" > "$D/setup.log" 2>&1 || die "setup failed, see $D/setup.log"
 fi
 current_so=installed
 : > "$D/results.txt"
@@ -53,13 +57,13 @@ for round in $(seq 1 "$ROUNDS"); do
         name=${v%%=*}; value=${v#*=}; opts=""
         if [ "${value#@}" != "$value" ]; then
             if [ "$current_so" != "$name" ]; then
-                remus_stop r3
+                remus_stop "$CLUSTER"
                 cp "${value#@}" "$SO"
-                remus_start r3
+                remus_start "$CLUSTER"
                 current_so=$name
                 # A restarted cluster starts with cold buffers: warm them as the setup did.
-                PGPASSFILE=$(passfile_of r3n1) timeout 120 pgbench -h 127.0.0.1 \
-                    -p "$(port_of r3n1)" -n -S -T "${WARM:-5}" -c "$CLIENTS" -j 2 > /dev/null 2>&1 || true
+                PGPASSFILE=$(passfile_of "$ENTRY") timeout 120 pgbench -h 127.0.0.1 \
+                    -p "$(port_of "$ENTRY")" -n -S -T "${WARM:-5}" -c "$CLIENTS" -j 2 > /dev/null 2>&1 || true
             fi
         else
             opts=${value//%20/ }
@@ -71,8 +75,8 @@ for round in $(seq 1 "$ROUNDS"); do
                 *) die "unknown workload $w";;
             esac
             o=$D/r$round-$name-$w.out
-            PGOPTIONS=$opts PGPASSFILE=$(passfile_of r3n1) timeout $((SECS + 120)) \
-                pgbench -h 127.0.0.1 -p "$(port_of r3n1)" -n --max-tries=1 -T "$SECS" \
+            PGOPTIONS=$opts PGPASSFILE=$(passfile_of "$ENTRY") timeout $((SECS + 120)) \
+                pgbench -h 127.0.0.1 -p "$(port_of "$ENTRY")" -n --max-tries=1 -T "$SECS" \
                 -c "$CLIENTS" -j 2 "${args[@]}" > "$o" 2>&1 || true
             tps=$(sed -n 's/^tps = \([0-9.]*\).*/\1/p' "$o" | head -n1)
             log "round $round $name $w: ${tps:-failed} tps"

@@ -11,6 +11,12 @@
 #   r3       pg_remus, 3 nodes, entered through n1, which owns no shard of accounts/history
 #   csingle  Citus, single node (coordinator holding every shard)
 #   citus    Citus, coordinator (no shards) + 2 workers, entered through the coordinator
+#   hop      plain PostgreSQL entered through pgbouncer (session pooling, one server connection
+#            per client): an entry that parses no SQL and only forwards each message to the
+#            server holding the data. Not a rival: the ceiling, on this machine, of any entry node
+#            that owns none of the data, r3's and Citus's coordinator's alike (one more process
+#            and two more loopback messages per statement). Shares plain's data directory; its
+#            pgbouncer listens on PORT_BASE + 420 (installed with apt-get when missing).
 # Every configuration gets the same schema: pgbench -i, then history gets the (aid, hid uuid)
 # primary key pg_remus needs (plain too); accounts by aid and history by aid (co-located) are
 # distributed over SHARDS shards; branches and tellers stay local tables on the entry node.
@@ -30,7 +36,7 @@
 #
 # Environment: SECONDS_PER_RUN (20), ROUNDS (1; rounds interleave the configurations, the
 # schema is loaded once in round 1), CLIENTS (8), AGG_CLIENTS (4), WARM (5 s of -S first),
-# SCALE and SHARDS (toolkit: 20, 8), CONFIGS ("plain r1 r3 csingle citus"),
+# SCALE and SHARDS (toolkit: 20, 8), CONFIGS ("plain r1 r3 csingle citus hop"),
 # WORKLOADS ("sel selprep agg tpcb"), REMUS_REPO (this repository), WORK, OUT,
 # PORT_BASE (30000: the servers use 30010-30402, below the ephemeral port range),
 # KEEP_DATA (0: data directories are removed at the end, results kept), SETUP_TIMEOUT (1800 s).
@@ -52,7 +58,7 @@ ANCHOR_DIR=$(cd "$ANCHOR_DIR" && pwd)
 export ANCHOR_DIR REMUS_REPO=${REMUS_REPO:-$ROOT}
 SECS=${SECONDS_PER_RUN:-20}; ROUNDS=${ROUNDS:-1}; CLIENTS=${CLIENTS:-8}; AGG_CLIENTS=${AGG_CLIENTS:-4}
 WARM=${WARM:-5}; SETUP_TIMEOUT=${SETUP_TIMEOUT:-1800}; KEEP_DATA=${KEEP_DATA:-0}
-CONFIGS=${CONFIGS:-plain r1 r3 csingle citus}; WORKLOADS=${WORKLOADS:-sel selprep agg tpcb}
+CONFIGS=${CONFIGS:-plain r1 r3 csingle citus hop}; WORKLOADS=${WORKLOADS:-sel selprep agg tpcb}
 LOCK=${REMUS_EXT_LOCK:-/tmp/remus-ext.lock}
 export SECONDS_PER_RUN=$SECS ROUNDS CLIENTS AGG_CLIENTS WARM SETUP_TIMEOUT CONFIGS WORKLOADS
 # Below the ephemeral port range (32768 and up here), where a client connection can hold a
@@ -65,24 +71,61 @@ D=$OUT/routing
 mkdir -p "$D"
 
 is_remus() { case $1 in r1|r3) return 0;; *) return 1;; esac; }
-target_of() { case $1 in plain) echo plain;; r1) echo r1n1;; r3) echo r3n1;; csingle) echo csingle;; citus) echo ccoord;; *) die "unknown configuration $1";; esac; }
-setup_of() { case $1 in plain) echo plain;; r1) echo remus1;; r3) echo remus;; csingle) echo csingle;; citus) echo citus;; esac; }
+target_of() { case $1 in plain|hop) echo plain;; r1) echo r1n1;; r3) echo r3n1;; csingle) echo csingle;; citus) echo ccoord;; *) die "unknown configuration $1";; esac; }
+setup_of() { case $1 in plain|hop) echo plain;; r1) echo remus1;; r3) echo remus;; csingle) echo csingle;; citus) echo citus;; esac; }
+# pgbench's port: the target's, but pgbouncer's for hop.
+P_HOP=$((PORT_BASE + 420))
+entry_port_of() { if [ "$1" = hop ]; then echo "$P_HOP"; else port_of "$(target_of "$1")"; fi; }
+HOP_DIR=$D/pgbouncer
+hop_start() {
+    mkdir -p "$HOP_DIR"
+    # pgbouncer logs in to plain with the toolkit's password (SCRAM needs it in clear in its
+    # auth_file); its clients, pgbench on loopback, are trusted.
+    printf '"postgres" "%s"\n' "$(cut -d: -f5 "$(passfile_of plain)")" > "$HOP_DIR/users.txt"
+    cat > "$HOP_DIR/pgbouncer.ini" <<EOF
+[databases]
+* = host=127.0.0.1 port=$P_PLAIN
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $P_HOP
+unix_socket_dir =
+auth_type = trust
+auth_file = $HOP_DIR/users.txt
+pool_mode = session
+default_pool_size = $((CLIENTS + AGG_CLIENTS + 4))
+max_client_conn = 200
+logfile = $HOP_DIR/pgbouncer.log
+pidfile = $HOP_DIR/pgbouncer.pid
+EOF
+    chown -R postgres "$HOP_DIR"; chmod 600 "$HOP_DIR/users.txt"
+    as_pg pgbouncer -d "$HOP_DIR/pgbouncer.ini"
+}
+hop_stop() {
+    local pid
+    pid=$(cat "$HOP_DIR/pgbouncer.pid" 2>/dev/null) || return 0
+    kill "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    rm -f "$HOP_DIR/pgbouncer.pid"
+}
 start_cfg() {
     case $1 in
         plain) pg_start "$(plain_dir)";; r1) remus_start r1;; r3) remus_start r3;;
         csingle) citus_start single;; citus) citus_start coord w1 w2;;
+        hop) pg_start "$(plain_dir)"; hop_start;;
     esac
 }
 stop_cfg() {
     case $1 in
         plain) pg_stop "$(plain_dir)";; r1) remus_stop r1;; r3) remus_stop r3;;
         csingle) citus_stop single;; citus) citus_stop coord w1 w2;;
+        hop) hop_stop; pg_stop "$(plain_dir)";;
     esac
 }
-nodes_of() { case $1 in plain) echo plain;; r1) echo r1n1;; r3) echo r3n1 r3n2 r3n3;; csingle) echo csingle;; citus) echo ccoord cw1 cw2;; esac; }
+nodes_of() { case $1 in plain|hop) echo plain;; r1) echo r1n1;; r3) echo r3n1 r3n2 r3n3;; csingle) echo csingle;; citus) echo ccoord cw1 cw2;; esac; }
 ports_of() {
     case $1 in
-        plain) echo "$P_PLAIN";; csingle) echo "$P_CSINGLE";; citus) echo "$P_CCOORD $P_CW1 $P_CW2";;
+        plain) echo "$P_PLAIN";; hop) echo "$P_PLAIN $P_HOP";;
+        csingle) echo "$P_CSINGLE";; citus) echo "$P_CCOORD $P_CW1 $P_CW2";;
         r1) echo "$P_R1 $((P_R1 + 100)) $((P_R1 + 101)) $((P_R1 + 102))";;
         r3) echo "$P_R3 $((P_R3 + 1)) $((P_R3 + 2)) $((P_R3 + 100)) $((P_R3 + 101)) $((P_R3 + 102))";;
     esac
@@ -96,7 +139,7 @@ ports_of() {
 # run, e.g. an autovacuum worker, is not counted).
 datadirs_of() {
     case $1 in
-        plain) plain_dir;; csingle) citus_dir single;;
+        plain|hop) plain_dir;; csingle) citus_dir single;;
         citus) citus_dir coord; citus_dir w1; citus_dir w2;;
         r1) echo "$(remus_dir r1)/n1/data";;
         r3) for i in 1 2 3; do echo "$(remus_dir r3)/n$i/data"; done;;
@@ -125,9 +168,9 @@ cpu_ticks() { # pids... -> "pid ticks" lines
 # ---------------------------------------------------------------- one configuration, one round
 # Runs in its own process (`routing.sh __config CFG ROUND`), so that the toolkit's die, a failed
 # setup or a hung server ends this configuration only.
-bench_pgbench() { # target timeout-seconds pgbench-args...
-    local t=$1 limit=$2; shift 2
-    PGPASSFILE=$(passfile_of "$t") timeout "$limit" pgbench -h 127.0.0.1 -p "$(port_of "$t")" -n "$@"
+bench_pgbench() { # configuration timeout-seconds pgbench-args...
+    local cfg=$1 limit=$2; shift 2
+    PGPASSFILE=$(passfile_of "$(target_of "$cfg")") timeout "$limit" pgbench -h 127.0.0.1 -p "$(entry_port_of "$cfg")" -n "$@"
 }
 run_config() {
     local round=$2 t w o rc tps lat failed err args
@@ -161,8 +204,10 @@ run_config() {
         [ ! -f "$D/setup-failed-$cfg" ] || return 1
         start_cfg "$cfg"
     fi
+    # In round 1 the setup started the server, not the configuration's own processes.
+    if [ "$cfg" = hop ] && [ "$round" = 1 ]; then hop_start; fi
     q "$t" -qc CHECKPOINT || true
-    bench_pgbench "$t" $((WARM + 60)) -S -c "$CLIENTS" -j 2 -T "$WARM" > /dev/null 2>&1 || true   # warm the buffers
+    bench_pgbench "$cfg" $((WARM + 60)) -S -c "$CLIENTS" -j 2 -T "$WARM" > /dev/null 2>&1 || true   # warm the buffers
     for w in $WORKLOADS; do
         case $w in
             sel) args=(-S -c "$CLIENTS" -j 2);;
@@ -176,7 +221,7 @@ run_config() {
         rc=0
         # shellcheck disable=SC2046
         cpu_ticks $(background_pids "$cfg") > "$o.bg0"
-        bench_pgbench "$t" $((SECS + 120)) --max-tries=1 -T "$SECS" "${args[@]}" > "$o" 2>&1 || rc=$?
+        bench_pgbench "$cfg" $((SECS + 120)) --max-tries=1 -T "$SECS" "${args[@]}" > "$o" 2>&1 || rc=$?
         # shellcheck disable=SC2046
         cpu_ticks $(awk '{print $1}' "$o.bg0") > "$o.bg1"
         # background CPU as a share of the machine's cores over the run (ticks / (secs * HZ * cores))
@@ -207,6 +252,10 @@ fi
 
 # ---------------------------------------------------------------- the run
 for c in $CONFIGS; do target_of "$c" > /dev/null; done
+if [[ " $CONFIGS " =~ \ hop\  ]] && ! command -v pgbouncer > /dev/null; then
+    log "installing pgbouncer (configuration hop)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q pgbouncer > /dev/null || die "could not install pgbouncer"
+fi
 if [ "$SCALE" -lt 10 ]; then
     log "warning: SCALE=$SCALE gives $((SCALE * 100000)) accounts rows; the fan-out target of issue 16 is over 1M rows (SCALE >= 10)"
 fi
@@ -248,7 +297,8 @@ d, configs, scale = sys.argv[1], sys.argv[2].split(), int(sys.argv[4])
 workloads = [w for w in ("sel", "selprep", "tpcb", "tpcbprep", "agg") if w in sys.argv[3].split()]
 names = {"plain": "plain PostgreSQL 15", "r1": "pg_remus, 1 node (owner)",
          "r3": "pg_remus, 3 nodes, via n1 (owns no shard)", "csingle": "Citus 13.2.2, single node",
-         "citus": "Citus 13.2.2, coordinator + 2 workers"}
+         "citus": "Citus 13.2.2, coordinator + 2 workers",
+         "hop": "plain PostgreSQL 15 through pgbouncer (ceiling of an entry that owns nothing)"}
 heads = {"sel": "select-only", "selprep": "select-only -M prepared", "tpcb": "TPC-B (tpcb-like)",
          "tpcbprep": "TPC-B -M prepared",
          "agg": "count(*), sum over %s rows" % format(scale * 100000, ",")}
