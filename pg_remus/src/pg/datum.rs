@@ -75,16 +75,32 @@ pub(crate) unsafe fn copy_datum(d: pg_sys::Datum, byval: bool, len: i16) -> pg_s
 /// on every node (a remote session reads it with `datestyle=ISO`, `intervalstyle=postgres`):
 /// the client's own DateStyle, IntervalStyle or extra_float_digits would otherwise change what
 /// the other node reads (`06/12/2026` is June 12 there), and its search_path how names print.
+/// A setting whose value already writes the portable text is left alone (the defaults do, but
+/// search_path): each change costs a GUC save and restore, and DateStyle and IntervalStyle are
+/// reported to the client when they change, on every routed statement.
 pub(crate) fn with_portable_settings<R>(f: impl FnOnce() -> R) -> R {
-    // SAFETY: GUCs set at a new nest level and restored right after, around `f`.
+    // SAFETY: reads this backend's GUC variables; GUCs set at a new nest level and restored
+    // right after, around `f`.
     unsafe {
+        // ISO output ignores the date order; any extra_float_digits above 0 selects the
+        // shortest exact float text, the same as 3.
+        let change = [
+            true,
+            pg_sys::DateStyle != pg_sys::USE_ISO_DATES as i32,
+            pg_sys::IntervalStyle != pg_sys::INTSTYLE_POSTGRES as i32,
+            pg_sys::extra_float_digits <= 0,
+        ];
         let nest = pg_sys::NewGUCNestLevel();
-        for (name, value) in [
+        for ((name, value), _) in [
             (c"search_path", c"pg_catalog"),
             (c"datestyle", c"ISO"),
             (c"intervalstyle", c"postgres"),
             (c"extra_float_digits", c"3"),
-        ] {
+        ]
+        .into_iter()
+        .zip(change)
+        .filter(|(_, change)| *change)
+        {
             pg_sys::set_config_option(
                 name.as_ptr(),
                 value.as_ptr(),
@@ -99,5 +115,49 @@ pub(crate) fn with_portable_settings<R>(f: impl FnOnce() -> R) -> R {
         let r = f();
         pg_sys::AtEOXact_GUC(true, nest);
         r
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    fn show(name: &str) -> String {
+        Spi::get_one::<String>(&format!("SHOW {name}"))
+            .unwrap()
+            .unwrap()
+    }
+
+    /// Values written under the portable settings are the same text whatever the session's
+    /// DateStyle, IntervalStyle and extra_float_digits, whether those needed changing or not,
+    /// and the session's own settings are back afterwards.
+    #[pg_test]
+    fn values_are_written_the_same_whatever_the_session_settings() {
+        for (datestyle, intervalstyle, digits) in [
+            ("ISO, MDY", "postgres", "1"),
+            ("SQL, DMY", "sql_standard", "-3"),
+            ("German, DMY", "iso_8601", "0"),
+            ("ISO, DMY", "postgres_verbose", "2"),
+        ] {
+            Spi::run(&format!("SET datestyle = '{datestyle}'")).unwrap();
+            Spi::run(&format!("SET intervalstyle = '{intervalstyle}'")).unwrap();
+            Spi::run(&format!("SET extra_float_digits = {digits}")).unwrap();
+            let text = super::with_portable_settings(|| {
+                Spi::get_one::<String>(
+                    "SELECT format('%s | %s | %s | %s', date '2026-01-08',
+                                   interval '1 day 02:03:04', 0.1::float8,
+                                   timestamp '2026-01-08 10:00')",
+                )
+            });
+            assert_eq!(
+                text.unwrap().as_deref(),
+                Some("2026-01-08 | 1 day 02:03:04 | 0.1 | 2026-01-08 10:00:00"),
+                "under {datestyle} / {intervalstyle} / {digits}"
+            );
+            assert_eq!(show("datestyle"), datestyle);
+            assert_eq!(show("intervalstyle"), intervalstyle);
+            assert_eq!(show("extra_float_digits"), digits);
+        }
     }
 }
