@@ -75,32 +75,33 @@ pub(crate) unsafe fn copy_datum(d: pg_sys::Datum, byval: bool, len: i16) -> pg_s
 /// on every node (a remote session reads it with `datestyle=ISO`, `intervalstyle=postgres`):
 /// the client's own DateStyle, IntervalStyle or extra_float_digits would otherwise change what
 /// the other node reads (`06/12/2026` is June 12 there), and its search_path how names print.
-/// A setting whose value already writes the portable text is left alone (the defaults do, but
-/// search_path): each change costs a GUC save and restore, and DateStyle and IntervalStyle are
-/// reported to the client when they change, on every routed statement.
+/// A setting whose value already writes the portable text is left alone (at their defaults all
+/// but search_path do): each change costs a GUC save and restore, and DateStyle and
+/// IntervalStyle are reported to the client when they change, on every routed statement.
 pub(crate) fn with_portable_settings<R>(f: impl FnOnce() -> R) -> R {
     // SAFETY: reads this backend's GUC variables; GUCs set at a new nest level and restored
     // right after, around `f`.
     unsafe {
+        let nest = pg_sys::NewGUCNestLevel();
         // ISO output ignores the date order; any extra_float_digits above 0 selects the
         // shortest exact float text, the same as 3.
-        let change = [
-            true,
-            pg_sys::DateStyle != pg_sys::USE_ISO_DATES as i32,
-            pg_sys::IntervalStyle != pg_sys::INTSTYLE_POSTGRES as i32,
-            pg_sys::extra_float_digits <= 0,
-        ];
-        let nest = pg_sys::NewGUCNestLevel();
-        for ((name, value), _) in [
-            (c"search_path", c"pg_catalog"),
-            (c"datestyle", c"ISO"),
-            (c"intervalstyle", c"postgres"),
-            (c"extra_float_digits", c"3"),
-        ]
-        .into_iter()
-        .zip(change)
-        .filter(|(_, change)| *change)
-        {
+        for (name, value, needed) in [
+            (c"search_path", c"pg_catalog", true),
+            (
+                c"datestyle",
+                c"ISO",
+                pg_sys::DateStyle != pg_sys::USE_ISO_DATES as i32,
+            ),
+            (
+                c"intervalstyle",
+                c"postgres",
+                pg_sys::IntervalStyle != pg_sys::INTSTYLE_POSTGRES as i32,
+            ),
+            (c"extra_float_digits", c"3", pg_sys::extra_float_digits <= 0),
+        ] {
+            if !needed {
+                continue;
+            }
             pg_sys::set_config_option(
                 name.as_ptr(),
                 value.as_ptr(),
