@@ -60,8 +60,8 @@ settings_variants=0
 for v in "${variants[@]}"; do [ "${v#*=@}" != "$v" ] || settings_variants=$((settings_variants + 1)); done
 # rotation only when all variants are builds or all are settings
 if [ "$settings_variants" = 0 ] || [ "$settings_variants" = "${#variants[@]}" ]; then rotate=1; else rotate=0; fi
+n=${#variants[@]}
 for round in $(seq 1 "$ROUNDS"); do
-    n=${#variants[@]}
     start=$(( rotate ? (round - 1) % n : 0 ))
     order=("${variants[@]:start}" "${variants[@]:0:start}")
     for v in "${order[@]}"; do

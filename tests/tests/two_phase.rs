@@ -19,7 +19,7 @@ fn count(db: &mut postgres::Client, sql: &str) -> i64 {
 /// (Catching `query_canceled` in PL/pgSQL instead was racy: one cancel request arrives as two
 /// SIGINTs, to the backend and to its process group, and a second one landing between the catch
 /// and the next protected block, e.g. at the CHECK_FOR_INTERRUPTS that starts every PL/pgSQL
-/// statement, aborted the commit. Two SIGINTs 100-150 µs apart did it by hand.)
+/// statement, aborted the commit. Two SIGINTs 100-400 µs apart did it by hand.)
 const SLOW_COMMIT: &str = "CREATE TABLE public.swallow (on_cancel bool);
      INSERT INTO public.swallow VALUES (false);
      CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
