@@ -225,10 +225,6 @@ unsafe fn on_local_shards(
 ) -> Result<bool, RemusError> {
     // SAFETY: `query` is a valid Query of our own; catalog lookups and locks by OID.
     unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return Ok(false);
-        }
         for (rte, table) in shells_anywhere(query)? {
             if table.kind == 'h' && table.colocation_id != anchor.colocation_id {
                 return Ok(false);
@@ -236,7 +232,7 @@ unsafe fn on_local_shards(
             let Some(sid) = shard_at(&table, index)? else {
                 return Ok(false);
             };
-            let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, nsp, (*rte).rellockmode)
+            let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, (*rte).rellockmode)
             else {
                 return Ok(false);
             };

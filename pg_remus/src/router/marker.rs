@@ -114,7 +114,6 @@ pub(crate) unsafe fn pin_to_local_shard(
         {
             return Err(RemusError::MarkerNotColocated { shard_id });
         }
-        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), false);
         for (rte, table) in &shells {
             let sid = if single_table {
                 shard_id
@@ -124,8 +123,7 @@ pub(crate) unsafe fn pin_to_local_shard(
             // The parser locked the shell, not the shard; the executor expects its relations
             // locked. Not here (or dropped by a migration's cleanup once the lock was granted):
             // this node does not own it.
-            let Some(shard_relid) =
-                lock_local_shard(&table.rel_name, sid, nsp, (**rte).rellockmode)
+            let Some(shard_relid) = lock_local_shard(&table.rel_name, sid, (**rte).rellockmode)
             else {
                 return Err(RemusError::NotShardOwner {
                     shard_id: sid,

@@ -111,34 +111,54 @@ pub(crate) fn shard_at(table: &DistTable, index: usize) -> Result<Option<i64>, R
     })
 }
 
-/// Locks shard table `remus_shards.<rel_name>_<shard_id>` (`nsp` is `remus_shards`) and
-/// returns its OID, if it is here.
+/// Locks shard table `remus_shards.<rel_name>_<shard_id>` and returns its OID, if it is here.
 ///
 /// # Safety
 /// Must run inside a transaction.
 pub(crate) unsafe fn lock_local_shard(
     rel_name: &str,
     shard_id: i64,
-    nsp: pg_sys::Oid,
     lockmode: std::ffi::c_int,
 ) -> Option<pg_sys::Oid> {
     // SAFETY: catalog lookups and a lock by OID; the caller is in a transaction.
     unsafe {
         let known = SHARD_RELIDS.with(|s| s.borrow().get(&shard_id).copied());
         if let Some(relid) = known {
-            if lock_existing(relid, lockmode) {
+            if lock_known(relid, lockmode) {
                 return Some(relid);
             }
             // Dropped since (its invalidation not yet processed): look the name up again.
             SHARD_RELIDS.with(|s| s.borrow_mut().remove(&shard_id));
         }
+        let nsp = pg_sys::get_namespace_oid(c"remus_shards".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return None;
+        }
         let name = std::ffi::CString::new(format!("{rel_name}_{shard_id}")).ok()?;
         let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-        if relid == pg_sys::InvalidOid || !lock_existing(relid, lockmode) {
+        if relid == pg_sys::InvalidOid || !lock_known(relid, lockmode) {
             return None;
         }
         SHARD_RELIDS.with(|s| s.borrow_mut().insert(shard_id, relid));
         Some(relid)
+    }
+}
+
+/// [`lock_existing`] for a relation known to exist as of the last invalidation this backend
+/// processed (just looked up by name, or in `SHARD_RELIDS`, which every relcache invalidation
+/// empties). If taking the lock processed no invalidation, nothing dropped it since: a drop
+/// holds its lock until it has committed and sent its invalidations, which a newly granted
+/// lock reads before returning, and a lock already held keeps any drop out. So the syscache is
+/// probed only when an invalidation arrived, as `RangeVarGetRelidExtended` does.
+///
+/// # Safety
+/// Must run inside a transaction.
+unsafe fn lock_known(relid: pg_sys::Oid, lockmode: std::ffi::c_int) -> bool {
+    // SAFETY: reads a backend-local counter, then as `lock_existing`.
+    unsafe {
+        let seen = pg_sys::SharedInvalidMessageCounter;
+        pg_sys::LockRelationOid(relid, lockmode);
+        pg_sys::SharedInvalidMessageCounter == seen || relation_exists(relid)
     }
 }
 
@@ -151,6 +171,17 @@ pub(crate) unsafe fn lock_existing(relid: pg_sys::Oid, lockmode: std::ffi::c_int
     // SAFETY: a lock by OID and a syscache probe; the caller is in a transaction.
     unsafe {
         pg_sys::LockRelationOid(relid, lockmode);
+        relation_exists(relid)
+    }
+}
+
+/// Is `relid` in `pg_class` (a syscache probe)?
+///
+/// # Safety
+/// Must run inside a transaction.
+unsafe fn relation_exists(relid: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache probe by OID; the caller is in a transaction.
+    unsafe {
         pg_sys::SearchSysCacheExists(
             pg_sys::SysCacheIdentifier::RELOID as i32,
             pg_sys::Datum::from(relid),
