@@ -8,7 +8,10 @@
 # the clock, pg_current_wal_lsn(), both slots' confirmed_flush_lsn (the migration's remus_m<id>
 # and the subscription's catchup_sub) and the migration's phase and counters (remus_migrations);
 # a second one on the target samples what each applier has applied there (their replication
-# origins: `applied_sql`), which is not held back by how often an applier reports to its slot.
+# origins: `applied_sql`), which is not held back by how often an applier reports to its slot;
+# bench/catchup_cpu.py samples the CPU each process of the cluster uses, by role (the replay's
+# apply sessions, replay worker, coordinator and walsender; the subscription's apply worker and
+# walsender; the writers), for the cores each applier used during catch-up and its CPU per MB.
 # After the run the samples and pgbench's per-transaction log give, per 100 ms interval: the
 # source's commits/s and WAL bytes/s, each applier's bytes/s and lag (bytes and ms). Prints a
 # summary per mode. Measurement only (bench/README.md, "Catch-up against PostgreSQL's own
@@ -285,6 +288,10 @@ analyze() {
             END { printf "  applied on the target (origins, 100 ms): replay peak %s MB/s (1 s), subscription peak %s MB/s; the source position at the enable applied %s after it by the replay, %s by the subscription\n",
                 mb(peak(r)), mb(peak(s)), drained(r), drained(s) }' "$out/$mode.applied.csv" >> "$summary"
     fi
+    # The cores each applier used during catch-up, and its CPU per MB applied.
+    if [ -s "$out/$mode.cpu.csv" ] && [ -s "$out/$mode.applied.csv" ]; then
+        python3 "$REPO_ROOT/bench/catchup_cpu.py" report "$out/$mode.cpu.csv" "$csv" "$out/$mode.applied.csv" >> "$summary"
+    fi
     # Longest interval with no commit of any writer, over the migration (+-1 s).
     awk -v a="$mig_start" -v b="$mig_end" '$1 >= a - 1 && $1 <= b + 1' "$out/$mode.commits" \
         | awk -v mode="$mode" 'NR > 1 && $1 - p > g { g = $1 - p; at = p } { p = $1 }
@@ -374,6 +381,11 @@ SQL
     (while [ ! -e "$stop" ]; do echo "$applied_sql"; sleep 0.1; done \
         | on "$target" stdbuf -oL psql -XAtq -F ',' 2>> "$out/$mode.sampler.err" > "$out/$mode.applied.csv") &
     applied_sampler=$!
+    # The CPU every process of the cluster uses, by role (bench/catchup_cpu.py).
+    : > "$out/$mode.cpu.csv"
+    python3 "$REPO_ROOT/bench/catchup_cpu.py" sample "$dir" "$out/$mode.cpu.csv" "$stop" \
+        2>> "$out/$mode.sampler.err" &
+    cpu_sampler=$!
     sleep "$warmup"
     mig_start=$(date +%s.%N)
     if ! result=$(on "$target" psql -XAt -F ' ' -v ON_ERROR_STOP=1 \
@@ -397,6 +409,7 @@ SQL
     touch "$stop"
     wait "$sampler" || true
     wait "$applied_sampler" || true
+    wait "$cpu_sampler" || true
     on "$source" psql -XAt -F '|' -c "SELECT phase, status, phase_ms, txns_replayed, replay_bytes_per_sec,
         replay_txns_per_sec, source_wal_bytes_per_sec, coalesce(waiting_on, ''), coalesce(error, '')
         FROM remus_migrations ORDER BY migration_id DESC LIMIT 1" > "$out/$mode.migration.txt" || true

@@ -51,10 +51,11 @@ fn update(i: u64, id: u64) -> ShadowTxn {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    let (txns, rows, parallelism) = (
+    let (txns, rows, parallelism, batch) = (
         env("TXNS", 20_000),
         env("ROWS", 10_000),
         env("PARALLELISM", 4),
+        env("BATCH", 1_000).max(1) as usize,
     );
     let dst = PgServer::start_with(
         "-c max_connections=40 -c track_commit_timestamp=on",
@@ -88,7 +89,7 @@ async fn main() -> anyhow::Result<()> {
     })
     .await?;
     let started = Instant::now();
-    for t in stream {
+    for t in stream.iter().cloned() {
         applier.submit(t).await?;
     }
     applier.drain().await?;
@@ -98,5 +99,88 @@ async fn main() -> anyhow::Result<()> {
         "applied {txns} one-row UPDATE transactions with {parallelism} sessions in {secs:.2} s: {:.0} txn/s",
         txns as f64 / secs
     );
+    let secs = apply_in_procedure(&client, &stream, batch).await?;
+    println!(
+        "the same {txns} transactions applied by a PL/pgSQL procedure in one session, {batch} per CALL, in {secs:.2} s: {:.0} txn/s",
+        txns as f64 / secs
+    );
     Ok(())
+}
+
+/// Applies `stream` (one-row UPDATEs of `a`) in the server: a procedure that sets each
+/// transaction's origin position and commit time, updates the row, fails unless it found it,
+/// and commits; `batch` transactions per CALL, on one session bound to an origin of its own,
+/// with asynchronous commit. Returns the seconds from the first CALL to the last.
+async fn apply_in_procedure(
+    client: &tokio_postgres::Client,
+    stream: &[ShadowTxn],
+    batch: usize,
+) -> anyhow::Result<f64> {
+    client
+        .batch_execute(
+            "CREATE PROCEDURE apply_updates(ids int[], vs text[], lsns bigint[], times_us bigint[])
+             LANGUAGE plpgsql AS $$
+             BEGIN
+               FOR i IN 1 .. coalesce(array_length(ids, 1), 0) LOOP
+                 PERFORM pg_catalog.pg_replication_origin_xact_setup(
+                   '0/0'::pg_catalog.pg_lsn + lsns[i],
+                   '2000-01-01 00:00:00+00'::timestamptz + times_us[i] * interval '1 microsecond');
+                 UPDATE a SET v = vs[i] WHERE id = ids[i];
+                 IF NOT FOUND THEN
+                   RAISE EXCEPTION 'row % missing', ids[i] USING ERRCODE = 'RM004';
+                 END IF;
+                 COMMIT;
+               END LOOP;
+             END $$;
+             SELECT pg_catalog.pg_replication_origin_create('apply_rate_procedure');
+             SELECT pg_catalog.pg_replication_origin_session_setup('apply_rate_procedure');
+             SET synchronous_commit = off;",
+        )
+        .await?;
+    let call = client
+        .prepare("CALL apply_updates($1::int[], $2::text[], $3::bigint[], $4::bigint[])")
+        .await?;
+    // The values of each UPDATE as the stream carries them: the key, then the new value.
+    let value = |t: &ShadowTxn, i: usize| -> anyhow::Result<String> {
+        match t.changes[0].new_values[i].value.as_ref() {
+            Some(column_value::Value::Text(v)) => Ok(v.clone()),
+            other => anyhow::bail!("unexpected value {other:?}"),
+        }
+    };
+    let started = Instant::now();
+    for chunk in stream.chunks(batch) {
+        let mut ids = Vec::with_capacity(chunk.len());
+        let mut vs = Vec::with_capacity(chunk.len());
+        for t in chunk {
+            ids.push(value(t, 0)?.parse::<i32>()?);
+            vs.push(value(t, 1)?);
+        }
+        // Past the applier's positions, so the origin only moves forward.
+        let lsns: Vec<i64> = chunk
+            .iter()
+            .map(|t| (t.commit_lsn + 0x1000_0000) as i64)
+            .collect();
+        let times: Vec<i64> = chunk.iter().map(|t| t.commit_time_us).collect();
+        client.execute(&call, &[&ids, &vs, &lsns, &times]).await?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    // Each transaction committed with the source's position and time: the origin is at the
+    // last one's, and the last row written carries the last commit time.
+    let last = stream.last().expect("a stream of at least one transaction");
+    let row = client
+        .query_one(
+            "SELECT (pg_catalog.pg_replication_origin_progress('apply_rate_procedure', false)
+                      - '0/0'::pg_catalog.pg_lsn)::bigint,
+                    (extract(epoch FROM pg_catalog.pg_xact_commit_timestamp(xmin)
+                       - '2000-01-01 00:00:00+00'::timestamptz) * 1000000)::bigint
+               FROM a WHERE id = $1",
+            &[&value(last, 0)?.parse::<i32>()?],
+        )
+        .await?;
+    let (origin_at, commit_time): (i64, i64) = (row.get(0), row.get(1));
+    anyhow::ensure!(
+        origin_at == (last.commit_lsn + 0x1000_0000) as i64 && commit_time == last.commit_time_us,
+        "the procedure's last transaction committed at {origin_at:?} / {commit_time}, not at the stream's position and time"
+    );
+    Ok(secs)
 }
