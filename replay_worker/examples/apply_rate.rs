@@ -86,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
         destination_conninfo: dst.conninfo(),
         parallelism: parallelism as usize,
         start_lsn: START_LSN,
+        batch: env("APPLY_BATCH", 0) as usize,
     })
     .await?;
     let started = Instant::now();
@@ -96,7 +97,8 @@ async fn main() -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64();
     applier.finish().await?;
     println!(
-        "applied {txns} one-row UPDATE transactions with {parallelism} sessions in {secs:.2} s: {:.0} txn/s",
+        "applied {txns} one-row UPDATE transactions with {parallelism} sessions (batches of at most {}) in {secs:.2} s: {:.0} txn/s",
+        env("APPLY_BATCH", 0).max(1),
         txns as f64 / secs
     );
     let secs = apply_in_procedure(&client, &stream, batch).await?;

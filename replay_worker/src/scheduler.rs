@@ -254,6 +254,11 @@ impl DependencyScheduler {
     /// Hands out a transaction that may be applied now: every earlier transaction sharing a key
     /// with it has completed. The lowest such seq is returned first, which lets the applied
     /// watermark advance as early as possible. Each transaction is returned at most once.
+    /// The seq [`Self::next_ready`] would hand out next, without handing it out.
+    pub fn peek_ready(&self) -> Option<u64> {
+        self.ready.first().copied()
+    }
+
     pub fn next_ready(&mut self) -> Option<TxnSpec> {
         let seq = self.ready.pop_first()?;
         let txn = self

@@ -146,6 +146,7 @@ fn cfg(dst: &PgServer, db: &str, migration_id: u64, parallelism: usize) -> Apply
         destination_conninfo: dst.conninfo_db(db),
         parallelism,
         start_lsn: START_LSN,
+        batch: 0,
     }
 }
 
@@ -554,6 +555,124 @@ async fn divergence_fails_loudly_and_commits_nothing_of_the_transaction() {
         applier.abort().await;
     }
     assert_eq!(table_dump(&c, "a").await, "1:present");
+}
+
+// ---- (c') batches (design note 0003) ---------------------------------------------------------
+
+fn batched(dst: &PgServer, db: &str, migration_id: u64, parallelism: usize) -> ApplyConfig {
+    ApplyConfig {
+        batch: 64,
+        ..cfg(dst, db, migration_id, parallelism)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_apply_what_one_at_a_time_applies_with_each_transaction_committed_as_the_source_did(
+) {
+    let dst = PgServer::start();
+    let c = dst.client().await;
+    c.batch_execute(WORKLOAD_TABLES).await.unwrap();
+    const N: u64 = 300;
+    let (txns, expected) = workload(N, 0xba7c);
+    // One session: ready transactions pile up behind the one running, so they go in batches.
+    let mut applier = ShadowApplier::connect(batched(&dst, "postgres", 5, 1))
+        .await
+        .unwrap();
+    for t in &txns {
+        applier.submit(t.clone()).await.unwrap();
+    }
+    applier.drain().await.unwrap();
+    assert_eq!(applier.applied_lsn(), txns.last().unwrap().end_lsn);
+    assert_eq!(applier.txns_applied(), N);
+    for (i, table) in ["a", "b"].into_iter().enumerate() {
+        assert_eq!(
+            table_dump(&c, table).await,
+            expected_dump(&expected[i]),
+            "{table}"
+        );
+    }
+    // Each transaction committed on its own, with its source commit time: every marker row's
+    // commit timestamp is its transaction's, and no two marker rows share a transaction.
+    let wrong = query_one(
+        &c,
+        "SELECT count(*) FROM marker
+          WHERE pg_catalog.pg_xact_commit_timestamp(xmin)
+                <> '2000-01-01 00:00:00+00'::timestamptz
+                   + (700000000000000 + id::bigint * 1000) * interval '1 microsecond'",
+    )
+    .await;
+    assert_eq!(
+        wrong, "0",
+        "marker rows whose commit time is not their source's"
+    );
+    assert_eq!(
+        query_one(&c, "SELECT count(DISTINCT xmin::text) FROM marker").await,
+        N.to_string()
+    );
+    // The origin is at the last transaction's commit position.
+    assert_eq!(
+        query_one(
+            &c,
+            "SELECT pg_catalog.pg_replication_origin_progress('remus_m5_w0', false)::text"
+        )
+        .await,
+        replay_worker::apply::format_lsn(txns.last().unwrap().commit_lsn)
+    );
+    applier.finish().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_divergence_inside_a_batch_commits_the_transactions_before_it_and_names_its_change() {
+    let dst = PgServer::start();
+    let c = dst.client().await;
+    c.batch_execute(WORKLOAD_TABLES).await.unwrap();
+    c.batch_execute("INSERT INTO a VALUES (1, 'present')")
+        .await
+        .unwrap();
+    let mut applier = ShadowApplier::connect(batched(&dst, "postgres", 6, 1))
+        .await
+        .unwrap();
+    // The first runs alone (the session is idle when it arrives); the next four, independent
+    // of each other, wait for it and then go as one batch.
+    let first = stxn(0, vec![ins("b", 1, "first")]);
+    let before = stxn(1, vec![ins("b", 2, "before")]);
+    let bad = stxn(2, vec![ins("b", 3, "must not stay"), upd("a", 99, 99, "x")]);
+    let after = stxn(3, vec![ins("b", 4, "after")]);
+    for t in [&first, &before, &bad, &after] {
+        applier.submit(t.clone()).await.unwrap();
+    }
+    let err = applier.drain().await.expect_err("update of a missing row");
+    match &err {
+        ApplyError::Divergence {
+            xid,
+            table,
+            op,
+            key,
+            ..
+        } => {
+            assert_eq!(*xid, bad.xid);
+            assert_eq!(table, "\"public\".\"a\"");
+            assert_eq!(*op, "UPDATE");
+            assert_eq!(key, "id='99'");
+        }
+        other => panic!("expected divergence, got {other:?}"),
+    }
+    assert_eq!(
+        table_dump(&c, "b").await,
+        "1:first,2:before",
+        "the transactions before the failed one committed, nothing of it or after it"
+    );
+    assert_eq!(applier.applied_lsn(), before.end_lsn);
+    assert_eq!(applier.txns_applied(), 2);
+    applier.abort().await;
+    assert_eq!(
+        query_one(
+            &c,
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
+        )
+        .await,
+        "0"
+    );
 }
 
 // ---- (d) over gRPC ---------------------------------------------------------------------------

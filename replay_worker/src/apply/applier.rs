@@ -27,7 +27,9 @@ const PENDING_PER_SESSION: usize = 64;
 /// opened at once stalled every client of a loaded two-core machine for tens of milliseconds.
 const INITIAL_SESSIONS: usize = 2;
 
-type Completion = (Session, u64, Result<(), ApplyError>);
+/// A session back from applying transactions `seqs` (in order): how many of them committed,
+/// from the first, and the error of the next one if one failed.
+type Completion = (Session, Vec<u64>, usize, Option<ApplyError>);
 
 /// Applies one migration's shadow transactions over parallel destination sessions.
 ///
@@ -174,7 +176,7 @@ impl ShadowApplier {
     /// [`next_completion`](Self::next_completion).
     pub async fn submit(&mut self, txn: ShadowTxn) -> Result<(), ApplyError> {
         self.check_failed()?;
-        let prepared = prepare(&txn)?;
+        let prepared = prepare(&txn, self.cfg.batch > 1)?;
         let seq = self.next_seq;
         self.watermark.register(seq, prepared.end_lsn)?;
         self.next_seq += 1;
@@ -253,28 +255,51 @@ impl ShadowApplier {
         }
     }
 
-    /// Hands ready transactions to idle sessions.
+    /// Hands ready transactions to idle sessions: one each, or with batches on
+    /// ([`ApplyConfig::batch`]) every ready one that can run in a batch, up to the limit, in
+    /// source order. Ready transactions depend on nothing outstanding, so those of one batch
+    /// do not depend on each other.
     fn assign_sessions(&mut self) {
         while !self.idle_sessions.is_empty() {
             let Some(spec) = self.scheduler.next_ready() else {
                 break;
             };
-            let job = self
+            let first = self
                 .jobs
                 .remove(&spec.seq)
                 .expect("every scheduled seq has a prepared job");
+            let mut seqs = vec![spec.seq];
+            let mut jobs = vec![first];
+            // The next ready ones while the batch has room and each can run in one.
+            while jobs[0].batchable() && jobs.len() < self.cfg.batch {
+                let Some(next) = self.scheduler.peek_ready() else {
+                    break;
+                };
+                if !self.jobs.get(&next).is_some_and(|j| j.batchable()) {
+                    break;
+                }
+                let spec = self.scheduler.next_ready().expect("peeked above");
+                seqs.push(spec.seq);
+                jobs.push(
+                    self.jobs
+                        .remove(&spec.seq)
+                        .expect("every scheduled seq has a prepared job"),
+                );
+            }
             let session = self.idle_sessions.pop().expect("checked non-empty");
             debug!(
                 migration_id = self.cfg.migration_id,
                 worker = session.worker,
-                xid = job.xid,
-                seq = spec.seq,
+                xid = jobs[0].xid,
+                seq = seqs[0],
+                transactions = jobs.len(),
                 "applying"
             );
             self.running.spawn(
                 async move {
-                    let result = session.apply(&job).await;
-                    (session, spec.seq, result)
+                    let refs: Vec<&Prepared> = jobs.iter().map(|j| j.as_ref()).collect();
+                    let (committed, failure) = session.apply_many(&refs).await;
+                    (session, seqs, committed, failure)
                 }
                 .in_current_span(),
             );
@@ -294,7 +319,7 @@ impl ShadowApplier {
             }
             else => return std::future::pending().await,
         };
-        let (session, seq, result) = match joined {
+        let (session, seqs, committed, failure) = match joined {
             Ok(c) => c,
             Err(e) => {
                 let err = ApplyError::SessionLost(e.to_string());
@@ -303,16 +328,20 @@ impl ShadowApplier {
             }
         };
         self.idle_sessions.push(session);
-        if let Err(e) = result {
+        let mut advanced = None;
+        for &seq in &seqs[..committed] {
+            self.scheduler
+                .complete(seq)
+                .expect("a transaction handed out by the scheduler completes once");
+            self.txns_applied += 1;
+            advanced = self.watermark.complete(seq)?.or(advanced);
+        }
+        if let Some(e) = failure {
+            let seq = seqs[committed];
             warn!(migration_id = self.cfg.migration_id, seq, error = %e, "shadow transaction failed");
             self.failed = Some(e.to_string());
             return Err(e);
         }
-        self.scheduler
-            .complete(seq)
-            .expect("a transaction handed out by the scheduler completes once");
-        self.txns_applied += 1;
-        let advanced = self.watermark.complete(seq)?;
         let advanced = self.fold_idle().or(advanced);
         self.dispatch();
         Ok(advanced)
@@ -421,7 +450,7 @@ impl ShadowApplier {
         // A session still opening closes when its task is aborted.
         self.opening.abort_all();
         while let Some(joined) = self.running.join_next().await {
-            if let Ok((session, _, _)) = joined {
+            if let Ok((session, ..)) = joined {
                 self.idle_sessions.push(session);
             }
         }

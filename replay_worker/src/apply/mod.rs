@@ -56,6 +56,18 @@ pub use sql::{format_lsn, quote_ident, quote_literal};
 /// (decision 0031).
 pub const DEFAULT_PARALLELISM: usize = 16;
 
+/// [`ApplyConfig::batch`] unless the replay worker's environment sets `REMUS_APPLY_BATCH`
+/// (decision 0035: 0 or 1 turns batches off).
+pub const DEFAULT_BATCH: usize = 64;
+
+/// `REMUS_APPLY_BATCH` (transactions per call of the batch procedure), or [`DEFAULT_BATCH`].
+fn batch_from_env() -> usize {
+    std::env::var("REMUS_APPLY_BATCH")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_BATCH)
+}
+
 /// Where and how to apply one migration's transactions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApplyConfig {
@@ -66,6 +78,9 @@ pub struct ApplyConfig {
     pub parallelism: usize,
     /// Applied position to start from (the slot's consistent point).
     pub start_lsn: u64,
+    /// Most transactions a session applies in one call of its batch procedure (design note
+    /// 0003); 0 or 1: one transaction per round trip, as four statements.
+    pub batch: usize,
 }
 
 impl ApplyConfig {
@@ -78,6 +93,7 @@ impl ApplyConfig {
                 n => n as usize,
             },
             start_lsn: start.start_lsn,
+            batch: batch_from_env(),
         }
     }
 }

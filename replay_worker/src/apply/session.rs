@@ -11,7 +11,8 @@ use tokio_postgres::{Client, NoTls, Statement};
 use tracing::{debug, warn, Instrument};
 
 use super::sql::{
-    format_lsn, origin_params, origin_session_setup, quote_literal, Prepared, ORIGIN_SETUP,
+    format_lsn, origin_params, origin_session_setup, quote_literal, Prepared, BATCH_CALL,
+    BATCH_DONE, BATCH_PROCEDURE, ORIGIN_SETUP,
 };
 use super::{pg_message, ApplyConfig, ApplyError};
 
@@ -171,6 +172,11 @@ impl Session {
             &session.origin,
             &format!("remus-replay m{migration_id} w{worker}"),
         );
+        let setup = if cfg.batch > 1 {
+            format!("{setup}\n{BATCH_PROCEDURE}")
+        } else {
+            setup
+        };
         session
             .client
             .batch_execute(&setup)
@@ -309,6 +315,85 @@ impl Session {
                 })
             }
         }
+    }
+
+    /// Applies `jobs` (independent of each other, in source order) and returns how many of
+    /// them committed, from the first, and the error of the next one if one failed. Batchable
+    /// ones ([`Prepared::batchable`]) go in one call of the session's batch procedure
+    /// ([`BATCH_PROCEDURE`]), each still its own transaction. If the call fails, the session's
+    /// progress sequence says which ones committed; the one that failed is applied again on its
+    /// own ([`Self::apply`]), which reports its error as a lone transaction's (a divergence
+    /// names its table, operation and key) or, if it now commits, goes on with the rest.
+    pub(super) async fn apply_many(&self, jobs: &[&Prepared]) -> (usize, Option<ApplyError>) {
+        let mut done = 0;
+        if jobs.len() > 1 && jobs.iter().all(|p| p.batchable()) {
+            match self.apply_batch(jobs).await {
+                Ok(()) => return (jobs.len(), None),
+                Err(e) => match self.batch_done().await {
+                    Ok(n) => {
+                        debug!(migration_id = self.migration_id, worker = self.worker, committed = n, error = %pg_message(&e), "batch stopped; applying the rest one by one");
+                        done = n.min(jobs.len());
+                    }
+                    Err(read) => {
+                        let first = jobs[0];
+                        return (
+                            0,
+                            Some(ApplyError::Statement {
+                                xid: first.xid,
+                                commit_lsn: format_lsn(first.commit_lsn),
+                                context: "reading how much of a failed batch committed".into(),
+                                sqlstate: read.code().map(|c| c.code().to_string()),
+                                message: format!(
+                                    "{} (the batch failed with: {})",
+                                    pg_message(&read),
+                                    pg_message(&e)
+                                ),
+                            }),
+                        );
+                    }
+                },
+            }
+        }
+        for p in &jobs[done..] {
+            if let Err(e) = self.apply(p).await {
+                return (done, Some(e));
+            }
+            done += 1;
+        }
+        (done, None)
+    }
+
+    /// One call of the batch procedure with `jobs`.
+    async fn apply_batch(&self, jobs: &[&Prepared]) -> Result<(), tokio_postgres::Error> {
+        let mut lsns = Vec::with_capacity(jobs.len());
+        let mut times = Vec::with_capacity(jobs.len());
+        let mut change_txn = Vec::new();
+        let mut change_sql = Vec::new();
+        let mut change_guarded = Vec::new();
+        for (t, p) in jobs.iter().enumerate() {
+            // LSNs stay below 2^63.
+            lsns.push(p.commit_lsn as i64);
+            times.push(p.commit_time_us);
+            for (sql, info) in p.literal.iter().zip(&p.stmts) {
+                change_txn.push(t as i32 + 1);
+                change_sql.push(sql.as_str());
+                change_guarded.push(info.guarded);
+            }
+        }
+        let call = self.statement(BATCH_CALL).await?;
+        self.client
+            .execute(
+                &call,
+                &[&lsns, &times, &change_txn, &change_sql, &change_guarded],
+            )
+            .await
+            .map(|_| ())
+    }
+
+    /// How many transactions the last batch call committed.
+    async fn batch_done(&self) -> Result<usize, tokio_postgres::Error> {
+        let row = self.client.query_one(BATCH_DONE, &[]).await?;
+        Ok(row.get::<_, i64>(0).max(0) as usize)
     }
 
     /// `sql` prepared on this session, once.

@@ -114,6 +114,21 @@ pub(super) struct Prepared {
     /// A transaction the source validated (MOCC): committing its prepared shadow is its apply.
     pub(super) shadow_gid: Option<String>,
     pub(super) commit_time_us: i64,
+    /// Each change as one unguarded statement with its values as literals, for
+    /// [`BATCH_PROCEDURE`] (which checks the row counts itself); empty unless asked for.
+    pub(super) literal: Vec<String>,
+}
+
+impl Prepared {
+    /// Can it run in a batch ([`BATCH_PROCEDURE`])? Not a validated transaction (its apply is
+    /// its prepared shadow's COMMIT PREPARED, which runs alone) nor a barrier (a TRUNCATE runs
+    /// alone), and only once its literal statements are there.
+    pub(super) fn batchable(&self) -> bool {
+        self.shadow_gid.is_none()
+            && !self.barrier
+            && !self.changes.is_empty()
+            && self.literal.len() == self.changes.len()
+    }
 }
 
 pub(crate) type Value = column_value::Value;
@@ -252,6 +267,8 @@ pub(crate) fn key_values<'a>(
 
 pub(crate) struct ChangeSql {
     pub(crate) sql: String,
+    /// The same statement without the guard around it (a TRUNCATE is never guarded).
+    pub(crate) dml: String,
     pub(crate) info: StmtInfo,
     keys: Vec<RowKey>,
 }
@@ -299,6 +316,7 @@ fn change_with(
         let list = c.truncate_tables.join(", ");
         return Ok(ChangeSql {
             sql: format!("TRUNCATE {list}"),
+            dml: format!("TRUNCATE {list}"),
             info: StmtInfo {
                 op: "TRUNCATE",
                 table: list,
@@ -404,6 +422,7 @@ fn change_with(
     };
     Ok(ChangeSql {
         sql: guard(&sql),
+        dml: sql,
         info: StmtInfo {
             op,
             table,
@@ -428,12 +447,18 @@ pub(super) const ORIGIN_SETUP: &str = "SELECT pg_catalog.pg_replication_origin_x
 /// A shipped transaction as its round trip: `BEGIN`, the guarded changes with their
 /// parameters, [`ORIGIN_SETUP`], `COMMIT`. A transaction the source validated is its prepared
 /// shadow's COMMIT PREPARED instead (always flushed).
-pub(super) fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
+/// `literal`: also write each change as an unguarded statement with its values as literals
+/// ([`Prepared::literal`], for batches).
+pub(super) fn prepare(txn: &ShadowTxn, literal: bool) -> Result<Prepared, ApplyError> {
     let mut changes = Vec::with_capacity(txn.changes.len());
     let mut stmts = Vec::with_capacity(txn.changes.len());
     let mut keys = Vec::new();
+    let mut literals = Vec::new();
     let mut barrier = false;
     for c in &txn.changes {
+        if literal {
+            literals.push(change_with(txn.xid, c, &mut sql_value)?.dml);
+        }
         let (cs, params) = change_params(txn.xid, c)?;
         barrier |= cs.info.op == "TRUNCATE";
         changes.push(ParamStmt {
@@ -449,6 +474,7 @@ pub(super) fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
         // dependent transactions wait for the commit.
         changes.clear();
         stmts.clear();
+        literals.clear();
         barrier = false;
     }
     Ok(Prepared {
@@ -461,8 +487,58 @@ pub(super) fn prepare(txn: &ShadowTxn) -> Result<Prepared, ApplyError> {
         barrier,
         shadow_gid: validated.then(|| txn.shadow_gid.clone()),
         commit_time_us: txn.commit_time_us,
+        literal: literals,
     })
 }
+
+/// The session-local procedure that applies a batch of shadow transactions in one CALL
+/// (design note 0003), created on each apply session when batches are on. Each transaction in
+/// turn: its origin position and the source's commit time, asynchronous commit, its changes in
+/// order (each a statement with literal values: `EXECUTE` plans it), the exactly-one-row check
+/// of every guarded change (the same `division_by_zero` as the guard's), `COMMIT`; then the
+/// count of transactions committed so far goes into a session sequence, which no rollback
+/// undoes, so that after an error the caller knows which ones committed. Arguments: per
+/// transaction its commit position (bytes past 0/0) and time (microseconds since 2000-01-01
+/// UTC); per change the number (from 1) of its transaction, its statement and whether it is
+/// guarded. Must be called outside a transaction block, so that it may commit.
+pub(super) const BATCH_PROCEDURE: &str = "
+CREATE PROCEDURE pg_temp.remus_apply_batch(lsns bigint[], times_us bigint[],
+                                           change_txn int[], change_sql text[],
+                                           change_guarded bool[])
+LANGUAGE plpgsql AS $$
+DECLARE
+  c int := 1;
+  changes int := coalesce(array_length(change_sql, 1), 0);
+  touched bigint;
+BEGIN
+  PERFORM pg_catalog.setval('pg_temp.remus_apply_batch_done', 0, true);
+  FOR t IN 1 .. coalesce(array_length(lsns, 1), 0) LOOP
+    PERFORM pg_catalog.pg_replication_origin_xact_setup(
+      '0/0'::pg_catalog.pg_lsn + lsns[t],
+      '2000-01-01 00:00:00+00'::pg_catalog.timestamptz
+        + times_us[t] * '1 microsecond'::pg_catalog.interval);
+    PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);
+    WHILE c <= changes AND change_txn[c] = t LOOP
+      EXECUTE change_sql[c];
+      GET DIAGNOSTICS touched = ROW_COUNT;
+      IF change_guarded[c] AND touched <> 1 THEN
+        RAISE EXCEPTION 'change % of transaction % of the batch touched % rows, not 1', c, t, touched
+          USING ERRCODE = 'division_by_zero';
+      END IF;
+      c := c + 1;
+    END LOOP;
+    COMMIT;
+    PERFORM pg_catalog.setval('pg_temp.remus_apply_batch_done', t, true);
+  END LOOP;
+END $$;
+CREATE TEMPORARY SEQUENCE remus_apply_batch_done MINVALUE 0 START 0;";
+
+/// The CALL of [`BATCH_PROCEDURE`].
+pub(super) const BATCH_CALL: &str = "CALL pg_temp.remus_apply_batch($1::bigint[], $2::bigint[], \
+                                     $3::int[], $4::text[], $5::bool[])";
+
+/// How many transactions of the last [`BATCH_CALL`] committed.
+pub(super) const BATCH_DONE: &str = "SELECT last_value FROM pg_temp.remus_apply_batch_done";
 
 /// [`ORIGIN_SETUP`]'s parameters for `p`.
 pub(super) fn origin_params(p: &Prepared) -> [String; 2] {
@@ -534,14 +610,43 @@ mod tests {
     }
 
     #[test]
-    fn statements_are_guarded_and_quoted() {
+    fn a_batch_gets_each_change_unguarded_with_literal_values() {
         use row_change::Kind::*;
-        let p = prepare(&txn(vec![
+        let changes = vec![
             change(Insert, vec![], vec![text("1"), text("o'k")]),
-            change(Update, vec![], vec![text("1"), toast()]),
             change(Update, vec![text("1"), null()], vec![text("2"), null()]),
             change(Delete, vec![text("2"), null()], vec![]),
-        ]))
+        ];
+        let p = prepare(&txn(changes.clone()), true).unwrap();
+        assert!(p.batchable());
+        assert_eq!(
+            p.literal,
+            [
+                "INSERT INTO \"s\".\"t\"\"x\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ('1', 'o''k')",
+                "UPDATE \"s\".\"t\"\"x\" SET \"id\" = '2', \"v\" = NULL WHERE \"id\" = '1'",
+                "DELETE FROM \"s\".\"t\"\"x\" WHERE \"id\" = '2'",
+            ]
+        );
+        // Every change is still guarded: the batch checks the row counts of those.
+        assert!(p.stmts.iter().all(|s| s.guarded));
+        // Not asked for: no literal statements, and so not batchable.
+        let p = prepare(&txn(changes), false).unwrap();
+        assert!(p.literal.is_empty() && !p.batchable());
+        assert!(BATCH_PROCEDURE.contains("ERRCODE = 'division_by_zero'"));
+    }
+
+    #[test]
+    fn statements_are_guarded_and_quoted() {
+        use row_change::Kind::*;
+        let p = prepare(
+            &txn(vec![
+                change(Insert, vec![], vec![text("1"), text("o'k")]),
+                change(Update, vec![], vec![text("1"), toast()]),
+                change(Update, vec![text("1"), null()], vec![text("2"), null()]),
+                change(Delete, vec![text("2"), null()], vec![]),
+            ]),
+            false,
+        )
         .unwrap();
         let stmt = |i: usize| (p.changes[i].sql.as_str(), p.changes[i].params.clone());
         let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
@@ -577,11 +682,10 @@ mod tests {
             .contains("DELETE FROM \"s\".\"t\"\"x\" WHERE \"id\" = $1 RETURNING"));
         assert_eq!(stmt(3).1, owned(&["2"]));
         // The same shape with other values is the same statement text.
-        let again = prepare(&txn(vec![change(
-            Insert,
-            vec![],
-            vec![text("9"), text("z")],
-        )]))
+        let again = prepare(
+            &txn(vec![change(Insert, vec![], vec![text("9"), text("z")])]),
+            false,
+        )
         .unwrap();
         assert_eq!(again.changes[0].sql, p.changes[0].sql);
         assert_eq!(origin_params(&p), ["1/10".to_string(), "123".to_string()]);
@@ -597,12 +701,12 @@ mod tests {
     fn truncate_is_a_barrier_and_names_are_validated() {
         let mut c = change(row_change::Kind::Truncate, vec![], vec![]);
         c.truncate_tables = vec!["\"s\".\"a\"".into(), "\"s\".\"b\"".into()];
-        let p = prepare(&txn(vec![c.clone()])).unwrap();
+        let p = prepare(&txn(vec![c.clone()]), false).unwrap();
         assert!(p.barrier && p.keys.is_empty());
         assert_eq!(p.changes[0].sql, "TRUNCATE \"s\".\"a\", \"s\".\"b\"");
         c.truncate_tables = vec!["s.a; DROP TABLE x".into()];
         assert!(matches!(
-            prepare(&txn(vec![c])),
+            prepare(&txn(vec![c]), false),
             Err(ApplyError::Malformed { xid: 7, .. })
         ));
     }
@@ -620,7 +724,7 @@ mod tests {
         for c in cases {
             assert!(
                 matches!(
-                    prepare(&txn(vec![c.clone()])),
+                    prepare(&txn(vec![c.clone()]), false),
                     Err(ApplyError::Malformed { .. })
                 ),
                 "{c:?}"

@@ -3,6 +3,9 @@
 //! The coordinator opens one `ReplayWorker.Apply` call per migration against the worker next to
 //! the destination node. On start-up the worker prints `remus-replay-worker listening on ADDR`
 //! (health checks and scripts wait for that line, then just connect).
+//!
+//! Environment: `REMUS_APPLY_BATCH`, the most transactions an apply session takes in one call of
+//! its batch procedure (default 64; 0 or 1: one transaction per round trip; decision 0035).
 
 use std::net::SocketAddr;
 use std::time::Duration;
