@@ -665,6 +665,43 @@ async fn a_divergence_inside_a_batch_commits_the_transactions_before_it_and_name
     assert_eq!(applier.applied_lsn(), before.end_lsn);
     assert_eq!(applier.txns_applied(), 2);
     applier.abort().await;
+
+    // A batch whose first transaction fails commits nothing, although the session's progress
+    // still holds the previous batch's last commit: one batch of two, then a lone one, then a
+    // batch led by a divergence.
+    let mut applier = ShadowApplier::connect(batched(&dst, "postgres", 9, 1))
+        .await
+        .unwrap();
+    let batch1 = [
+        stxn(10, vec![ins("b", 10, "x0")]),
+        stxn(11, vec![ins("b", 11, "x1")]),
+        stxn(12, vec![ins("b", 12, "x2")]),
+    ];
+    for t in &batch1 {
+        applier.submit(t.clone()).await.unwrap();
+    }
+    applier.drain().await.unwrap();
+    let lone = stxn(13, vec![ins("b", 13, "y0")]);
+    let leading_bad = stxn(14, vec![del("a", 77)]);
+    let behind = stxn(15, vec![ins("b", 15, "y2")]);
+    for t in [&lone, &leading_bad, &behind] {
+        applier.submit(t.clone()).await.unwrap();
+    }
+    match applier.drain().await {
+        Err(ApplyError::Divergence { xid, op, key, .. }) => {
+            assert_eq!(
+                (xid, op, key.as_str()),
+                (leading_bad.xid, "DELETE", "id='77'")
+            );
+        }
+        other => panic!("expected divergence, got {other:?}"),
+    }
+    assert_eq!(
+        table_dump(&c, "b").await,
+        "1:first,2:before,10:x0,11:x1,12:x2,13:y0"
+    );
+    assert_eq!(applier.applied_lsn(), lone.end_lsn);
+    applier.abort().await;
     assert_eq!(
         query_one(
             &c,

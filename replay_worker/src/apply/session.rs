@@ -321,7 +321,7 @@ impl Session {
     /// them committed, from the first, and the error of the next one if one failed. Batchable
     /// ones ([`Prepared::batchable`]) go in one call of the session's batch procedure
     /// ([`BATCH_PROCEDURE`]), each still its own transaction. If the call fails, the session's
-    /// progress sequence says which ones committed; the one that failed is applied again on its
+    /// progress sequence says which ones committed (the last one's commit position); the one that failed is applied again on its
     /// own ([`Self::apply`]), which reports its error as a lone transaction's (a divergence
     /// names its table, operation and key) or, if it now commits, goes on with the rest.
     pub(super) async fn apply_many(&self, jobs: &[&Prepared]) -> (usize, Option<ApplyError>) {
@@ -329,10 +329,10 @@ impl Session {
         if jobs.len() > 1 && jobs.iter().all(|p| p.batchable()) {
             match self.apply_batch(jobs).await {
                 Ok(()) => return (jobs.len(), None),
-                Err(e) => match self.batch_done().await {
+                Err(e) => match self.batch_done(jobs).await {
                     Ok(n) => {
                         debug!(migration_id = self.migration_id, worker = self.worker, committed = n, error = %pg_message(&e), "batch stopped; applying the rest one by one");
-                        done = n.min(jobs.len());
+                        done = n;
                     }
                     Err(read) => {
                         let first = jobs[0];
@@ -390,10 +390,16 @@ impl Session {
             .map(|_| ())
     }
 
-    /// How many transactions the last batch call committed.
-    async fn batch_done(&self) -> Result<usize, tokio_postgres::Error> {
+    /// How many of `jobs`, from the first, the batch call that applied them committed: up to
+    /// the one whose commit position the session's sequence holds, none if it holds another
+    /// (an earlier batch's, when this call failed before its first commit).
+    async fn batch_done(&self, jobs: &[&Prepared]) -> Result<usize, tokio_postgres::Error> {
         let row = self.client.query_one(BATCH_DONE, &[]).await?;
-        Ok(row.get::<_, i64>(0).max(0) as usize)
+        let last = row.get::<_, i64>(0);
+        Ok(jobs
+            .iter()
+            .position(|p| p.commit_lsn as i64 == last)
+            .map_or(0, |i| i + 1))
     }
 
     /// `sql` prepared on this session, once.

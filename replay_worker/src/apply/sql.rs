@@ -496,8 +496,11 @@ pub(super) fn prepare(txn: &ShadowTxn, literal: bool) -> Result<Prepared, ApplyE
 /// turn: its origin position and the source's commit time, asynchronous commit, its changes in
 /// order (each a statement with literal values: `EXECUTE` plans it), the exactly-one-row check
 /// of every guarded change (the same `division_by_zero` as the guard's), `COMMIT`; then the
-/// count of transactions committed so far goes into a session sequence, which no rollback
-/// undoes, so that after an error the caller knows which ones committed. Arguments: per
+/// commit position of the transaction just committed goes into a session sequence, which no
+/// rollback undoes, so that after an error the caller knows which ones committed. A position
+/// rather than a count: a call that fails before its first commit (or before it starts)
+/// leaves an earlier batch's position there, which names none of this batch's transactions
+/// (every source transaction has its own commit position), where a count would. Arguments: per
 /// transaction its commit position (bytes past 0/0) and time (microseconds since 2000-01-01
 /// UTC); per change the number (from 1) of its transaction, its statement and whether it is
 /// guarded. Must be called outside a transaction block, so that it may commit.
@@ -511,7 +514,6 @@ DECLARE
   changes int := coalesce(array_length(change_sql, 1), 0);
   touched bigint;
 BEGIN
-  PERFORM pg_catalog.setval('pg_temp.remus_apply_batch_done', 0, true);
   FOR t IN 1 .. coalesce(array_length(lsns, 1), 0) LOOP
     PERFORM pg_catalog.pg_replication_origin_xact_setup(
       '0/0'::pg_catalog.pg_lsn + lsns[t],
@@ -528,7 +530,7 @@ BEGIN
       c := c + 1;
     END LOOP;
     COMMIT;
-    PERFORM pg_catalog.setval('pg_temp.remus_apply_batch_done', t, true);
+    PERFORM pg_catalog.setval('pg_temp.remus_apply_batch_done', lsns[t], true);
   END LOOP;
 END $$;
 CREATE TEMPORARY SEQUENCE remus_apply_batch_done MINVALUE 0 START 0;";
@@ -537,7 +539,7 @@ CREATE TEMPORARY SEQUENCE remus_apply_batch_done MINVALUE 0 START 0;";
 pub(super) const BATCH_CALL: &str = "CALL pg_temp.remus_apply_batch($1::bigint[], $2::bigint[], \
                                      $3::int[], $4::text[], $5::bool[])";
 
-/// How many transactions of the last [`BATCH_CALL`] committed.
+/// The commit position of the last transaction a [`BATCH_CALL`] committed (0 before any).
 pub(super) const BATCH_DONE: &str = "SELECT last_value FROM pg_temp.remus_apply_batch_done";
 
 /// [`ORIGIN_SETUP`]'s parameters for `p`.
