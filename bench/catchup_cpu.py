@@ -106,6 +106,7 @@ def sample(cluster_dir, out_csv, stop_file):
         pid = (cluster.get(key) or {}).get("pid")
         if pid:
             daemons[int(pid)] = role
+    postmasters = {n["postmaster"] for n in nodes}
     first = {}   # pid -> cpu seconds when first seen
     last = {}    # pid -> latest cpu seconds
     roles = {}   # pid -> role
@@ -123,7 +124,7 @@ def sample(cluster_dir, out_csv, stop_file):
                 if st is None:
                     continue
                 ppid, cpu = st
-                if pid in daemons or ppid in (n["postmaster"] for n in nodes):
+                if pid in daemons or ppid in postmasters:
                     seen[pid] = cpu
             unknown = any(p not in roles and p not in daemons for p in seen)
             if unknown or now >= next_activity:

@@ -475,6 +475,32 @@ async fn parallel_apply_matches_serial_apply_and_the_watermark_covers_only_commi
 
 // ---- (c) divergence --------------------------------------------------------------------------
 
+/// Asserts that `err` is a divergence of transaction `xid`, on `table`, by `op`, at `key`.
+fn assert_divergence(err: &ApplyError, xid: u32, table: &str, op: &str, key: &str) {
+    match err {
+        ApplyError::Divergence {
+            xid: got_xid,
+            table: got_table,
+            op: got_op,
+            key: got_key,
+            ..
+        } => assert_eq!(
+            (*got_xid, got_table.as_str(), *got_op, got_key.as_str()),
+            (xid, table, op, key)
+        ),
+        other => panic!("expected divergence, got {other:?}"),
+    }
+}
+
+/// How many sessions of the destination sit idle inside a transaction.
+async fn idle_in_transaction(c: &tokio_postgres::Client) -> String {
+    query_one(
+        c,
+        "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'",
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn divergence_fails_loudly_and_commits_nothing_of_the_transaction() {
     let dst = PgServer::start();
@@ -494,21 +520,7 @@ async fn divergence_fails_loudly_and_commits_nothing_of_the_transaction() {
     let bad = stxn(1, vec![ins("b", 2, "must not stay"), upd("a", 99, 99, "x")]);
     applier.submit(bad.clone()).await.unwrap();
     let err = applier.drain().await.expect_err("update of a missing row");
-    match &err {
-        ApplyError::Divergence {
-            xid,
-            table,
-            op,
-            key,
-            ..
-        } => {
-            assert_eq!(*xid, bad.xid);
-            assert_eq!(table, "\"public\".\"a\"");
-            assert_eq!(*op, "UPDATE");
-            assert_eq!(key, "id='99'");
-        }
-        other => panic!("expected divergence, got {other:?}"),
-    }
+    assert_divergence(&err, bad.xid, "\"public\".\"a\"", "UPDATE", "id='99'");
     let msg = err.to_string();
     assert!(
         msg.contains("xid 1001") && msg.contains("\"a\"") && msg.contains("id='99'"),
@@ -530,14 +542,7 @@ async fn divergence_fails_loudly_and_commits_nothing_of_the_transaction() {
         "remus_m3_w0,remus_m3_w1",
         "abort leaves origins"
     );
-    assert_eq!(
-        query_one(
-            &c,
-            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
-        )
-        .await,
-        "0"
-    );
+    assert_eq!(idle_in_transaction(&c).await, "0");
 
     // DELETE of a missing row and INSERT of an existing one are divergence too.
     for (i, change, op) in [
@@ -642,21 +647,7 @@ async fn a_divergence_inside_a_batch_commits_the_transactions_before_it_and_name
         applier.submit(t.clone()).await.unwrap();
     }
     let err = applier.drain().await.expect_err("update of a missing row");
-    match &err {
-        ApplyError::Divergence {
-            xid,
-            table,
-            op,
-            key,
-            ..
-        } => {
-            assert_eq!(*xid, bad.xid);
-            assert_eq!(table, "\"public\".\"a\"");
-            assert_eq!(*op, "UPDATE");
-            assert_eq!(key, "id='99'");
-        }
-        other => panic!("expected divergence, got {other:?}"),
-    }
+    assert_divergence(&err, bad.xid, "\"public\".\"a\"", "UPDATE", "id='99'");
     assert_eq!(
         table_dump(&c, "b").await,
         "1:first,2:before",
@@ -687,29 +678,21 @@ async fn a_divergence_inside_a_batch_commits_the_transactions_before_it_and_name
     for t in [&lone, &leading_bad, &behind] {
         applier.submit(t.clone()).await.unwrap();
     }
-    match applier.drain().await {
-        Err(ApplyError::Divergence { xid, op, key, .. }) => {
-            assert_eq!(
-                (xid, op, key.as_str()),
-                (leading_bad.xid, "DELETE", "id='77'")
-            );
-        }
-        other => panic!("expected divergence, got {other:?}"),
-    }
+    let err = applier.drain().await.expect_err("delete of a missing row");
+    assert_divergence(
+        &err,
+        leading_bad.xid,
+        "\"public\".\"a\"",
+        "DELETE",
+        "id='77'",
+    );
     assert_eq!(
         table_dump(&c, "b").await,
         "1:first,2:before,10:x0,11:x1,12:x2,13:y0"
     );
     assert_eq!(applier.applied_lsn(), lone.end_lsn);
     applier.abort().await;
-    assert_eq!(
-        query_one(
-            &c,
-            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
-        )
-        .await,
-        "0"
-    );
+    assert_eq!(idle_in_transaction(&c).await, "0");
 }
 
 // ---- (d) over gRPC ---------------------------------------------------------------------------

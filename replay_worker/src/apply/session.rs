@@ -321,9 +321,10 @@ impl Session {
     /// them committed, from the first, and the error of the next one if one failed. Batchable
     /// ones ([`Prepared::batchable`]) go in one call of the session's batch procedure
     /// ([`BATCH_PROCEDURE`]), each still its own transaction. If the call fails, the session's
-    /// progress sequence says which ones committed (the last one's commit position); the one that failed is applied again on its
-    /// own ([`Self::apply`]), which reports its error as a lone transaction's (a divergence
-    /// names its table, operation and key) or, if it now commits, goes on with the rest.
+    /// progress sequence says which ones committed (the last one's commit position); the one
+    /// that failed is applied again on its own ([`Self::apply`]), which reports its error as a
+    /// lone transaction's (a divergence names its table, operation and key) or, if it now
+    /// commits, goes on with the rest.
     pub(super) async fn apply_many(&self, jobs: &[&Prepared]) -> (usize, Option<ApplyError>) {
         let mut done = 0;
         if jobs.len() > 1 && jobs.iter().all(|p| p.batchable()) {
