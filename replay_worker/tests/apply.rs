@@ -589,6 +589,8 @@ async fn batches_apply_what_one_at_a_time_applies_with_each_transaction_committe
     applier.drain().await.unwrap();
     assert_eq!(applier.applied_lsn(), txns.last().unwrap().end_lsn);
     assert_eq!(applier.txns_applied(), N);
+    assert_eq!(applier.batches_failed(), 0);
+    assert!(applier.txns_batched() > 0);
     for (i, table) in ["a", "b"].into_iter().enumerate() {
         assert_eq!(
             table_dump(&c, table).await,
@@ -626,6 +628,76 @@ async fn batches_apply_what_one_at_a_time_applies_with_each_transaction_committe
     applier.finish().await.unwrap();
 }
 
+/// More row shapes than a session keeps prepared (512): each INSERT leaves NULL the columns of
+/// the set bits of its id, so 1,100 of them have 1,024 shapes; every seventh transaction also
+/// "updates" its row with only unchanged TOAST values (a `SELECT … FOR UPDATE`). Batches keep
+/// applying as the session deallocates statements to prepare new ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_keep_applying_past_the_prepared_statements_a_session_keeps() {
+    let dst = PgServer::start();
+    let c = dst.client().await;
+    let cols: Vec<String> = std::iter::once("id".to_string())
+        .chain((0..10).map(|j| format!("c{j}")))
+        .collect();
+    c.batch_execute(
+        "CREATE TABLE wide(id int PRIMARY KEY, c0 int, c1 int, c2 int, c3 int, c4 int, \
+         c5 int, c6 int, c7 int, c8 int, c9 int)",
+    )
+    .await
+    .unwrap();
+    let col_refs: Vec<&str> = cols.iter().map(String::as_str).collect();
+    const N: u64 = 1100;
+    let txns: Vec<ShadowTxn> = (0..N)
+        .map(|i| {
+            let mut values = vec![text(i)];
+            values.extend((0..10).map(|j| if i >> j & 1 == 1 { null() } else { text(i) }));
+            let mut changes = vec![RowChange {
+                new_values: values,
+                ..rc(row_change::Kind::Insert, "wide", &col_refs)
+            }];
+            if i % 7 == 0 {
+                let mut untouched = vec![text(i)];
+                untouched.extend((0..10).map(|_| toast()));
+                changes.push(RowChange {
+                    new_values: untouched,
+                    ..rc(row_change::Kind::Update, "wide", &col_refs)
+                });
+            }
+            stxn(i, changes)
+        })
+        .collect();
+    let mut applier = ShadowApplier::connect(batched(&dst, "postgres", 8, 1))
+        .await
+        .unwrap();
+    for t in &txns {
+        applier.submit(t.clone()).await.unwrap();
+    }
+    applier.drain().await.unwrap();
+    assert_eq!(applier.txns_applied(), N);
+    // Batches did the work, and none failed (a failed one is applied again one by one, which
+    // would hide it in the tables).
+    assert_eq!(applier.batches_failed(), 0);
+    assert!(
+        applier.txns_batched() > N / 2,
+        "{} of {N} in batches",
+        applier.txns_batched()
+    );
+    let wrong = query_one(
+        &c,
+        "SELECT count(*) FROM wide WHERE EXISTS (
+           SELECT FROM generate_series(0, 9) j
+            WHERE (pg_catalog.to_jsonb(wide) ->> ('c' || j)) IS DISTINCT FROM
+                  CASE WHEN id >> j & 1 = 1 THEN NULL ELSE id::text END)",
+    )
+    .await;
+    assert_eq!(wrong, "0", "rows whose columns are not their INSERT's");
+    assert_eq!(
+        query_one(&c, "SELECT count(*) FROM wide").await,
+        N.to_string()
+    );
+    applier.finish().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_divergence_inside_a_batch_commits_the_transactions_before_it_and_names_its_change() {
     let dst = PgServer::start();
@@ -648,6 +720,12 @@ async fn a_divergence_inside_a_batch_commits_the_transactions_before_it_and_name
     }
     let err = applier.drain().await.expect_err("update of a missing row");
     assert_divergence(&err, bad.xid, "\"public\".\"a\"", "UPDATE", "id='99'");
+    assert_eq!(
+        applier.batches_failed(),
+        1,
+        "the batch of four stopped at the bad one"
+    );
+
     assert_eq!(
         table_dump(&c, "b").await,
         "1:first,2:before",

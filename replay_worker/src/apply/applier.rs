@@ -27,9 +27,19 @@ const PENDING_PER_SESSION: usize = 64;
 /// opened at once stalled every client of a loaded two-core machine for tens of milliseconds.
 const INITIAL_SESSIONS: usize = 2;
 
-/// A session back from applying transactions `seqs` (in order): how many of them committed,
-/// from the first, and the error of the next one if one failed.
-type Completion = (Session, Vec<u64>, usize, Option<ApplyError>);
+/// A session back from applying transactions `seqs` (in order).
+struct Completion {
+    session: Session,
+    seqs: Vec<u64>,
+    /// How many of them committed, from the first.
+    committed: usize,
+    /// How many of those committed in a call of the batch procedure.
+    batched: usize,
+    /// A batch call failed (the rest was applied one by one).
+    batch_failed: bool,
+    /// The error of the next one, if one failed.
+    failure: Option<ApplyError>,
+}
 
 /// Applies one migration's shadow transactions over parallel destination sessions.
 ///
@@ -52,6 +62,11 @@ pub struct ShadowApplier {
     jobs: HashMap<u64, Arc<Prepared>>,
     next_seq: u64,
     txns_applied: u64,
+    /// Of those, committed by a call of an apply session's batch procedure.
+    txns_batched: u64,
+    /// Batch calls that failed (their transactions from the failed one on were applied one
+    /// by one).
+    batches_failed: u64,
     /// An idle LSN received while transactions were outstanding.
     idle_lsn: Option<u64>,
     failed: Option<String>,
@@ -111,6 +126,8 @@ impl ShadowApplier {
             jobs: HashMap::new(),
             next_seq: 1,
             txns_applied: 0,
+            txns_batched: 0,
+            batches_failed: 0,
             idle_lsn: None,
             failed: None,
         })
@@ -139,6 +156,19 @@ impl ShadowApplier {
     /// Shadow transactions committed so far (empty transactions count as applied).
     pub fn txns_applied(&self) -> u64 {
         self.txns_applied
+    }
+
+    /// Of [`txns_applied`](Self::txns_applied), those committed by a call of an apply
+    /// session's batch procedure (decision 0035).
+    pub fn txns_batched(&self) -> u64 {
+        self.txns_batched
+    }
+
+    /// Batch calls that failed: a transaction that could not commit (it is then applied alone
+    /// and reports its own error, or commits that way), or a batch statement that could not be
+    /// prepared or run.
+    pub fn batches_failed(&self) -> u64 {
+        self.batches_failed
     }
 
     pub fn progress(&self) -> ApplyProgress {
@@ -298,8 +328,15 @@ impl ShadowApplier {
             self.running.spawn(
                 async move {
                     let refs: Vec<&Prepared> = jobs.iter().map(|j| j.as_ref()).collect();
-                    let (committed, failure) = session.apply_many(&refs).await;
-                    (session, seqs, committed, failure)
+                    let applied = session.apply_many(&refs).await;
+                    Completion {
+                        session,
+                        seqs,
+                        committed: applied.committed,
+                        batched: applied.batched,
+                        batch_failed: applied.batch_failed,
+                        failure: applied.failure,
+                    }
                 }
                 .in_current_span(),
             );
@@ -319,7 +356,14 @@ impl ShadowApplier {
             }
             else => return std::future::pending().await,
         };
-        let (session, seqs, committed, failure) = match joined {
+        let Completion {
+            session,
+            seqs,
+            committed,
+            batched,
+            batch_failed,
+            failure,
+        } = match joined {
             Ok(c) => c,
             Err(e) => {
                 let err = ApplyError::SessionLost(e.to_string());
@@ -328,6 +372,8 @@ impl ShadowApplier {
             }
         };
         self.idle_sessions.push(session);
+        self.txns_batched += batched as u64;
+        self.batches_failed += u64::from(batch_failed);
         let mut advanced = None;
         for &seq in &seqs[..committed] {
             self.scheduler
@@ -435,6 +481,8 @@ impl ShadowApplier {
             migration_id = self.cfg.migration_id,
             applied_lsn = %format_lsn(progress.applied_lsn),
             txns_applied = progress.txns_applied,
+            txns_batched = self.txns_batched,
+            batches_failed = self.batches_failed,
             "apply finished, origins dropped"
         );
         Ok(progress)
@@ -450,7 +498,7 @@ impl ShadowApplier {
         // A session still opening closes when its task is aborted.
         self.opening.abort_all();
         while let Some(joined) = self.running.join_next().await {
-            if let Ok((session, ..)) = joined {
+            if let Ok(Completion { session, .. }) = joined {
                 self.idle_sessions.push(session);
             }
         }

@@ -2,6 +2,7 @@
 //! round trip on it (plus COMMIT/ROLLBACK PREPARED of validated shadows).
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
 use remus_proto::names::apply_origin;
 use tokio::task::JoinHandle;
@@ -11,8 +12,8 @@ use tokio_postgres::{Client, NoTls, Statement};
 use tracing::{debug, warn, Instrument};
 
 use super::sql::{
-    format_lsn, origin_params, origin_session_setup, quote_literal, Prepared, BATCH_CALL,
-    BATCH_DONE, BATCH_PROCEDURE, ORIGIN_SETUP,
+    execute_prepared, format_lsn, origin_params, origin_session_setup, quote_literal, Prepared,
+    BATCH_CALL, BATCH_DONE, BATCH_PROCEDURE, ORIGIN_SETUP,
 };
 use super::{pg_message, ApplyConfig, ApplyError};
 
@@ -105,10 +106,33 @@ pub(super) struct Session {
     /// The statements prepared on this session, by their text (one per table, operation and
     /// column shape); emptied when it holds [`MAX_STATEMENTS`].
     statements: std::sync::Mutex<HashMap<String, Statement>>,
+    /// The SQL-level prepared statements of batches ([`Prepared::batch`]).
+    batch_statements: std::sync::Mutex<BatchStatements>,
+}
+
+/// A session's SQL-level prepared statements of batch statements, by their text.
+#[derive(Default)]
+struct BatchStatements {
+    names: HashMap<String, String>,
+    /// The number in the last name given (`remus_batch_<n>`).
+    next: u64,
 }
 
 /// Prepared statements an apply session keeps at most.
 const MAX_STATEMENTS: usize = 512;
+
+/// What [`Session::apply_many`] did with its transactions.
+#[derive(Debug, Default)]
+pub(super) struct Applied {
+    /// How many committed, from the first.
+    pub(super) committed: usize,
+    /// Of those, how many a call of the batch procedure committed.
+    pub(super) batched: usize,
+    /// A batch call failed; the rest went one by one.
+    pub(super) batch_failed: bool,
+    /// The error of the transaction after the committed ones, if one failed.
+    pub(super) failure: Option<ApplyError>,
+}
 
 /// A parameter sent in text format, whatever the type PostgreSQL inferred for it: the value
 /// is what pgoutput gave, the column type's text output, which its input function reads back.
@@ -167,6 +191,7 @@ impl Session {
             client,
             connection,
             statements: Default::default(),
+            batch_statements: Default::default(),
         };
         let setup = origin_session_setup(
             &session.origin,
@@ -317,51 +342,56 @@ impl Session {
         }
     }
 
-    /// Applies `jobs` (independent of each other, in source order) and returns how many of
-    /// them committed, from the first, and the error of the next one if one failed. Batchable
-    /// ones ([`Prepared::batchable`]) go in one call of the session's batch procedure
+    /// Applies `jobs` (independent of each other, in source order). Batchable ones
+    /// ([`Prepared::batchable`]) go in one call of the session's batch procedure
     /// ([`BATCH_PROCEDURE`]), each still its own transaction. If the call fails, the session's
     /// progress sequence says which ones committed (the last one's commit position); the one
     /// that failed is applied again on its own ([`Self::apply`]), which reports its error as a
     /// lone transaction's (a divergence names its table, operation and key) or, if it now
     /// commits, goes on with the rest.
-    pub(super) async fn apply_many(&self, jobs: &[&Prepared]) -> (usize, Option<ApplyError>) {
-        let mut done = 0;
+    pub(super) async fn apply_many(&self, jobs: &[&Prepared]) -> Applied {
+        let mut applied = Applied::default();
         if jobs.len() > 1 && jobs.iter().all(|p| p.batchable()) {
             match self.apply_batch(jobs).await {
-                Ok(()) => return (jobs.len(), None),
+                Ok(()) => {
+                    applied.committed = jobs.len();
+                    applied.batched = jobs.len();
+                    return applied;
+                }
                 Err(e) => match self.batch_done(jobs).await {
                     Ok(n) => {
                         debug!(migration_id = self.migration_id, worker = self.worker, committed = n, error = %pg_message(&e), "batch stopped; applying the rest one by one");
-                        done = n;
+                        applied.committed = n;
+                        applied.batched = n;
+                        applied.batch_failed = true;
                     }
                     Err(read) => {
                         let first = jobs[0];
-                        return (
-                            0,
-                            Some(ApplyError::Statement {
-                                xid: first.xid,
-                                commit_lsn: format_lsn(first.commit_lsn),
-                                context: "reading how much of a failed batch committed".into(),
-                                sqlstate: read.code().map(|c| c.code().to_string()),
-                                message: format!(
-                                    "{} (the batch failed with: {})",
-                                    pg_message(&read),
-                                    pg_message(&e)
-                                ),
-                            }),
-                        );
+                        applied.batch_failed = true;
+                        applied.failure = Some(ApplyError::Statement {
+                            xid: first.xid,
+                            commit_lsn: format_lsn(first.commit_lsn),
+                            context: "reading how much of a failed batch committed".into(),
+                            sqlstate: read.code().map(|c| c.code().to_string()),
+                            message: format!(
+                                "{} (the batch failed with: {})",
+                                pg_message(&read),
+                                pg_message(&e)
+                            ),
+                        });
+                        return applied;
                     }
                 },
             }
         }
-        for p in &jobs[done..] {
+        for p in &jobs[applied.committed..] {
             if let Err(e) = self.apply(p).await {
-                return (done, Some(e));
+                applied.failure = Some(e);
+                return applied;
             }
-            done += 1;
+            applied.committed += 1;
         }
-        (done, None)
+        applied
     }
 
     /// One call of the batch procedure with `jobs`.
@@ -371,13 +401,14 @@ impl Session {
         let mut change_txn = Vec::new();
         let mut change_sql = Vec::new();
         let mut change_guarded = Vec::new();
+        let names = self.batch_statement_names(jobs).await?;
         for (t, p) in jobs.iter().enumerate() {
             // LSNs stay below 2^63.
             lsns.push(p.commit_lsn as i64);
             times.push(p.commit_time_us);
-            for (sql, info) in p.literal.iter().zip(&p.stmts) {
+            for ((shape, change), info) in p.batch.iter().zip(&p.changes).zip(&p.stmts) {
                 change_txn.push(t as i32 + 1);
-                change_sql.push(sql.as_str());
+                change_sql.push(execute_prepared(&names[shape.as_str()], &change.params));
                 change_guarded.push(info.guarded);
             }
         }
@@ -389,6 +420,73 @@ impl Session {
             )
             .await
             .map(|_| ())
+    }
+
+    /// The name of the session's prepared statement of every batch statement of `jobs`
+    /// ([`Prepared::batch`]), preparing those it has not prepared yet in one round trip
+    /// (`PREPARE`: SQL-level, so that the batch procedure can `EXECUTE` them). A name is never
+    /// used twice: a `PREPARE` that failed after others had succeeded leaves those behind,
+    /// unknown to the cache, but nothing can collide with them.
+    async fn batch_statement_names(
+        &self,
+        jobs: &[&Prepared],
+    ) -> Result<HashMap<String, String>, tokio_postgres::Error> {
+        let mut names = HashMap::new();
+        let mut missing = Vec::new();
+        {
+            let prepared = self
+                .batch_statements
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for shape in jobs.iter().flat_map(|p| &p.batch) {
+                if names.contains_key(shape) || missing.contains(&shape) {
+                    continue;
+                }
+                match prepared.names.get(shape) {
+                    Some(name) => {
+                        names.insert(shape.clone(), name.clone());
+                    }
+                    None => missing.push(shape),
+                }
+            }
+        }
+        if missing.is_empty() {
+            return Ok(names);
+        }
+        let mut sql = String::new();
+        let mut new = Vec::with_capacity(missing.len());
+        {
+            let mut prepared = self
+                .batch_statements
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if prepared.names.len() + missing.len() > MAX_STATEMENTS {
+                // Deallocate all but the ones this batch uses.
+                prepared.names.retain(|shape, name| {
+                    let keep = names.contains_key(shape);
+                    if !keep {
+                        let _ = write!(sql, "DEALLOCATE {name};");
+                    }
+                    keep
+                });
+            }
+            for shape in missing {
+                prepared.next += 1;
+                let name = format!("remus_batch_{}", prepared.next);
+                let _ = write!(sql, "PREPARE {name} AS {shape};");
+                new.push((shape.clone(), name));
+            }
+        }
+        self.client.batch_execute(&sql).await?;
+        let mut prepared = self
+            .batch_statements
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (shape, name) in new {
+            prepared.names.insert(shape.clone(), name.clone());
+            names.insert(shape, name);
+        }
+        Ok(names)
     }
 
     /// How many of `jobs`, from the first, the batch call that applied them committed: up to

@@ -114,20 +114,21 @@ pub(super) struct Prepared {
     /// A transaction the source validated (MOCC): committing its prepared shadow is its apply.
     pub(super) shadow_gid: Option<String>,
     pub(super) commit_time_us: i64,
-    /// Each change as one unguarded statement with its values as literals, for
-    /// [`BATCH_PROCEDURE`] (which checks the row counts itself); empty unless asked for.
-    pub(super) literal: Vec<String>,
+    /// Each change as one unguarded statement with the same parameters as in `changes`,
+    /// answering a row per row it touched ([`batch_statement`]), for [`BATCH_PROCEDURE`]
+    /// (which checks the row counts itself); empty unless asked for.
+    pub(super) batch: Vec<String>,
 }
 
 impl Prepared {
     /// Can it run in a batch ([`BATCH_PROCEDURE`])? Not a validated transaction (its apply is
     /// its prepared shadow's COMMIT PREPARED, which runs alone) nor a barrier (a TRUNCATE runs
-    /// alone), and only once its literal statements are there.
+    /// alone), and only once its batch statements are there.
     pub(super) fn batchable(&self) -> bool {
         self.shadow_gid.is_none()
             && !self.barrier
             && !self.changes.is_empty()
-            && self.literal.len() == self.changes.len()
+            && self.batch.len() == self.changes.len()
     }
 }
 
@@ -447,20 +448,19 @@ pub(super) const ORIGIN_SETUP: &str = "SELECT pg_catalog.pg_replication_origin_x
 /// A shipped transaction as its round trip: `BEGIN`, the guarded changes with their
 /// parameters, [`ORIGIN_SETUP`], `COMMIT`. A transaction the source validated is its prepared
 /// shadow's COMMIT PREPARED instead (always flushed).
-/// `literal`: also write each change as an unguarded statement with its values as literals
-/// ([`Prepared::literal`], for batches).
-pub(super) fn prepare(txn: &ShadowTxn, literal: bool) -> Result<Prepared, ApplyError> {
+/// `batched`: also write each change's unguarded statement for batches ([`Prepared::batch`]).
+pub(super) fn prepare(txn: &ShadowTxn, batched: bool) -> Result<Prepared, ApplyError> {
     let mut changes = Vec::with_capacity(txn.changes.len());
     let mut stmts = Vec::with_capacity(txn.changes.len());
     let mut keys = Vec::new();
-    let mut literals = Vec::new();
+    let mut batch = Vec::new();
     let mut barrier = false;
     for c in &txn.changes {
-        if literal {
-            literals.push(change_with(txn.xid, c, &mut sql_value)?.dml);
-        }
         let (cs, params) = change_params(txn.xid, c)?;
         barrier |= cs.info.op == "TRUNCATE";
+        if batched {
+            batch.push(batch_statement(&cs.dml));
+        }
         changes.push(ParamStmt {
             sql: cs.sql,
             params,
@@ -474,7 +474,7 @@ pub(super) fn prepare(txn: &ShadowTxn, literal: bool) -> Result<Prepared, ApplyE
         // dependent transactions wait for the commit.
         changes.clear();
         stmts.clear();
-        literals.clear();
+        batch.clear();
         barrier = false;
     }
     Ok(Prepared {
@@ -487,14 +487,42 @@ pub(super) fn prepare(txn: &ShadowTxn, literal: bool) -> Result<Prepared, ApplyE
         barrier,
         shadow_gid: validated.then(|| txn.shadow_gid.clone()),
         commit_time_us: txn.commit_time_us,
-        literal: literals,
+        batch,
     })
+}
+
+/// A change's unguarded statement as a batch runs it: answering one row per row it touched,
+/// so that the procedure's `ROW_COUNT` is that count (an `EXECUTE` of a prepared statement
+/// reports no count of its own); a `SELECT … FOR UPDATE` answers its rows already.
+fn batch_statement(dml: &str) -> String {
+    if dml.starts_with("SELECT") {
+        dml.to_string()
+    } else {
+        format!("{dml} RETURNING 1")
+    }
+}
+
+/// How a batch runs one change: `EXECUTE` of the session's prepared statement `name` (the
+/// change's [`batch_statement`], prepared once per session and shape, so its plan is kept)
+/// with the change's parameters as literals; PostgreSQL reads each one with the input
+/// function of the parameter's type, as it reads a parameter sent in text format.
+pub(super) fn execute_prepared(name: &str, params: &[String]) -> String {
+    let mut sql = format!("EXECUTE {name}");
+    for (i, p) in params.iter().enumerate() {
+        sql.push_str(if i == 0 { "(" } else { ", " });
+        sql.push_str(&quote_literal(p));
+    }
+    if !params.is_empty() {
+        sql.push(')');
+    }
+    sql
 }
 
 /// The session-local procedure that applies a batch of shadow transactions in one CALL
 /// (design note 0003), created on each apply session when batches are on. Each transaction in
 /// turn: its origin position and the source's commit time, asynchronous commit, its changes in
-/// order (each a statement with literal values: `EXECUTE` plans it), the exactly-one-row check
+/// order (each an `EXECUTE` of a statement the session prepared for the change's shape, with
+/// the change's values as literals: [`execute_prepared`]), the exactly-one-row check
 /// of every guarded change (the same `division_by_zero` as the guard's), `COMMIT`; then the
 /// commit position of the transaction just committed goes into a session sequence, which no
 /// rollback undoes, so that after an error the caller knows which ones committed. A position
@@ -612,28 +640,35 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_gets_each_change_unguarded_with_literal_values() {
+    fn a_batch_gets_each_change_unguarded_answering_its_rows() {
         use row_change::Kind::*;
         let changes = vec![
             change(Insert, vec![], vec![text("1"), text("o'k")]),
             change(Update, vec![text("1"), null()], vec![text("2"), null()]),
             change(Delete, vec![text("2"), null()], vec![]),
+            change(Update, vec![text("3"), null()], vec![text("3"), toast()]),
         ];
         let p = prepare(&txn(changes.clone()), true).unwrap();
         assert!(p.batchable());
         assert_eq!(
-            p.literal,
+            p.batch,
             [
-                "INSERT INTO \"s\".\"t\"\"x\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ('1', 'o''k')",
-                "UPDATE \"s\".\"t\"\"x\" SET \"id\" = '2', \"v\" = NULL WHERE \"id\" = '1'",
-                "DELETE FROM \"s\".\"t\"\"x\" WHERE \"id\" = '2'",
+                "INSERT INTO \"s\".\"t\"\"x\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ($1, $2) RETURNING 1",
+                "UPDATE \"s\".\"t\"\"x\" SET \"id\" = $1, \"v\" = NULL WHERE \"id\" = $2 RETURNING 1",
+                "DELETE FROM \"s\".\"t\"\"x\" WHERE \"id\" = $1 RETURNING 1",
+                "SELECT 1 FROM \"s\".\"t\"\"x\" WHERE \"id\" = $1 FOR UPDATE",
             ]
         );
+        assert_eq!(
+            execute_prepared("s7", &p.changes[0].params),
+            "EXECUTE s7('1', 'o''k')"
+        );
+        assert_eq!(execute_prepared("s8", &[]), "EXECUTE s8");
         // Every change is still guarded: the batch checks the row counts of those.
         assert!(p.stmts.iter().all(|s| s.guarded));
-        // Not asked for: no literal statements, and so not batchable.
+        // Not asked for: no batch statements, and so not batchable.
         let p = prepare(&txn(changes), false).unwrap();
-        assert!(p.literal.is_empty() && !p.batchable());
+        assert!(p.batch.is_empty() && !p.batchable());
         assert!(BATCH_PROCEDURE.contains("ERRCODE = 'division_by_zero'"));
     }
 
