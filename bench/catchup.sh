@@ -193,9 +193,9 @@ analyze() {
     # applier's position). Rates over 1 s windows for the peaks.
     awk -F, -v OFS=, -v ms="$mig_start" -v me="$mig_end" -v mode="$mode" -v clients="$clients" \
         -v failed="$failed" -v load="$load" -v ev="$events" -v mig="$out/$mode.migration.txt" -v sum="$summary" \
-        -v derived="$out/$mode.series.csv" -v commits="$out/$mode.commits" "$awk_rates"'
+        -v derived="$out/$mode.series.csv" -v commits="$out/$mode.commits" -v limit_ms="$limit_ms" "$awk_rates"'
         BEGIN { while ((getline x < commits) > 0) c[++nc] = x }
-        { n++; t[n] = $1; w[n] = $2; r[n] = $3; s[n] = $4; ph[n] = $5; st[n] = $6; rt[n] = $8 }
+        { n++; t[n] = $1; w[n] = $2; r[n] = $3; s[n] = $4; ph[n] = $5; st[n] = $6; tr[n] = $7; rt[n] = $8 }
         # How long ago the source first wrote past pos (0 when it has not): the age of the
         # oldest WAL the applier has not confirmed, at the samples resolution.
         function lagms(pos, i,   j) { if (pos == "") return ""; if (w[i] <= pos) return 0; j = i
@@ -222,6 +222,10 @@ analyze() {
                     pr[ph[i]] += (rb == "" ? 0 : rb * dt); ps[ph[i]] += (sb == "" ? 0 : sb * dt) }
                 # cumulative commits for 1 s windows
                 cum[i] = cum[i - 1] + cnt
+                if (t[i] < ms) {
+                    kk = i; while (kk > 1 && t[i] - t[kk] < 1) kk--
+                    if (t[i] - t[kk] >= 0.5) { v = (cum[i] - cum[kk]) / (t[i] - t[kk]); if (v > pre_tps_peak) pre_tps_peak = v }
+                }
                 if (t[i] >= ms && t[i] <= me) {
                     kk = i; while (kk > 1 && t[i] - t[kk] < 1) kk--
                     if (t[i] - t[kk] >= 0.5) {
@@ -249,16 +253,28 @@ analyze() {
                 if (rb != "" && sb != "" && rlm >= 300 && slm >= 300 && t[i - 1] >= enabled_at) {
                     both_r += rb * dt; both_s += sb * dt; both_t += dt; both_w += (w[i] - w[i - 1]) }
                 if (rt[i] != "" && rt[i] > rt_peak) rt_peak = rt[i]
+                # Transactions the replay applied (txns_replayed) over 1 s windows: its rate in
+                # the unit of the source, which WAL bytes are not (full-page images after a checkpoint
+                # make the WAL of a transaction several times larger, and decoding skips them).
+                if (tr[i] != "") { kk = i; while (kk > 1 && t[i] - t[kk] < 1 && tr[kk - 1] != "") kk--
+                    if (t[i] - t[kk] >= 0.5 && tr[kk] != "") { v = (tr[i] - tr[kk]) / (t[i] - t[kk]); if (v > tr_peak) tr_peak = v } }
             }
             converged = (minlag_cu != "" && minlag_cu <= 500) ? "yes" : (cu0 == "" ? "no catch-up phase" : "no")
-            if (m[8] ~ /not converging/) converged = converged " (" "coordinator: not converging, handed over)"
+            # The coordinator leaves catch-up when the applied position is close enough (decision
+            # 0022: <= 500 ms behind), or hands over when the lag has not shrunk for its limit;
+            # the slot, confirmed only as far as the target has flushed (decision 0018), trails
+            # the applied position.
+            converged_a = (cu0 == "") ? "no catch-up phase" : ((cu1 - cu0) * 1000 < limit_ms ? "yes" : "no, handed over at the limit")
             printf "mode %s (load average at its end %s): status %s, phases (ms) %s, %d clients, %d committed, %d failed\n", mode, load, m[2], m[3], clients, src_n, failed >> sum
             printf "  source (migration window): peak %s commits/s, mean %s; WAL peak %s MB/s, mean %s MB/s\n",
                 fmt(src_tps_peak), fmt(src_t ? src_n / src_t : ""), mb(src_wal_peak), mb(src_t ? src_b / src_t : "") >> sum
             printf "  migration replay: peak %s MB/s (1 s), mean while >= 300 ms behind %s MB/s over %.1f s; remus_migrations replay peak %s txn/s (5 s avg), final %s B/s\n",
                 mb(r_peak), mb(r_bt ? r_bb / r_bt : ""), r_bt, fmt(rt_peak), m[5] >> sum
-            printf "  migration catch-up: %.1f s; lag max %s MB / %s ms, at its end %s MB / %s ms; converged (<= 500 ms behind): %s\n",
-                (cu0 == "" ? 0 : cu1 - cu0), mb(maxlag_r), fmt(maxlagms_r), mb(lastlag_r), fmt(lastlagms_r), converged >> sum
+            printf "  migration replay in transactions: peak %s txn/s (1 s, txns_replayed); the source peak %s commits/s in the migration window (%s), %s in the warm-up before it (%s)\n",
+                fmt(tr_peak), fmt(src_tps_peak), (src_tps_peak > 0 && tr_peak != "" ? sprintf("replay %.2fx", tr_peak / src_tps_peak) : "-"),
+                fmt(pre_tps_peak), (pre_tps_peak > 0 && tr_peak != "" ? sprintf("replay %.2fx", tr_peak / pre_tps_peak) : "-") >> sum
+            printf "  migration catch-up: %.1f s; lag max %s MB / %s ms, at its end %s MB / %s ms; converged (<= 500 ms behind): %s; by the applied position, as the coordinator judged it: %s\n",
+                (cu0 == "" ? 0 : cu1 - cu0), mb(maxlag_r), fmt(maxlagms_r), mb(lastlag_r), fmt(lastlagms_r), converged, converged_a >> sum
             printf "  subscription: peak %s MB/s (1 s), mean while >= 300 ms behind %s MB/s over %.1f s; lag max %s MB / %s ms, at migration end %s MB / %s ms; <= 500 ms behind %s s after enable\n",
                 mb(s_peak), mb(s_bt ? s_bb / s_bt : ""), s_bt, mb(maxlag_s), fmt(maxlagms_s), mb(lag_s_at_me), fmt(lagms_s_at_me), (s_conv == "" ? "never" : sprintf("%.1f", s_conv)) >> sum
             printf "  both >= 300 ms behind, same intervals (%.1f s): migration %s MB/s, subscription %s MB/s, source WAL %s MB/s\n",
