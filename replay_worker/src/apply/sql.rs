@@ -519,20 +519,26 @@ pub(super) fn execute_prepared(name: &str, params: &[String]) -> String {
 }
 
 /// The session-local procedure that applies a batch of shadow transactions in one CALL
-/// (design note 0003), created on each apply session when batches are on. Each transaction in
-/// turn: its origin position and the source's commit time, asynchronous commit, its changes in
-/// order (each an `EXECUTE` of a statement the session prepared for the change's shape, with
-/// the change's values as literals: [`execute_prepared`]), the exactly-one-row check
-/// of every guarded change (the same `division_by_zero` as the guard's), `COMMIT`; then the
-/// commit position of the transaction just committed goes into a session sequence, which no
-/// rollback undoes, so that after an error the caller knows which ones committed. A position
-/// rather than a count: a call that fails before its first commit (or before it starts)
-/// leaves an earlier batch's position there, which names none of this batch's transactions
-/// (every source transaction has its own commit position), where a count would. Arguments: per
-/// transaction its commit position (bytes past 0/0) and time (microseconds since 2000-01-01
-/// UTC); per change the number (from 1) of its transaction, its statement and whether it is
-/// guarded. Must be called outside a transaction block, so that it may commit.
+/// (design note 0003), created on each apply session when batches are on, with the session's
+/// `synchronous_commit` turned off (every catch-up shadow commits asynchronously, decision
+/// 0018; the lone path sets it per transaction too; a validated shadow's COMMIT PREPARED
+/// flushes whatever the setting, as every 2PC commit does). Each transaction in turn: its
+/// origin position and the source's commit time, its changes in order (each an `EXECUTE` of a
+/// statement the session prepared for the change's shape, with the change's values as
+/// literals: [`execute_prepared`]), the exactly-one-row check of every guarded change (the
+/// same `division_by_zero` as the guard's), `COMMIT`; then the commit position of the
+/// transaction just committed goes into a session sequence, which no rollback undoes, so that
+/// after an error [`BATCH_DONE`] tells which ones committed. Not the session's replication
+/// origin: its progress only moves forward, and a session can commit a transaction after a
+/// later one of the source (one that waited for another session's). A position rather than a
+/// count: a call that fails before its first commit (or before it starts) leaves an earlier
+/// batch's position there, which names none of this batch's transactions (every source
+/// transaction has its own commit position), where a count would. Arguments: per transaction
+/// its commit position (bytes past 0/0) and time (microseconds since 2000-01-01 UTC); per
+/// change the number (from 1) of its transaction, its statement and whether it is guarded.
+/// Must be called outside a transaction block, so that it may commit.
 pub(super) const BATCH_PROCEDURE: &str = "
+SET synchronous_commit = off;
 CREATE PROCEDURE pg_temp.remus_apply_batch(lsns bigint[], times_us bigint[],
                                            change_txn int[], change_sql text[],
                                            change_guarded bool[])
@@ -547,7 +553,6 @@ BEGIN
       '0/0'::pg_catalog.pg_lsn + lsns[t],
       '2000-01-01 00:00:00+00'::pg_catalog.timestamptz
         + times_us[t] * '1 microsecond'::pg_catalog.interval);
-    PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);
     WHILE c <= changes AND change_txn[c] = t LOOP
       EXECUTE change_sql[c];
       GET DIAGNOSTICS touched = ROW_COUNT;
@@ -670,6 +675,9 @@ mod tests {
         let p = prepare(&txn(changes), false).unwrap();
         assert!(p.batch.is_empty() && !p.batchable());
         assert!(BATCH_PROCEDURE.contains("ERRCODE = 'division_by_zero'"));
+        // Catch-up shadows commit asynchronously: the session says so once, not each one.
+        assert!(BATCH_PROCEDURE.contains("SET synchronous_commit = off;"));
+        assert!(!BATCH_PROCEDURE.contains("set_config"));
     }
 
     #[test]
