@@ -310,8 +310,12 @@ analyze() {
     fi
     # Longest interval with no commit of any writer, over the migration (+-1 s).
     awk -v a="$mig_start" -v b="$mig_end" '$1 >= a - 1 && $1 <= b + 1' "$out/$mode.commits" \
-        | awk -v mode="$mode" 'NR > 1 && $1 - p > g { g = $1 - p; at = p } { p = $1 }
-            END { printf "  longest no-commit gap on the moving shard (migration +-1 s): %.1f ms (from %.3f)\n", g * 1000, at }' >> "$summary"
+        | awk -F, -v csv="$csv" 'NR > 1 && $1 - p > g { g = $1 - p; at = p } { p = $1 }
+            END { # The migration phase (sampled) at the gap'"'"'s start and at its end.
+                  while ((getline line < csv) > 0) { split(line, f, ",")
+                      if (f[1] <= at) from = f[5]; else if (f[1] >= at + g && to == "") to = f[5] }
+                  printf "  longest no-commit gap on the moving shard (migration +-1 s): %.1f ms (from %.3f; phase %s to %s)\n",
+                      g * 1000, at, (from == "" ? "-" : from), (to == "" ? "-" : to) }' >> "$summary"
 }
 
 if [ "${REANALYZE:-0}" = 1 ]; then
@@ -432,6 +436,8 @@ SQL
     on "$target" psql -Xq -d catchup_sub -c "ALTER SUBSCRIPTION catchup_sub DISABLE" \
         -c "ALTER SUBSCRIPTION catchup_sub SET (slot_name = NONE)" -c "DROP SUBSCRIPTION catchup_sub" >/dev/null || true
     "$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true
+    # The cluster's logs (coordinator, replay worker, nodes): the next mode's cluster replaces them.
+    rm -rf "$out/$mode.logs" && cp -r "$dir/logs" "$out/$mode.logs" 2>/dev/null || true
     target=""
 
     analyze "$mode"
