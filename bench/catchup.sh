@@ -320,8 +320,11 @@ analyze() {
 
 if [ "${REANALYZE:-0}" = 1 ]; then
     # The summaries again from an earlier run's files in OUT_DIR (nothing is started).
+    # Citus's lines are written by its run, not by analyze: kept as they are.
+    citus_lines=$(awk '/^mode / { keep = ($2 == "citus") } keep' "$summary")
     sed -i '/^mode /,$d' "$summary"
     for mode in $modes; do [ "$mode" = citus ] || analyze "$mode"; done
+    [ -z "$citus_lines" ] || printf '%s\n' "$citus_lines" >> "$summary"
     cat "$summary"
     exit 0
 fi
@@ -437,7 +440,8 @@ SQL
         -c "ALTER SUBSCRIPTION catchup_sub SET (slot_name = NONE)" -c "DROP SUBSCRIPTION catchup_sub" >/dev/null || true
     "$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true
     # The cluster's logs (coordinator, replay worker, nodes): the next mode's cluster replaces them.
-    rm -rf "$out/$mode.logs" && cp -r "$dir/logs" "$out/$mode.logs" 2>/dev/null || true
+    rm -rf "$out/$mode.logs"
+    cp -r "$dir/logs" "$out/$mode.logs" 2>/dev/null || true
     target=""
 
     analyze "$mode"
