@@ -61,11 +61,19 @@ pub const DEFAULT_PARALLELISM: usize = 16;
 pub const DEFAULT_BATCH: usize = 64;
 
 /// `REMUS_APPLY_BATCH` (transactions per call of the batch procedure), or [`DEFAULT_BATCH`].
+/// A value that is not a number is warned about and ignored.
 fn batch_from_env() -> usize {
-    std::env::var("REMUS_APPLY_BATCH")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(DEFAULT_BATCH)
+    let Ok(value) = std::env::var("REMUS_APPLY_BATCH") else {
+        return DEFAULT_BATCH;
+    };
+    value.trim().parse().unwrap_or_else(|_| {
+        tracing::warn!(
+            value = %value,
+            default = DEFAULT_BATCH,
+            "REMUS_APPLY_BATCH is not a number of transactions; using the default"
+        );
+        DEFAULT_BATCH
+    })
 }
 
 /// Where and how to apply one migration's transactions.
