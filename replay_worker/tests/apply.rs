@@ -591,6 +591,8 @@ async fn batches_apply_what_one_at_a_time_applies_with_each_transaction_committe
     assert_eq!(applier.txns_applied(), N);
     assert_eq!(applier.batches_failed(), 0);
     assert!(applier.txns_batched() > 0);
+    // The workload's shapes (int and text values) run as static statements in batches.
+    assert!(applier.static_changes() > 0);
     for (i, table) in ["a", "b"].into_iter().enumerate() {
         assert_eq!(
             table_dump(&c, table).await,
@@ -677,6 +679,8 @@ async fn batches_keep_applying_past_the_prepared_statements_a_session_keeps() {
     // Batches did the work, and none failed (a failed one is applied again one by one, which
     // would hide it in the tables).
     assert_eq!(applier.batches_failed(), 0);
+    // The first 16 shapes are static, the other 1,008 run by EXECUTE: both paths wrote rows.
+    assert!(applier.static_changes() > 0);
     assert!(
         applier.txns_batched() > N / 2,
         "{} of {N} in batches",

@@ -37,6 +37,8 @@ struct Completion {
     batched: usize,
     /// A batch call failed (the rest was applied one by one).
     batch_failed: bool,
+    /// Changes run as static statements of the batch procedure.
+    static_changes: usize,
     /// The error of the next one, if one failed.
     failure: Option<ApplyError>,
 }
@@ -67,6 +69,8 @@ pub struct ShadowApplier {
     /// Batch calls that failed (their transactions from the failed one on were applied one
     /// by one).
     batches_failed: u64,
+    /// Changes run as static statements of a batch procedure (decision 0035).
+    static_changes: u64,
     /// An idle LSN received while transactions were outstanding.
     idle_lsn: Option<u64>,
     failed: Option<String>,
@@ -128,6 +132,7 @@ impl ShadowApplier {
             txns_applied: 0,
             txns_batched: 0,
             batches_failed: 0,
+            static_changes: 0,
             idle_lsn: None,
             failed: None,
         })
@@ -169,6 +174,12 @@ impl ShadowApplier {
     /// prepared or run.
     pub fn batches_failed(&self) -> u64 {
         self.batches_failed
+    }
+
+    /// Changes that batches ran as static statements of their session's procedure (the first
+    /// shapes a session sees; the others run by `EXECUTE`).
+    pub fn static_changes(&self) -> u64 {
+        self.static_changes
     }
 
     pub fn progress(&self) -> ApplyProgress {
@@ -335,6 +346,7 @@ impl ShadowApplier {
                         committed: applied.committed,
                         batched: applied.batched,
                         batch_failed: applied.batch_failed,
+                        static_changes: applied.static_changes,
                         failure: applied.failure,
                     }
                 }
@@ -362,6 +374,7 @@ impl ShadowApplier {
             committed,
             batched,
             batch_failed,
+            static_changes,
             failure,
         } = match joined {
             Ok(c) => c,
@@ -374,6 +387,7 @@ impl ShadowApplier {
         self.idle_sessions.push(session);
         self.txns_batched += batched as u64;
         self.batches_failed += u64::from(batch_failed);
+        self.static_changes += static_changes as u64;
         let mut advanced = None;
         for &seq in &seqs[..committed] {
             self.scheduler
@@ -483,6 +497,7 @@ impl ShadowApplier {
             txns_applied = progress.txns_applied,
             txns_batched = self.txns_batched,
             batches_failed = self.batches_failed,
+            static_changes = self.static_changes,
             "apply finished, origins dropped"
         );
         Ok(progress)

@@ -12,8 +12,9 @@ use tokio_postgres::{Client, NoTls, Statement};
 use tracing::{debug, warn, Instrument};
 
 use super::sql::{
-    execute_prepared, format_lsn, origin_params, origin_session_setup, quote_literal, Prepared,
-    BATCH_CALL, BATCH_DONE, BATCH_PROCEDURE, ORIGIN_SETUP,
+    batch_procedure, batch_setup, execute_prepared, format_lsn, origin_params,
+    origin_session_setup, quote_literal, static_statement, Prepared, BATCH_CALL, BATCH_DONE,
+    ORIGIN_SETUP, STATIC_SHAPES,
 };
 use super::{pg_message, ApplyConfig, ApplyError};
 
@@ -110,12 +111,18 @@ pub(super) struct Session {
     batch_statements: std::sync::Mutex<BatchStatements>,
 }
 
-/// A session's SQL-level prepared statements of batch statements, by their text.
+/// A session's SQL-level prepared statements of batch statements, by their text, and the
+/// shapes its batch procedure runs as static statements.
 #[derive(Default)]
 struct BatchStatements {
     names: HashMap<String, String>,
     /// The number in the last name given (`remus_batch_<n>`).
     next: u64,
+    /// The static statements of the session's batch procedure, shape 1 first
+    /// ([`static_statement`]).
+    statics: Vec<String>,
+    /// The number of each batch statement's static statement.
+    static_of: HashMap<String, i32>,
 }
 
 /// Prepared statements an apply session keeps at most.
@@ -130,6 +137,8 @@ pub(super) struct Applied {
     pub(super) batched: usize,
     /// A batch call failed; the rest went one by one.
     pub(super) batch_failed: bool,
+    /// Changes a batch call that succeeded ran as static statements of the procedure.
+    pub(super) static_changes: usize,
     /// The error of the transaction after the committed ones, if one failed.
     pub(super) failure: Option<ApplyError>,
 }
@@ -198,7 +207,7 @@ impl Session {
             &format!("remus-replay m{migration_id} w{worker}"),
         );
         let setup = if cfg.batch > 1 {
-            format!("{setup}\n{BATCH_PROCEDURE}")
+            format!("{setup}\n{}", batch_setup())
         } else {
             setup
         };
@@ -344,7 +353,7 @@ impl Session {
 
     /// Applies `jobs` (independent of each other, in source order). Batchable ones
     /// ([`Prepared::batchable`]) go in one call of the session's batch procedure
-    /// ([`BATCH_PROCEDURE`]), each still its own transaction. If the call fails, the session's
+    /// ([`batch_procedure`]), each still its own transaction. If the call fails, the session's
     /// progress sequence says which ones committed (the last one's commit position); the one
     /// that failed is applied again on its own ([`Self::apply`]), which reports its error as a
     /// lone transaction's (a divergence names its table, operation and key) or, if it now
@@ -353,9 +362,10 @@ impl Session {
         let mut applied = Applied::default();
         if jobs.len() > 1 && jobs.iter().all(|p| p.batchable()) {
             match self.apply_batch(jobs).await {
-                Ok(()) => {
+                Ok(static_changes) => {
                     applied.committed = jobs.len();
                     applied.batched = jobs.len();
+                    applied.static_changes = static_changes;
                     return applied;
                 }
                 Err(e) => match self.batch_done(jobs).await {
@@ -394,36 +404,69 @@ impl Session {
         applied
     }
 
-    /// One call of the batch procedure with `jobs`.
-    async fn apply_batch(&self, jobs: &[&Prepared]) -> Result<(), tokio_postgres::Error> {
+    /// One call of the batch procedure with `jobs`; returns how many changes ran as static
+    /// statements.
+    async fn apply_batch(&self, jobs: &[&Prepared]) -> Result<usize, tokio_postgres::Error> {
         let mut lsns = Vec::with_capacity(jobs.len());
         let mut times = Vec::with_capacity(jobs.len());
         let mut change_txn = Vec::new();
         let mut change_sql = Vec::new();
         let mut change_guarded = Vec::new();
+        let mut change_shape = Vec::new();
+        let mut param_at = Vec::new();
+        let mut params: Vec<&str> = Vec::new();
+        let mut statics = 0;
         let names = self.batch_statement_names(jobs).await?;
+        let static_of = self
+            .batch_statements
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .static_of
+            .clone();
         for (t, p) in jobs.iter().enumerate() {
             // LSNs stay below 2^63.
             lsns.push(p.commit_lsn as i64);
             times.push(p.commit_time_us);
             for ((shape, change), info) in p.batch.iter().zip(&p.changes).zip(&p.stmts) {
                 change_txn.push(t as i32 + 1);
-                change_sql.push(execute_prepared(&names[shape.as_str()], &change.params));
                 change_guarded.push(info.guarded);
+                param_at.push(params.len() as i32);
+                match static_of.get(shape) {
+                    Some(&number) => {
+                        statics += 1;
+                        change_shape.push(number);
+                        change_sql.push(String::new());
+                        params.extend(change.params.iter().map(String::as_str));
+                    }
+                    None => {
+                        change_shape.push(0);
+                        change_sql.push(execute_prepared(&names[shape.as_str()], &change.params));
+                    }
+                }
             }
         }
         let call = self.statement(BATCH_CALL).await?;
         self.client
             .execute(
                 &call,
-                &[&lsns, &times, &change_txn, &change_sql, &change_guarded],
+                &[
+                    &lsns,
+                    &times,
+                    &change_txn,
+                    &change_sql,
+                    &change_guarded,
+                    &change_shape,
+                    &param_at,
+                    &params,
+                ],
             )
             .await
-            .map(|_| ())
+            .map(|_| statics)
     }
 
     /// The name of the session's prepared statement of every batch statement of `jobs`
-    /// ([`Prepared::batch`]), preparing those it has not prepared yet in one round trip
+    /// ([`Prepared::batch`]) that has no static statement, preparing those it has not prepared
+    /// yet in one round trip
     /// (`PREPARE`: SQL-level, so that the batch procedure can `EXECUTE` them). A name is never
     /// used twice: a `PREPARE` that failed after others had succeeded leaves those behind,
     /// unknown to the cache, but nothing can collide with them.
@@ -439,7 +482,12 @@ impl Session {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             for shape in jobs.iter().flat_map(|p| &p.batch) {
-                if names.contains_key(shape) || missing.contains(&shape) {
+                // A static shape runs without its prepared statement (which may have been
+                // deallocated since).
+                if names.contains_key(shape)
+                    || missing.contains(&shape)
+                    || prepared.static_of.contains_key(shape)
+                {
                     continue;
                 }
                 match prepared.names.get(shape) {
@@ -478,15 +526,87 @@ impl Session {
             }
         }
         self.client.batch_execute(&sql).await?;
+        {
+            let mut prepared = self
+                .batch_statements
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for (shape, name) in &new {
+                prepared.names.insert(shape.clone(), name.clone());
+                names.insert(shape.clone(), name.clone());
+            }
+        }
+        self.add_static_statements(&new).await;
+        Ok(names)
+    }
+
+    /// Gives the shapes just prepared (`new`: shape and statement name) a static statement in
+    /// the session's batch procedure while it has fewer than [`STATIC_SHAPES`], with the
+    /// parameter types `PREPARE` inferred, and replaces the procedure. Best effort: a shape that
+    /// cannot be static, or a procedure that cannot be replaced (the old one stays), leaves the
+    /// shapes on the `EXECUTE` path, warned.
+    async fn add_static_statements(&self, new: &[(String, String)]) {
+        let room = {
+            let prepared = self
+                .batch_statements
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            STATIC_SHAPES.saturating_sub(prepared.statics.len())
+        };
+        if room == 0 {
+            return;
+        }
+        let wanted: Vec<&str> = new.iter().map(|(_, name)| name.as_str()).collect();
+        let rows = match self
+            .client
+            .query(
+                "SELECT name, parameter_types::text[] FROM pg_catalog.pg_prepared_statements \
+                 WHERE name = ANY($1)",
+                &[&wanted],
+            )
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) => {
+                warn!(migration_id = self.migration_id, worker = self.worker, error = %pg_message(&e), "parameter types of batch statements not read; they run by EXECUTE");
+                return;
+            }
+        };
+        let types: HashMap<String, Vec<String>> = rows
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, Vec<String>>(1)))
+            .collect();
+        let (statics, added) = {
+            let prepared = self
+                .batch_statements
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let mut statics = prepared.statics.clone();
+            let mut added = Vec::new();
+            for (shape, name) in new {
+                if statics.len() >= STATIC_SHAPES {
+                    break;
+                }
+                if let Some(statement) = types.get(name).and_then(|t| static_statement(shape, t)) {
+                    statics.push(statement);
+                    added.push((shape.clone(), statics.len() as i32));
+                }
+            }
+            (statics, added)
+        };
+        if added.is_empty() {
+            return;
+        }
+        if let Err(e) = self.client.batch_execute(&batch_procedure(&statics)).await {
+            warn!(migration_id = self.migration_id, worker = self.worker, error = %pg_message(&e), "batch procedure not replaced; its new shapes run by EXECUTE");
+            return;
+        }
         let mut prepared = self
             .batch_statements
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        for (shape, name) in new {
-            prepared.names.insert(shape.clone(), name.clone());
-            names.insert(shape, name);
-        }
-        Ok(names)
+        prepared.statics = statics;
+        prepared.static_of.extend(added);
     }
 
     /// How many of `jobs`, from the first, the batch call that applied them committed: up to

@@ -115,13 +115,13 @@ pub(super) struct Prepared {
     pub(super) shadow_gid: Option<String>,
     pub(super) commit_time_us: i64,
     /// Each change as one unguarded statement with the same parameters as in `changes`,
-    /// answering a row per row it touched ([`batch_statement`]), for [`BATCH_PROCEDURE`]
+    /// answering a row per row it touched ([`batch_statement`]), for [`batch_procedure`]
     /// (which checks the row counts itself); empty unless asked for.
     pub(super) batch: Vec<String>,
 }
 
 impl Prepared {
-    /// Can it run in a batch ([`BATCH_PROCEDURE`])? Not a validated transaction (its apply is
+    /// Can it run in a batch ([`batch_procedure`])? Not a validated transaction (its apply is
     /// its prepared shadow's COMMIT PREPARED, which runs alone) nor a barrier (a TRUNCATE runs
     /// alone), and only once its batch statements are there.
     pub(super) fn batchable(&self) -> bool {
@@ -519,58 +519,161 @@ pub(super) fn execute_prepared(name: &str, params: &[String]) -> String {
 }
 
 /// The session-local procedure that applies a batch of shadow transactions in one CALL
-/// (design note 0003), created on each apply session when batches are on, with the session's
-/// `synchronous_commit` turned off (every catch-up shadow commits asynchronously, decision
-/// 0018; the lone path sets it per transaction too; a validated shadow's COMMIT PREPARED
-/// flushes whatever the setting, as every 2PC commit does). Each transaction in turn: its
-/// origin position and the source's commit time, its changes in order (each an `EXECUTE` of a
-/// statement the session prepared for the change's shape, with the change's values as
-/// literals: [`execute_prepared`]), the exactly-one-row check of every guarded change (the
-/// same `division_by_zero` as the guard's), `COMMIT`; then the commit position of the
-/// transaction just committed goes into a session sequence, which no rollback undoes, so that
-/// after an error [`BATCH_DONE`] tells which ones committed. Not the session's replication
-/// origin: its progress only moves forward, and a session can commit a transaction after a
-/// later one of the source (one that waited for another session's). A position rather than a
-/// count: a call that fails before its first commit (or before it starts) leaves an earlier
-/// batch's position there, which names none of this batch's transactions (every source
-/// transaction has its own commit position), where a count would. Arguments: per transaction
-/// its commit position (bytes past 0/0) and time (microseconds since 2000-01-01 UTC); per
-/// change the number (from 1) of its transaction, its statement and whether it is guarded.
-/// Must be called outside a transaction block, so that it may commit.
-pub(super) const BATCH_PROCEDURE: &str = "
-SET synchronous_commit = off;
-CREATE PROCEDURE pg_temp.remus_apply_batch(lsns bigint[], times_us bigint[],
-                                           change_txn int[], change_sql text[],
-                                           change_guarded bool[])
-LANGUAGE plpgsql AS $$
+/// (design note 0003), created on each apply session when batches are on ([`batch_setup`]) and
+/// replaced each time the session gives a shape a static statement. Each transaction in turn:
+/// its origin position and the source's commit time, its changes in order, the exactly-one-row
+/// check of every guarded change (the same `division_by_zero` as the guard's), `COMMIT`; then
+/// the commit position of the transaction just committed goes into a session sequence, which
+/// no rollback undoes, so that after an error [`BATCH_DONE`] tells which ones committed. Not
+/// the session's replication origin: its progress only moves forward, and a session can commit
+/// a transaction after a later one of the source (one that waited for another session's). A
+/// position rather than a count: a call that fails before its first commit (or before it
+/// starts) leaves an earlier batch's position there, which names none of this batch's
+/// transactions (every source transaction has its own commit position), where a count would.
+///
+/// A change runs as one of `statics` (its shape's number, from 1: [`static_statement`], PL/pgSQL
+/// keeps its plan and reads its values from the flat text array `params` from the change's
+/// offset), or, shape 0, as its `EXECUTE` of a statement the session prepared for its shape,
+/// with its values as literals ([`execute_prepared`]).
+///
+/// Arguments: per transaction its commit position (bytes past 0/0) and time (microseconds since
+/// 2000-01-01 UTC); per change the number (from 1) of its transaction, its `EXECUTE` (shape 0),
+/// whether it is guarded, its static shape (0: none) and the offset of its values in `params`.
+/// Every name starts with `remus_b_`, which no static statement contains ([`static_statement`]),
+/// so that no column of a shard table can be taken for one of them. Must be called outside a
+/// transaction block, so that it may commit.
+pub(super) fn batch_procedure(statics: &[String]) -> String {
+    let run = if statics.is_empty() {
+        "EXECUTE remus_b_change_sql[remus_b_c];".to_string()
+    } else {
+        let mut cases = String::from("remus_b_at := remus_b_param_at[remus_b_c];\n      CASE remus_b_change_shape[remus_b_c]\n");
+        for (i, statement) in statics.iter().enumerate() {
+            let _ = writeln!(cases, "        WHEN {} THEN {statement};", i + 1);
+        }
+        cases.push_str("        ELSE EXECUTE remus_b_change_sql[remus_b_c];\n      END CASE;");
+        cases
+    };
+    format!(
+        "CREATE OR REPLACE PROCEDURE pg_temp.remus_apply_batch(
+    remus_b_lsns bigint[], remus_b_times_us bigint[], remus_b_change_txn int[],
+    remus_b_change_sql text[], remus_b_change_guarded bool[], remus_b_change_shape int[],
+    remus_b_param_at int[], remus_b_params text[])
+LANGUAGE plpgsql AS {DOLLAR}
 DECLARE
-  c int := 1;
-  changes int := coalesce(array_length(change_sql, 1), 0);
-  touched bigint;
+  remus_b_c int := 1;
+  remus_b_changes int := coalesce(array_length(remus_b_change_sql, 1), 0);
+  remus_b_touched bigint;
+  remus_b_at int;
 BEGIN
-  FOR t IN 1 .. coalesce(array_length(lsns, 1), 0) LOOP
+  FOR remus_b_t IN 1 .. coalesce(array_length(remus_b_lsns, 1), 0) LOOP
     PERFORM pg_catalog.pg_replication_origin_xact_setup(
-      '0/0'::pg_catalog.pg_lsn + lsns[t],
+      '0/0'::pg_catalog.pg_lsn + remus_b_lsns[remus_b_t],
       '2000-01-01 00:00:00+00'::pg_catalog.timestamptz
-        + times_us[t] * '1 microsecond'::pg_catalog.interval);
-    WHILE c <= changes AND change_txn[c] = t LOOP
-      EXECUTE change_sql[c];
-      GET DIAGNOSTICS touched = ROW_COUNT;
-      IF change_guarded[c] AND touched <> 1 THEN
-        RAISE EXCEPTION 'change % of transaction % of the batch touched % rows, not 1', c, t, touched
-          USING ERRCODE = 'division_by_zero';
+        + remus_b_times_us[remus_b_t] * '1 microsecond'::pg_catalog.interval);
+    WHILE remus_b_c <= remus_b_changes AND remus_b_change_txn[remus_b_c] = remus_b_t LOOP
+      {run}
+      GET DIAGNOSTICS remus_b_touched = ROW_COUNT;
+      IF remus_b_change_guarded[remus_b_c] AND remus_b_touched <> 1 THEN
+        RAISE EXCEPTION 'change % of transaction % of the batch touched % rows, not 1',
+          remus_b_c, remus_b_t, remus_b_touched USING ERRCODE = 'division_by_zero';
       END IF;
-      c := c + 1;
+      remus_b_c := remus_b_c + 1;
     END LOOP;
     COMMIT;
-    PERFORM pg_catalog.setval('pg_temp.remus_apply_batch_done', lsns[t], true);
+    PERFORM pg_catalog.setval('pg_temp.remus_apply_batch_done', remus_b_lsns[remus_b_t], true);
   END LOOP;
-END $$;
-CREATE TEMPORARY SEQUENCE remus_apply_batch_done MINVALUE 0 START 0;";
+END {DOLLAR};"
+    )
+}
 
-/// The CALL of [`BATCH_PROCEDURE`].
+/// The dollar quote of [`batch_procedure`]'s body.
+const DOLLAR: &str = "$remus_batch$";
+
+/// What an apply session runs once when batches are on: `synchronous_commit` off for the
+/// session (every catch-up shadow commits asynchronously, decision 0018; the lone path sets it
+/// per transaction too; a validated shadow's COMMIT PREPARED flushes whatever the setting, as
+/// every 2PC commit does), [`batch_procedure`] without static statements, and the progress
+/// sequence.
+pub(super) fn batch_setup() -> String {
+    format!(
+        "SET synchronous_commit = off;\n{};\n\
+         CREATE TEMPORARY SEQUENCE remus_apply_batch_done MINVALUE 0 START 0;",
+        batch_procedure(&[])
+    )
+}
+
+/// The CALL of [`batch_procedure`].
 pub(super) const BATCH_CALL: &str = "CALL pg_temp.remus_apply_batch($1::bigint[], $2::bigint[], \
-                                     $3::int[], $4::text[], $5::bool[])";
+                                     $3::int[], $4::text[], $5::bool[], $6::int[], $7::int[], \
+                                     $8::text[])";
+
+/// Shapes a session gives a static statement in its batch procedure, at most; the others run
+/// by `EXECUTE`. A few per table (its INSERT, its UPDATE of every column, its DELETE) cover
+/// most workloads, and every static statement is one more branch of the procedure's `CASE`.
+pub(super) const STATIC_SHAPES: usize = 16;
+
+/// Parameter types (as `pg_prepared_statements.parameter_types` names them) a static statement
+/// casts its text values to. For these a cast from text is the type's input function, which is
+/// also how PostgreSQL reads an untyped literal or a parameter sent in text format; a type
+/// with a cast of its own from text (`"char"`, `name`, `xml`, `regclass`, …), `character`
+/// (which, named without its length, is `character(1)` and would cut the value) or a user type
+/// stays on the `EXECUTE` path.
+const STATIC_TYPES: &[&str] = &[
+    "smallint",
+    "integer",
+    "bigint",
+    "numeric",
+    "real",
+    "double precision",
+    "boolean",
+    "text",
+    "character varying",
+    "bytea",
+    "uuid",
+    "date",
+    "time without time zone",
+    "timestamp without time zone",
+    "timestamp with time zone",
+    "interval",
+    "json",
+    "jsonb",
+];
+
+/// A batch statement ([`batch_statement`]) as a static statement of [`batch_procedure`]:
+/// without its `RETURNING` (a static statement sets `ROW_COUNT` itself), each `$n` replaced by
+/// the change's n-th value cast to `types[n - 1]`. None when it cannot be one: a `SELECT …
+/// FOR UPDATE`, a type not in [`STATIC_TYPES`], a parameter without a type, or a text that
+/// contains the procedure's names or dollar quote (a quoted identifier can hold anything).
+pub(super) fn static_statement(shape: &str, types: &[String]) -> Option<String> {
+    let dml = shape.strip_suffix(" RETURNING 1")?;
+    if dml.contains("remus_b_") || dml.contains(DOLLAR) {
+        return None;
+    }
+    if !types.iter().all(|t| STATIC_TYPES.contains(&t.as_str())) {
+        return None;
+    }
+    let mut out = String::with_capacity(dml.len() + 32 * types.len());
+    let mut quoted = false;
+    let mut chars = dml.chars().peekable();
+    while let Some(ch) = chars.next() {
+        if ch == '"' {
+            // A doubled quote inside an identifier toggles twice.
+            quoted = !quoted;
+            out.push(ch);
+        } else if ch == '$' && !quoted && chars.peek().is_some_and(char::is_ascii_digit) {
+            let mut n = 0usize;
+            while let Some(d) = chars.peek().and_then(|c| c.to_digit(10)) {
+                n = n.checked_mul(10)?.checked_add(d as usize)?;
+                chars.next();
+            }
+            let ty = types.get(n.checked_sub(1)?)?;
+            let _ = write!(out, "(remus_b_params[remus_b_at + {n}])::{ty}");
+        } else {
+            out.push(ch);
+        }
+    }
+    Some(out)
+}
 
 /// The commit position of the last transaction a [`BATCH_CALL`] committed (0 before any).
 pub(super) const BATCH_DONE: &str = "SELECT last_value FROM pg_temp.remus_apply_batch_done";
@@ -674,10 +777,53 @@ mod tests {
         // Not asked for: no batch statements, and so not batchable.
         let p = prepare(&txn(changes), false).unwrap();
         assert!(p.batch.is_empty() && !p.batchable());
-        assert!(BATCH_PROCEDURE.contains("ERRCODE = 'division_by_zero'"));
+        assert!(batch_procedure(&[]).contains("ERRCODE = 'division_by_zero'"));
         // Catch-up shadows commit asynchronously: the session says so once, not each one.
-        assert!(BATCH_PROCEDURE.contains("SET synchronous_commit = off;"));
-        assert!(!BATCH_PROCEDURE.contains("set_config"));
+        assert!(batch_setup().contains("SET synchronous_commit = off;"));
+        assert!(!batch_setup().contains("set_config"));
+    }
+
+    #[test]
+    fn static_statements_cast_each_value_and_leave_quoted_names_alone() {
+        let types = |t: &[&str]| t.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            static_statement(
+                "UPDATE \"s\".\"t$1\"\"x\" SET \"v\" = $1, \"w\" = NULL WHERE \"id\" = $2 RETURNING 1",
+                &types(&["text", "bigint"])
+            )
+            .as_deref(),
+            Some(
+                "UPDATE \"s\".\"t$1\"\"x\" SET \"v\" = (remus_b_params[remus_b_at + 1])::text, \
+                 \"w\" = NULL WHERE \"id\" = (remus_b_params[remus_b_at + 2])::bigint"
+            )
+        );
+        let many: Vec<String> = (0..10).map(|_| "integer".to_string()).collect();
+        let ten =
+            static_statement("DELETE FROM \"t\" WHERE \"k\" = $10 RETURNING 1", &many).unwrap();
+        assert!(
+            ten.ends_with("(remus_b_params[remus_b_at + 10])::integer"),
+            "{ten}"
+        );
+        // Not static: a SELECT … FOR UPDATE, a type with a cast of its own, a value without a
+        // type, the procedure's own names or dollar quote in an identifier.
+        let select = "SELECT 1 FROM \"t\" WHERE \"k\" = $1 FOR UPDATE";
+        assert_eq!(static_statement(select, &types(&["integer"])), None);
+        let one = "DELETE FROM \"t\" WHERE \"k\" = $1 RETURNING 1";
+        assert_eq!(static_statement(one, &types(&["\"char\""])), None);
+        assert_eq!(static_statement(one, &types(&["mytype"])), None);
+        assert_eq!(static_statement(one, &types(&["character"])), None);
+        assert_eq!(static_statement(one, &[]), None);
+        let own = "DELETE FROM \"t\" WHERE \"remus_b_c\" = $1 RETURNING 1";
+        assert_eq!(static_statement(own, &types(&["integer"])), None);
+        let dollar = "DELETE FROM \"$remus_batch$\" WHERE \"k\" = $1 RETURNING 1";
+        assert_eq!(static_statement(dollar, &types(&["integer"])), None);
+        // The procedure dispatches on the shape's number, and falls back to EXECUTE.
+        let proc = batch_procedure(&["DELETE FROM \"t\"".to_string()]);
+        assert!(proc.contains("WHEN 1 THEN DELETE FROM \"t\";"), "{proc}");
+        assert!(
+            proc.contains("ELSE EXECUTE remus_b_change_sql[remus_b_c];"),
+            "{proc}"
+        );
     }
 
     #[test]
