@@ -210,7 +210,7 @@ analyze() {
             for (i = 1; i <= n; i++) {
                 # commits in (t[i-1], t[i]]
                 cnt = 0; while (k <= nc && c[k] <= t[i]) { if (i > 1 && c[k] > t[i - 1]) cnt++; k++ }
-                if (i == 1) continue
+                if (i == 1) { cum[1] = 0; continue }
                 dt = t[i] - t[i - 1]
                 rl = (r[i] == "") ? "" : w[i] - r[i]; sl = (s[i] == "") ? "" : w[i] - s[i]
                 rlm = lagms(r[i], i); slm = lagms(s[i], i)
@@ -222,16 +222,10 @@ analyze() {
                     pr[ph[i]] += (rb == "" ? 0 : rb * dt); ps[ph[i]] += (sb == "" ? 0 : sb * dt) }
                 # cumulative commits for 1 s windows
                 cum[i] = cum[i - 1] + cnt
-                if (t[i] < ms) {
-                    kk = i; while (kk > 1 && t[i] - t[kk] < 1) kk--
-                    if (t[i] - t[kk] >= 0.5) { v = (cum[i] - cum[kk]) / (t[i] - t[kk]); if (v > pre_tps_peak) pre_tps_peak = v }
-                }
+                if (t[i] < ms) { v = rate1s(cum, i); if (v != "" && v > pre_tps_peak) pre_tps_peak = v }
                 if (t[i] >= ms && t[i] <= me) {
-                    kk = i; while (kk > 1 && t[i] - t[kk] < 1) kk--
-                    if (t[i] - t[kk] >= 0.5) {
-                        v = (cum[i] - cum[kk]) / (t[i] - t[kk]); if (v > src_tps_peak) src_tps_peak = v
-                        v = (w[i] - w[kk]) / (t[i] - t[kk]); if (v > src_wal_peak) src_wal_peak = v
-                    }
+                    v = rate1s(cum, i); if (v != "" && v > src_tps_peak) src_tps_peak = v
+                    v = rate1s(w, i); if (v != "" && v > src_wal_peak) src_wal_peak = v
                     src_n += cnt; src_b += w[i] - w[i - 1]; src_t += dt
                 }
                 if (ph[i] == "catchup") { if (cu0 == "") cu0 = t[i - 1]; cu1 = t[i]
@@ -256,8 +250,7 @@ analyze() {
                 # Transactions the replay applied (txns_replayed) over 1 s windows: its rate in
                 # the unit of the source, which WAL bytes are not (full-page images after a checkpoint
                 # make the WAL of a transaction several times larger, and decoding skips them).
-                if (tr[i] != "") { kk = i; while (kk > 1 && t[i] - t[kk] < 1 && tr[kk - 1] != "") kk--
-                    if (t[i] - t[kk] >= 0.5 && tr[kk] != "") { v = (tr[i] - tr[kk]) / (t[i] - t[kk]); if (v > tr_peak) tr_peak = v } }
+                v = rate1s(tr, i); if (v != "" && v > tr_peak) tr_peak = v
             }
             converged = (minlag_cu != "" && minlag_cu <= 500) ? "yes" : (cu0 == "" ? "no catch-up phase" : "no")
             # The coordinator leaves catch-up when the applied position is close enough (decision

@@ -150,6 +150,17 @@ fn cfg(dst: &PgServer, db: &str, migration_id: u64, parallelism: usize) -> Apply
     }
 }
 
+/// An applier connected with `cfg` that has applied every one of `txns` (submitted in order,
+/// then drained).
+async fn apply_all(cfg: ApplyConfig, txns: &[ShadowTxn]) -> ShadowApplier {
+    let mut applier = ShadowApplier::connect(cfg).await.unwrap();
+    for t in txns {
+        applier.submit(t.clone()).await.unwrap();
+    }
+    applier.drain().await.unwrap();
+    applier
+}
+
 async fn table_dump(c: &tokio_postgres::Client, table: &str) -> String {
     query_one(
         c,
@@ -449,13 +460,7 @@ async fn parallel_apply_matches_serial_apply_and_the_watermark_covers_only_commi
     applier.finish().await.unwrap();
 
     // Serial: one session.
-    let mut serial = ShadowApplier::connect(cfg(&dst, "ser", 2, 1))
-        .await
-        .unwrap();
-    for t in &txns {
-        serial.submit(t.clone()).await.unwrap();
-    }
-    serial.drain().await.unwrap();
+    let serial = apply_all(cfg(&dst, "ser", 2, 1), &txns).await;
     serial.finish().await.unwrap();
 
     for (i, table) in ["a", "b"].into_iter().enumerate() {
@@ -580,13 +585,7 @@ async fn batches_apply_what_one_at_a_time_applies_with_each_transaction_committe
     const N: u64 = 300;
     let (txns, expected) = workload(N, 0xba7c);
     // One session: ready transactions pile up behind the one running, so they go in batches.
-    let mut applier = ShadowApplier::connect(batched(&dst, "postgres", 5, 1))
-        .await
-        .unwrap();
-    for t in &txns {
-        applier.submit(t.clone()).await.unwrap();
-    }
-    applier.drain().await.unwrap();
+    let applier = apply_all(batched(&dst, "postgres", 5, 1), &txns).await;
     assert_eq!(applier.applied_lsn(), txns.last().unwrap().end_lsn);
     assert_eq!(applier.txns_applied(), N);
     assert_eq!(applier.batches_failed(), 0);
@@ -668,13 +667,7 @@ async fn batches_keep_applying_past_the_prepared_statements_a_session_keeps() {
             stxn(i, changes)
         })
         .collect();
-    let mut applier = ShadowApplier::connect(batched(&dst, "postgres", 8, 1))
-        .await
-        .unwrap();
-    for t in &txns {
-        applier.submit(t.clone()).await.unwrap();
-    }
-    applier.drain().await.unwrap();
+    let applier = apply_all(batched(&dst, "postgres", 8, 1), &txns).await;
     assert_eq!(applier.txns_applied(), N);
     // Batches did the work, and none failed (a failed one is applied again one by one, which
     // would hide it in the tables).

@@ -11,7 +11,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn, Instrument};
 
 use super::durable::{flush_sql, DurableFlusher};
-use super::session::Session;
+use super::session::{Applied, Session};
 use super::sql::{format_lsn, prepare, quote_literal, Prepared};
 use super::{pg_message, ApplyConfig, ApplyError};
 use crate::progress::{AppliedLsnWatcher, AppliedWatermark};
@@ -27,20 +27,11 @@ const PENDING_PER_SESSION: usize = 64;
 /// opened at once stalled every client of a loaded two-core machine for tens of milliseconds.
 const INITIAL_SESSIONS: usize = 2;
 
-/// A session back from applying transactions `seqs` (in order).
+/// A session back from applying transactions `seqs` (in order), and what it did with them.
 struct Completion {
     session: Session,
     seqs: Vec<u64>,
-    /// How many of them committed, from the first.
-    committed: usize,
-    /// How many of those committed in a call of the batch procedure.
-    batched: usize,
-    /// A batch call failed (the rest was applied one by one).
-    batch_failed: bool,
-    /// Changes run as static statements of the batch procedure.
-    static_changes: usize,
-    /// The error of the next one, if one failed.
-    failure: Option<ApplyError>,
+    applied: Applied,
 }
 
 /// Applies one migration's shadow transactions over parallel destination sessions.
@@ -343,11 +334,7 @@ impl ShadowApplier {
                     Completion {
                         session,
                         seqs,
-                        committed: applied.committed,
-                        batched: applied.batched,
-                        batch_failed: applied.batch_failed,
-                        static_changes: applied.static_changes,
-                        failure: applied.failure,
+                        applied,
                     }
                 }
                 .in_current_span(),
@@ -371,11 +358,14 @@ impl ShadowApplier {
         let Completion {
             session,
             seqs,
-            committed,
-            batched,
-            batch_failed,
-            static_changes,
-            failure,
+            applied:
+                Applied {
+                    committed,
+                    batched,
+                    batch_failed,
+                    static_changes,
+                    failure,
+                },
         } = match joined {
             Ok(c) => c,
             Err(e) => {

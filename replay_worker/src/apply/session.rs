@@ -417,30 +417,32 @@ impl Session {
         let mut params: Vec<&str> = Vec::new();
         let mut statics = 0;
         let names = self.batch_statement_names(jobs).await?;
-        let static_of = self
-            .batch_statements
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .static_of
-            .clone();
-        for (t, p) in jobs.iter().enumerate() {
-            // LSNs stay below 2^63.
-            lsns.push(p.commit_lsn as i64);
-            times.push(p.commit_time_us);
-            for ((shape, change), info) in p.batch.iter().zip(&p.changes).zip(&p.stmts) {
-                change_txn.push(t as i32 + 1);
-                change_guarded.push(info.guarded);
-                param_at.push(params.len() as i32);
-                match static_of.get(shape) {
-                    Some(&number) => {
-                        statics += 1;
-                        change_shape.push(number);
-                        change_sql.push(String::new());
-                        params.extend(change.params.iter().map(String::as_str));
-                    }
-                    None => {
-                        change_shape.push(0);
-                        change_sql.push(execute_prepared(&names[shape.as_str()], &change.params));
+        {
+            // Held while the arrays are built: no await in this block.
+            let prepared = self
+                .batch_statements
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for (t, p) in jobs.iter().enumerate() {
+                // LSNs stay below 2^63.
+                lsns.push(p.commit_lsn as i64);
+                times.push(p.commit_time_us);
+                for ((shape, change), info) in p.batch.iter().zip(&p.changes).zip(&p.stmts) {
+                    change_txn.push(t as i32 + 1);
+                    change_guarded.push(info.guarded);
+                    param_at.push(params.len() as i32);
+                    match prepared.static_of.get(shape) {
+                        Some(&number) => {
+                            statics += 1;
+                            change_shape.push(number);
+                            change_sql.push(String::new());
+                            params.extend(change.params.iter().map(String::as_str));
+                        }
+                        None => {
+                            change_shape.push(0);
+                            change_sql
+                                .push(execute_prepared(&names[shape.as_str()], &change.params));
+                        }
                     }
                 }
             }
@@ -466,9 +468,8 @@ impl Session {
 
     /// The name of the session's prepared statement of every batch statement of `jobs`
     /// ([`Prepared::batch`]) that has no static statement, preparing those it has not prepared
-    /// yet in one round trip
-    /// (`PREPARE`: SQL-level, so that the batch procedure can `EXECUTE` them). A name is never
-    /// used twice: a `PREPARE` that failed after others had succeeded leaves those behind,
+    /// yet in one round trip (`PREPARE`: SQL-level, so that the batch procedure can `EXECUTE`
+    /// them). A name is never used twice: a `PREPARE` that failed after others had succeeded leaves those behind,
     /// unknown to the cache, but nothing can collide with them.
     async fn batch_statement_names(
         &self,
