@@ -11,14 +11,17 @@
 //! - A target that stops answering (SIGSTOP of its postmaster and backends): a source COMMIT
 //!   fails with 40001 once `remus.validation_timeout` has passed, instead of hanging (F11).
 //! - VACUUM that would freeze a migrating shard's rows is refused with 55006 (F15).
-//! - A source COMMIT cancelled while its validation waits for the stream leaves no prepared
-//!   shadow behind on the target once the validation completes there (F6): the row takes new
-//!   source writes at once, in dual execution, not only after cleanup.
+//! - A source COMMIT cancelled while its validation waits (for a row a target session holds)
+//!   leaves no prepared shadow behind on the target once the validation completes there (F6):
+//!   the row takes new source writes at once, in dual execution, not only after cleanup.
 //!   Caveat: run against a build without the fix (17:50 on 2026-11-25) this test passed as
 //!   well: the cancel scenario of the review did not leave an orphan here, so it is a
 //!   regression check of the new path, not a proof of the finding.
 //! - A commit refused because its validation failed (not only a conflict) counts in
 //!   `aborted_by_migration` (F19).
+//! - Once the sync barrier is applied on the target, a source commit validates without waiting
+//!   for the stream (decision 0036): with the source's walsender stopped, two commits of one
+//!   row still commit, and the new owner has both.
 
 use std::sync::mpsc;
 use std::thread;
@@ -328,16 +331,16 @@ fn a_commit_cancelled_during_validation_leaves_no_prepared_shadow() {
     let (c, shard, mover) = paused_in_dual_execution();
     let (id, a0) = first_row(&c, shard);
     let mut n1 = c.connect("n1").unwrap();
-    let walsender: i32 = n1
-        .query_one(
-            "SELECT active_pid FROM pg_replication_slots
-              WHERE slot_name LIKE 'remus\\_m%' AND active_pid IS NOT NULL",
-            &[],
-        )
-        .unwrap()
-        .get(0);
-    // The stream stops: a validation waits for it to pass the transaction's L_T.
-    let stopped = Stopped::pids(vec![walsender]);
+    // A session on the target holds the row, so the validation's check waits for it. (Past
+    // the sync barrier a validation no longer waits for the stream, decision 0036: stopping
+    // the walsender, as this test did before, no longer holds it.)
+    let mut holder = c.connect("n2").unwrap();
+    holder
+        .batch_execute(&format!(
+            "SET remus.migration_session = on; BEGIN;
+             SELECT 1 FROM remus_shards.t_{shard} WHERE id = {id} FOR UPDATE"
+        ))
+        .unwrap();
     let mut w = c.connect("n1").unwrap();
     let pid: i32 = w.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
     let writer = thread::spawn(move || {
@@ -363,27 +366,8 @@ fn a_commit_cancelled_during_validation_leaves_no_prepared_shadow() {
     );
     n1.execute("SELECT pg_cancel_backend($1)", &[&pid]).unwrap();
     assert_eq!(writer.join().unwrap(), Err("57014".to_string()));
-    drop(stopped);
-    // The stream goes on: the validation waiting for it wakes up.
-    let lsn: String = n1
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .unwrap()
-        .get(0);
-    remus_test_support::wait_until(
-        Duration::from_secs(60),
-        Duration::from_millis(20),
-        || {
-            n1.query_one(
-                "SELECT count(*) FROM pg_replication_slots
-                  WHERE slot_name LIKE 'remus\\_m%' AND confirmed_flush_lsn >= $1::text::pg_lsn",
-                &[&lsn],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-                == 1
-        },
-        || "the stream never caught up".into(),
-    );
+    // The holder lets go: the validation still running on the target goes on.
+    holder.batch_execute("ROLLBACK").unwrap();
     // Still in dual execution: a new source write of the row validates and commits (an
     // orphan shadow holding the row would refuse it after its lock timeout).
     n1.execute("UPDATE t SET a = a + 1 WHERE id = $1", &[&id])
@@ -415,4 +399,51 @@ fn a_commit_cancelled_during_validation_leaves_no_prepared_shadow() {
     );
     finish(&c, mover);
     assert_eq!(row(&c, "n2", id).unwrap().0, a0 + 1);
+}
+
+/// The walsenders of `node` (their pids), to stop the stream at its source.
+fn walsenders(c: &TestCluster, node: &str) -> Vec<i32> {
+    c.connect(node)
+        .unwrap()
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walsender'",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Once the sync barrier is applied on the target (`remus.migration_barrier_applied`), a
+/// source commit validates without waiting for the stream: with the source's walsender stopped
+/// it still commits, where a validation that waited for its WAL position to be streamed would
+/// fail with 40001 at `remus.validation_timeout`. Its write is on the new owner after the move,
+/// and so is a later write of the same row validated behind it.
+#[test]
+fn after_the_barrier_a_source_commit_does_not_wait_for_the_stream() {
+    let (c, shard, mover) = paused_in_dual_execution();
+    let (id, a0) = first_row(&c, shard);
+    let mut w = c.connect("n1").unwrap();
+    w.batch_execute("SET remus.validation_timeout = '2s'")
+        .unwrap();
+    let senders = walsenders(&c, "n1");
+    assert!(!senders.is_empty(), "the migration streams from n1");
+    let stopped = Stopped::pids(senders);
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let first = w.execute("UPDATE t SET a = a + 1 WHERE id = $1", &[&id]);
+        let second = w.execute("UPDATE t SET a = a + 10 WHERE id = $1", &[&id]);
+        let _ = tx.send((first, second));
+    });
+    // Not a timing assertion: the bound only keeps a hang from hanging the suite.
+    let (first, second) = rx
+        .recv_timeout(Duration::from_secs(120))
+        .unwrap_or_else(|_| panic!("the source commits hung with the stream stopped"));
+    drop(stopped);
+    first.unwrap_or_else(|e| panic!("the first source commit with the stream stopped: {e:?}"));
+    second.unwrap_or_else(|e| panic!("the second source commit with the stream stopped: {e:?}"));
+    assert_eq!(finish(&c, mover), 0, "nothing aborted by the migration");
+    assert_eq!(row(&c, "n2", id).unwrap().0, a0 + 11);
+    assert_eq!(prepared_everywhere(&c), 0, "no shadow is left prepared");
 }

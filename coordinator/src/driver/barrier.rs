@@ -1,7 +1,8 @@
 //! Remus: the sync barrier, between catch-up and dual execution. Writers whose write sets are
 //! incomplete are waited for, the source switches to sync mode (`remus.sync_barrier`, the
-//! extension's half of the barrier), 2PC participants prepared before it are waited for, and the
-//! target applies the stream up to there. The lock waits here serve cleanup and resume too.
+//! extension's half of the barrier), 2PC participants prepared before it are waited for, the
+//! target applies the stream up to there, and the source's validations stop waiting for the
+//! stream (`remus.migration_barrier_applied`). The lock waits here serve cleanup and resume too.
 
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,9 @@ impl Run {
     /// The sync barrier: wait for the writers whose write sets are incomplete, switch the
     /// source to sync mode (TS_unsync drains inside `remus.sync_barrier`), wait for the 2PC
     /// participants prepared in async mode, then until the target applied everything up to
-    /// there. From then on every source commit on the shards is validated on the target.
+    /// there. From then on every source commit on the shards is validated on the target, and
+    /// without waiting for the stream: its write-write predecessors are applied there or
+    /// prepared shadows whose row locks its validation waits for.
     pub(super) async fn sync_barrier(&mut self) -> Result<(), DriverError> {
         let id = self.id();
         let started = Instant::now();
@@ -47,6 +50,12 @@ impl Run {
         let lsn = self.sync_point().await?;
         let sync_point = started.elapsed();
         self.wait_applied(lsn).await?;
+        // Every source commit before the sync point is applied on the target, every one after
+        // it is validated: validations stop waiting for the stream (and flushing for it).
+        source
+            .batch_execute(&format!("SELECT remus.migration_barrier_applied({id})"))
+            .await
+            .map_err(sql(&self.plan.source))?;
         // Where the barrier's time goes (each a time since its start): the writers of the
         // migration's start, the source's switch to sync mode, the 2PC participants, the sync
         // point's emission, then the target applying up to it.

@@ -128,6 +128,8 @@ pub enum RemusError {
     MigrationNotRegistered { migration_id: i64 },
     #[error("migration {migration_id} does not capture writes on this node")]
     MigrationNotCapturing { migration_id: i64 },
+    #[error("migration {migration_id} is not in dual execution on this node (its sync barrier is not set)")]
+    MigrationNotInSync { migration_id: i64 },
 
     // 0A000 feature_not_supported.
     /// The recurring wording: `what` is a statement form or clause.
@@ -438,9 +440,9 @@ impl RemusError {
             // The transaction aborts and nothing it wrote is visible anywhere: retrying is safe.
             Self::SyncValidation { .. } => SqlState::SERIALIZATION_FAILURE.code(),
             Self::WriteSetTooLarge { .. } => pg_code::PROGRAM_LIMIT_EXCEEDED.code(),
-            Self::CoordinatorUnset | Self::MigrationFailed { .. } => {
-                SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code()
-            }
+            Self::CoordinatorUnset
+            | Self::MigrationFailed { .. }
+            | Self::MigrationNotInSync { .. } => SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code(),
             Self::Spi(_) => SqlState::INTERNAL_ERROR.code(),
             Self::DurableState { .. } => pg_code::IO_ERROR.code(),
             Self::NoHashFunction { .. } => pg_code::UNDEFINED_FUNCTION.code(),

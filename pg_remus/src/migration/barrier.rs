@@ -15,7 +15,9 @@ pub enum CommitMode {
     /// Async mode: commit as usual; the stream carries the change.
     Async,
     /// Sync mode: validate on the destination through this replay worker first.
-    Sync { endpoint: String },
+    /// `stream_gate`: the validation waits until the destination's stream has passed this
+    /// transaction's WAL position (until the barrier's sync point is applied there).
+    Sync { endpoint: String, stream_gate: bool },
     /// The migration is gone (ended or rolled back): nothing to do.
     Gone,
 }
@@ -77,6 +79,7 @@ fn enter_commit_as(
             None => CommitMode::Gone,
             Some(m) if m.sync => CommitMode::Sync {
                 endpoint: m.endpoint(),
+                stream_gate: !m.barrier_applied,
             },
             Some(_) => {
                 mark = true;
@@ -161,6 +164,37 @@ mod remus {
         // SAFETY: reads the shared WAL insert position.
         unsafe { pg_sys::GetXLogInsertRecPtr() as i64 }
     }
+
+    /// The end of the sync barrier (Remus mode), called by the coordinator once the
+    /// destination has applied the source's stream up to the sync point it emitted after
+    /// TS_unsync and the 2PC participants prepared in async mode. Every source commit on the
+    /// shards before that point is applied there, and every one after it is validated (its
+    /// shadow prepared there, holding its row locks until it commits). So a validation from
+    /// now on does not wait for the stream to pass its transaction's WAL position (nor flush
+    /// that position first): a write-write predecessor of it is either applied or a prepared
+    /// shadow whose row lock the validation's `FOR UPDATE` waits for. Not kept across a
+    /// restart of this node: validations then wait for the stream again, which is always
+    /// safe.
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn migration_barrier_applied(migration_id: i64) {
+        require_superuser("remus.migration_barrier_applied");
+        let mut s = STATE.exclusive();
+        match s
+            .migrations
+            .iter_mut()
+            .find(|m| m.migration_id == migration_id && m.capture)
+        {
+            Some(m) if m.sync => m.barrier_applied = true,
+            Some(_) => {
+                drop(s);
+                RemusError::MigrationNotInSync { migration_id }.raise()
+            }
+            None => {
+                drop(s);
+                RemusError::MigrationNotCapturing { migration_id }.raise()
+            }
+        }
+    }
 }
 
 #[cfg(any(test, feature = "pg_test"))]
@@ -186,5 +220,23 @@ mod tests {
         Spi::run("SELECT remus.migration_end(9171)").unwrap();
         let e = past.expect_err("past the marks");
         assert_eq!(e.sqlstate(), "53000", "{e}");
+    }
+
+    /// A capturing migration validates behind the stream until its barrier is applied, then
+    /// without it.
+    #[pg_test]
+    fn validations_wait_for_the_stream_until_the_barrier_is_applied() {
+        let mode = || enter_commit_as(&[9172], 0).expect("a commit mode");
+        let sync = |gate| CommitMode::Sync {
+            endpoint: "http://127.0.0.1:1".into(),
+            stream_gate: gate,
+        };
+        Spi::run("SELECT remus.migration_begin(9172, ARRAY[917201])").unwrap();
+        Spi::run("SELECT remus.migration_capture(9172, 'http://127.0.0.1:1')").unwrap();
+        Spi::run("SELECT remus.sync_barrier(9172)").unwrap();
+        assert_eq!(mode(), vec![(9172, sync(true))]);
+        Spi::run("SELECT remus.migration_barrier_applied(9172)").unwrap();
+        assert_eq!(mode(), vec![(9172, sync(false))]);
+        Spi::run("SELECT remus.migration_end(9172)").unwrap();
     }
 }

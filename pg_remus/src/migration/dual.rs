@@ -82,12 +82,16 @@ pub(crate) fn pre_commit() -> Result<(), RemusError> {
         MARKED.with(|m| m.set(true));
     }
     for ((migration_id, changes), (_, mode)) in by_migration.into_iter().zip(modes) {
-        if let CommitMode::Sync { endpoint } = mode {
+        if let CommitMode::Sync {
+            endpoint,
+            stream_gate,
+        } = mode
+        {
             if overflowed.contains(&migration_id) {
                 count_migration_abort(migration_id);
                 return Err(write_set_too_large(migration_id));
             }
-            validate(migration_id, &endpoint, changes)?;
+            validate(migration_id, &endpoint, stream_gate, changes)?;
         }
     }
     Ok(())
@@ -100,18 +104,33 @@ fn shadow_gid(migration_id: i64, fxid: u64) -> String {
     names::shadow_gid(migration_id as u64, fxid)
 }
 
-fn validate(migration_id: i64, endpoint: &str, changes: Vec<RowChange>) -> Result<(), RemusError> {
-    // SAFETY: the transaction wrote, so it has an xid; plain reads of WAL positions.
-    let (fxid, wait_lsn) = unsafe {
-        let fxid = pg_sys::GetTopFullTransactionId().value;
+/// `stream_gate`: the destination is to wait until its stream has passed this transaction's WAL
+/// position, L_T (until the sync barrier's sync point is applied there); past it the request
+/// carries 0, which waits for nothing ([`super::barrier`]'s `migration_barrier_applied`).
+fn validate(
+    migration_id: i64,
+    endpoint: &str,
+    stream_gate: bool,
+    changes: Vec<RowChange>,
+) -> Result<(), RemusError> {
+    // SAFETY: the transaction wrote, so it has an xid.
+    let fxid = unsafe { pg_sys::GetTopFullTransactionId().value };
+    let wait_lsn = if stream_gate {
         // The insert position may lie just past the header of a page no record has reached
         // yet; flushing up to there fails ("xlog flush request … is not satisfied"), so both
         // the flush and L_T stop at the end of the last record.
-        let lsn = end_of_last_record(pg_sys::GetXLogInsertRecPtr());
-        // The destination waits until its stream has passed L_T; the walsender only decodes
-        // flushed WAL, so flush now rather than wait for the WAL writer.
-        pg_sys::XLogFlush(lsn);
-        (fxid, lsn)
+        // SAFETY: a plain read of the shared insert position, then a flush up to a written
+        // record.
+        unsafe {
+            let lsn = end_of_last_record(pg_sys::GetXLogInsertRecPtr());
+            // The destination waits until its stream has passed L_T; the walsender only
+            // decodes flushed WAL, so flush now rather than wait for the WAL writer.
+            pg_sys::XLogFlush(lsn);
+            lsn
+        }
+    } else {
+        // Nothing to wait for, so nothing to flush first: the commit record flushes this WAL.
+        0
     };
     let gid = shadow_gid(migration_id, fxid);
     let request = chunked(

@@ -38,6 +38,10 @@ pub(crate) struct MigrationEntry {
     /// Remus mode: the sync barrier is set; commits that wrote the shards validate on the
     /// destination first (dual execution).
     pub(crate) sync: bool,
+    /// Remus mode: the destination has applied the stream up to the sync barrier's sync point
+    /// (`remus.migration_barrier_applied`). Every source commit on the shards after it is
+    /// validated, so a validation no longer waits for the stream ([`super::dual`]).
+    pub(crate) barrier_applied: bool,
     /// The replay worker that validates this migration's sync commits (NUL-padded).
     pub(crate) endpoint: [u8; ENDPOINT_BYTES],
     /// Remus mode, from Tm until the migration ends: the node the shards left (NUL-padded).
@@ -75,6 +79,7 @@ impl Default for MigrationEntry {
             aborts: 0,
             capture: false,
             sync: false,
+            barrier_applied: false,
             endpoint: [0; ENDPOINT_BYTES],
             drain_source: [0; NODE_NAME_BYTES],
             restored: false,
