@@ -90,6 +90,7 @@ impl Propagator {
         publication: String,
         start: Lsn,
         parallelism: u32,
+        validation_sessions: u32,
         failpoints: crate::failpoint::Failpoints,
     ) -> Result<Self, PropagatorError> {
         let replay_err = |detail: String| PropagatorError::Replay {
@@ -108,6 +109,7 @@ impl Propagator {
                 destination_conninfo,
                 parallelism,
                 start_lsn: start.0,
+                validation_sessions,
             })),
         })
         .await
@@ -278,7 +280,18 @@ fn stream_loop(
                 None => {}
                 Some(ReplicationMessage::XLogData(x)) => {
                     let msg = PgOutputMessage::decode(x.data)?;
-                    if let Some(Assembled::Txn(txn)) = assembler.push(msg)? {
+                    let assembled = assembler.push(msg)?;
+                    // A non-transactional message (a validating source transaction's stream
+                    // mark, decision 0036) is decoded in WAL order outside any transaction:
+                    // every transaction committed before it has been sent.
+                    if let Some(Assembled::Message(m)) = &assembled {
+                        if !assembler.in_transaction() {
+                            let _ = tx.blocking_send(ApplyRequest {
+                                msg: Some(apply_request::Msg::IdleLsn(m.lsn.0)),
+                            });
+                        }
+                    }
+                    if let Some(Assembled::Txn(txn)) = assembled {
                         let shadow = wal_propagator::ship::shadow_txn(&txn, migration_id);
                         progress.txns_shipped.fetch_add(1, Ordering::AcqRel);
                         if tx

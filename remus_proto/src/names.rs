@@ -39,6 +39,14 @@ pub const MESSAGE_PREFIX_C: &CStr = c"remus";
 /// stream position that everything committed before it precedes (a sync point).
 pub const SYNC_POINT_MESSAGE_PREFIX: &str = "remus_sync";
 
+/// Prefix of the non-transactional logical message a source transaction validating behind the
+/// stream writes at its pre-commit: decoded and sent at once, it carries the stream past the
+/// transaction's WAL position even when nothing published commits after it (every writer of
+/// the shards waiting in its own validation, say). Its body is empty.
+pub const STREAM_MARK_MESSAGE_PREFIX: &str = "remus_mark";
+/// [`STREAM_MARK_MESSAGE_PREFIX`] for C callers (`LogLogicalMessage`).
+pub const STREAM_MARK_MESSAGE_PREFIX_C: &CStr = c"remus_mark";
+
 /// Name of the write-set capture trigger on every shard table (on the source and, added after
 /// the copy's rows, on the target).
 pub const CAPTURE_TRIGGER: &str = "remus_capture";
@@ -291,6 +299,10 @@ mod tests {
     #[test]
     fn fixed_names() {
         assert_eq!(MESSAGE_PREFIX_C.to_str(), Ok(MESSAGE_PREFIX));
+        assert_eq!(
+            STREAM_MARK_MESSAGE_PREFIX_C.to_str(),
+            Ok(STREAM_MARK_MESSAGE_PREFIX)
+        );
         assert_eq!(SHARD_SCHEMA_C.to_str(), Ok(SHARD_SCHEMA));
         assert_eq!(shard_table_name("accounts", 102008), "accounts_102008");
         assert_eq!(two_phase_gid("n1", 778u32, "n3"), "remus_n1_778_n3");

@@ -310,6 +310,11 @@ impl ReplayWorker for ReplayWorkerService {
             warn!(parent: &span, "a previous apply call of the migration is still registered; replaced");
             previous.stop_validating();
         }
+        if start.validation_sessions > 0 {
+            let ahead = validator.clone();
+            let n = start.validation_sessions as usize;
+            tokio::spawn(async move { ahead.open_ahead(n).await }.instrument(span.clone()));
+        }
         let (tx, rx) = mpsc::channel(16);
         let validators = self.validators.clone();
         let progress_interval = self.progress_interval;

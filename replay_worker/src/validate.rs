@@ -299,6 +299,42 @@ impl Validator {
         Ok((permit, session))
     }
 
+    /// Opens up to `n` sessions into the pool, one after another, in the background of
+    /// catch-up (Remus mode: dual execution follows). A session opened on demand costs the
+    /// first validations of the sync barrier a connection, a replication origin and its
+    /// setup on a loaded destination: tens of milliseconds that every commit of the burst
+    /// waited for (the anchors' E1, 2026-12-07: validation sessions set up 40-80 ms into the
+    /// barrier while eight source COMMITs waited). Each holds a permit while it opens, so
+    /// [`close`](Self::close) waits for it; none is opened once validations are refused.
+    /// Failures are logged: validations then open their sessions on demand, as before.
+    pub async fn open_ahead(&self, n: usize) {
+        let n = n.min(MAX_VALIDATION_SESSIONS);
+        let mut opened = 0;
+        while opened < n {
+            let Ok(_permit) = self.permits.acquire().await else {
+                return;
+            };
+            if !self.accepting.load(Ordering::Acquire) {
+                return;
+            }
+            if self.idle.lock().unwrap_or_else(|p| p.into_inner()).len() >= n {
+                return;
+            }
+            match self.open().await {
+                Ok(session) => self.give_back(session),
+                Err(e) => {
+                    warn!(migration_id = self.migration_id, error = %e, "a validation session could not be opened ahead; validations open theirs on demand");
+                    return;
+                }
+            }
+            opened += 1;
+        }
+        debug!(
+            migration_id = self.migration_id,
+            opened, "validation sessions opened ahead"
+        );
+    }
+
     fn give_back(&self, session: PooledSession) {
         self.idle
             .lock()

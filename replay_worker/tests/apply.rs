@@ -794,6 +794,7 @@ fn start_msg(dst: &PgServer, migration_id: u64, parallelism: u32) -> ApplyReques
         destination_conninfo: dst.conninfo(),
         parallelism,
         start_lsn: START_LSN,
+        validation_sessions: 0,
     }))
 }
 
@@ -1067,6 +1068,7 @@ async fn source_stream_replayed_through_the_service_reproduces_the_tables() {
         destination_conninfo: dst.conninfo(),
         parallelism: 0,
         start_lsn: consistent_point.0,
+        validation_sessions: 0,
     }))];
     let last_end = txns.last().unwrap().end_lsn;
     requests.extend(txns.into_iter().map(|t| req(apply_request::Msg::Txn(t))));

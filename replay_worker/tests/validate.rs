@@ -191,6 +191,9 @@ impl ApplyCall {
                 destination_conninfo: dst.conninfo(),
                 parallelism: 2,
                 start_lsn: START_LSN,
+                // As the coordinator asks in Remus mode: every test validates with sessions
+                // opened ahead in the pool, and its finish closes them.
+                validation_sessions: 3,
             })),
         })
         .await
@@ -691,4 +694,59 @@ async fn validate_waits_for_the_stream_and_needs_a_running_apply_call() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(dump(&c).await, "1:shadow");
+}
+
+/// An Apply call that asks for validation sessions ahead (`validation_sessions`, Remus mode)
+/// has them open on the destination, each on an origin of its own, before any validation
+/// arrives; a validation then takes one of them (no new session); the call's finish closes
+/// them and drops their origins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn validation_sessions_are_opened_ahead_and_closed_at_finish() {
+    let m = 561;
+    let Fixture {
+        dst: _dst,
+        c,
+        svc,
+        call,
+        end0: _,
+    } = fixture(m, 1..=2).await;
+    let sessions = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'remus-validate m{m} %'"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while query_one(&c, &sessions).await != "3" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the three sessions asked for were not opened ahead"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let g = gid(m, 7101);
+    // wait_lsn 0: past the sync barrier (decision 0036).
+    let verdict = validate(&svc, m, &g, 0, vec![upd(1, "validated")], 0)
+        .await
+        .unwrap();
+    assert!(verdict.ok, "{verdict:?}");
+    assert!(resolve(&svc, m, &g, true, 0).await.unwrap());
+    assert_eq!(
+        query_one(&c, &sessions).await,
+        "3",
+        "no session opened on demand"
+    );
+    call.finish().await;
+    // A closed session's backend exits a moment after its connection.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while query_one(&c, &sessions).await != "0" {
+        assert!(std::time::Instant::now() < deadline, "finish closes them");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        query_one(
+            &c,
+            &format!("SELECT count(*) FROM pg_replication_origin WHERE roname LIKE 'remus_m{m}_%'")
+        )
+        .await,
+        "0",
+        "finish drops their origins"
+    );
 }

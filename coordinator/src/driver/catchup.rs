@@ -31,6 +31,11 @@ const CATCHUP_MAX_ROUNDS: u32 = 20;
 /// long: writes are held about that long while the handover applies the backlog.
 const BASELINE_TOLERABLE_BACKLOG: Duration = Duration::from_secs(5);
 
+/// Validation sessions the replay worker opens during a Remus migration's catch-up, so that
+/// the sync barrier's burst of validations (one per source writer committing) does not wait
+/// for new connections on the target (decision 0036).
+const VALIDATION_SESSIONS_AHEAD: u32 = 8;
+
 impl Run {
     /// Starts the stream (the slot's changes since the copy's snapshot, shipped to the replay
     /// worker) and catches up in rounds until one round is short: the handover's final
@@ -48,6 +53,12 @@ impl Run {
             self.publication(),
             self.state.start_lsn,
             self.config.apply_parallelism,
+            // Remus: the barrier's first validations find their sessions open.
+            if self.plan.mode == Mode::Remus {
+                VALIDATION_SESSIONS_AHEAD
+            } else {
+                0
+            },
             self.config.failpoints.clone(),
         )
         .await?;

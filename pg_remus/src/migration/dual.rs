@@ -123,9 +123,21 @@ fn validate(
         // record.
         unsafe {
             let lsn = end_of_last_record(pg_sys::GetXLogInsertRecPtr());
-            // The destination waits until its stream has passed L_T; the walsender only
-            // decodes flushed WAL, so flush now rather than wait for the WAL writer.
-            pg_sys::XLogFlush(lsn);
+            // The destination waits until its stream has passed L_T. A transaction's changes
+            // are sent at its commit, and one that publishes nothing sends nothing, so with
+            // every writer of the shards waiting in its validation the stream would not pass
+            // L_T before some later commit (Tm's, in the anchors' E1: 60-100 ms). A
+            // non-transactional message is sent as soon as it is decoded, and the propagator
+            // takes its position as the stream's (decision 0036).
+            let mark = LogLogicalMessage(
+                names::STREAM_MARK_MESSAGE_PREFIX_C.as_ptr(),
+                c"".as_ptr(),
+                0,
+                false,
+            );
+            // The walsender only decodes flushed WAL: flush now rather than wait for the WAL
+            // writer.
+            pg_sys::XLogFlush(mark.max(lsn));
             lsn
         }
     } else {
