@@ -118,9 +118,10 @@ GRANT EXECUTE ON FUNCTION remus_activate_node(text) TO remus_admin;
 -- The end of the sync barrier on the source (decision 0036): from it, a validation in dual
 -- execution does not wait for the stream.
 CREATE  FUNCTION remus."migration_barrier_applied"(
-	"migration_id" bigint /* i64 */
+	"migration_id" bigint, /* i64 */
+	"sync_point" bigint /* i64 */
 ) RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'migration_barrier_applied_wrapper';
-REVOKE EXECUTE ON FUNCTION remus.migration_barrier_applied(bigint) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION remus.migration_barrier_applied(bigint, bigint) FROM PUBLIC;

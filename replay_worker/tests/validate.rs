@@ -708,7 +708,7 @@ async fn validation_sessions_are_opened_ahead_and_closed_at_finish() {
         c,
         svc,
         call,
-        end0: _,
+        end0,
     } = fixture(m, 1..=2).await;
     let sessions = format!(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'remus-validate m{m} %'"
@@ -722,8 +722,8 @@ async fn validation_sessions_are_opened_ahead_and_closed_at_finish() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let g = gid(m, 7101);
-    // wait_lsn 0: past the sync barrier (decision 0036).
-    let verdict = validate(&svc, m, &g, 0, vec![upd(1, "validated")], 0)
+    // A position the stream has passed, as the barrier's sync point is (decision 0036).
+    let verdict = validate(&svc, m, &g, end0, vec![upd(1, "validated")], 0)
         .await
         .unwrap();
     assert!(verdict.ok, "{verdict:?}");

@@ -51,9 +51,13 @@ impl Run {
         let sync_point = started.elapsed();
         self.wait_applied(lsn).await?;
         // Every source commit before the sync point is applied on the target, every one after
-        // it is validated: validations stop waiting for the stream (and flushing for it).
+        // it is validated: validations wait for the stream only up to the sync point (and no
+        // longer flush for it).
         source
-            .batch_execute(&format!("SELECT remus.migration_barrier_applied({id})"))
+            .batch_execute(&format!(
+                "SELECT remus.migration_barrier_applied({id}, {})",
+                lsn.0
+            ))
             .await
             .map_err(sql(&self.plan.source))?;
         // Where the barrier's time goes (each a time since its start): the writers of the

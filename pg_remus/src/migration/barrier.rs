@@ -15,9 +15,12 @@ pub enum CommitMode {
     /// Async mode: commit as usual; the stream carries the change.
     Async,
     /// Sync mode: validate on the destination through this replay worker first.
-    /// `stream_gate`: the validation waits until the destination's stream has passed this
-    /// transaction's WAL position (until the barrier's sync point is applied there).
-    Sync { endpoint: String, stream_gate: bool },
+    /// `barrier_lsn`: the barrier's sync point, once applied on the destination; until then
+    /// (None) the validation waits for the stream to pass this transaction's own WAL position.
+    Sync {
+        endpoint: String,
+        barrier_lsn: Option<u64>,
+    },
     /// The migration is gone (ended or rolled back): nothing to do.
     Gone,
 }
@@ -79,7 +82,7 @@ fn enter_commit_as(
             None => CommitMode::Gone,
             Some(m) if m.sync => CommitMode::Sync {
                 endpoint: m.endpoint(),
-                stream_gate: !m.barrier_applied,
+                barrier_lsn: Some(m.barrier_lsn).filter(|&l| l != 0),
             },
             Some(_) => {
                 mark = true;
@@ -166,17 +169,20 @@ mod remus {
     }
 
     /// The end of the sync barrier (Remus mode), called by the coordinator once the
-    /// destination has applied the source's stream up to the sync point it emitted after
-    /// TS_unsync and the 2PC participants prepared in async mode. Every source commit on the
-    /// shards before that point is applied there, and every one after it is validated (its
-    /// shadow prepared there, holding its row locks until it commits). So a validation from
-    /// now on does not wait for the stream to pass its transaction's WAL position (nor flush
-    /// that position first): a write-write predecessor of it is either applied or a prepared
-    /// shadow whose row lock the validation's `FOR UPDATE` waits for. Not kept across a
-    /// restart of this node: validations then wait for the stream again, which is always
+    /// destination has applied the source's stream up to `sync_point`, the sync point it
+    /// emitted after TS_unsync and the 2PC participants prepared in async mode. Every source
+    /// commit on the shards before that point is applied there, and every one after it is
+    /// validated (its shadow prepared there, holding its row locks until it commits). So a
+    /// validation from now on waits for the stream only up to `sync_point`, not up to its
+    /// transaction's WAL position (nor flushes that position first): a write-write predecessor
+    /// of it is either applied or a prepared shadow whose row lock the validation's
+    /// `FOR UPDATE` waits for. The stream has passed `sync_point` already, unless the replay
+    /// restarted (a destination restart loses catch-up commits not yet flushed, and the stream
+    /// applies them again from the slot): then the validation waits for them. Not kept across
+    /// a restart of this node: validations then wait for the stream again, which is always
     /// safe.
     #[pg_extern(volatile, parallel_unsafe)]
-    fn migration_barrier_applied(migration_id: i64) {
+    fn migration_barrier_applied(migration_id: i64, sync_point: i64) {
         require_superuser("remus.migration_barrier_applied");
         let mut s = STATE.exclusive();
         match s
@@ -184,7 +190,7 @@ mod remus {
             .iter_mut()
             .find(|m| m.migration_id == migration_id && m.capture)
         {
-            Some(m) if m.sync => m.barrier_applied = true,
+            Some(m) if m.sync => m.barrier_lsn = sync_point.max(1) as u64,
             Some(_) => {
                 drop(s);
                 RemusError::MigrationNotInSync { migration_id }.raise()
@@ -227,16 +233,16 @@ mod tests {
     #[pg_test]
     fn validations_wait_for_the_stream_until_the_barrier_is_applied() {
         let mode = || enter_commit_as(&[9172], 0).expect("a commit mode");
-        let sync = |gate| CommitMode::Sync {
+        let sync = |barrier_lsn| CommitMode::Sync {
             endpoint: "http://127.0.0.1:1".into(),
-            stream_gate: gate,
+            barrier_lsn,
         };
         Spi::run("SELECT remus.migration_begin(9172, ARRAY[917201])").unwrap();
         Spi::run("SELECT remus.migration_capture(9172, 'http://127.0.0.1:1')").unwrap();
         Spi::run("SELECT remus.sync_barrier(9172)").unwrap();
-        assert_eq!(mode(), vec![(9172, sync(true))]);
-        Spi::run("SELECT remus.migration_barrier_applied(9172)").unwrap();
-        assert_eq!(mode(), vec![(9172, sync(false))]);
+        assert_eq!(mode(), vec![(9172, sync(None))]);
+        Spi::run("SELECT remus.migration_barrier_applied(9172, 123456)").unwrap();
+        assert_eq!(mode(), vec![(9172, sync(Some(123456)))]);
         Spi::run("SELECT remus.migration_end(9172)").unwrap();
     }
 }

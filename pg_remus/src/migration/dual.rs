@@ -84,14 +84,14 @@ pub(crate) fn pre_commit() -> Result<(), RemusError> {
     for ((migration_id, changes), (_, mode)) in by_migration.into_iter().zip(modes) {
         if let CommitMode::Sync {
             endpoint,
-            stream_gate,
+            barrier_lsn,
         } = mode
         {
             if overflowed.contains(&migration_id) {
                 count_migration_abort(migration_id);
                 return Err(write_set_too_large(migration_id));
             }
-            validate(migration_id, &endpoint, stream_gate, changes)?;
+            validate(migration_id, &endpoint, barrier_lsn, changes)?;
         }
     }
     Ok(())
@@ -104,18 +104,21 @@ fn shadow_gid(migration_id: i64, fxid: u64) -> String {
     names::shadow_gid(migration_id as u64, fxid)
 }
 
-/// `stream_gate`: the destination is to wait until its stream has passed this transaction's WAL
-/// position, L_T (until the sync barrier's sync point is applied there); past it the request
-/// carries 0, which waits for nothing ([`super::barrier`]'s `migration_barrier_applied`).
+/// The destination waits until its stream has passed this transaction's WAL position, L_T; once
+/// the sync barrier's sync point is applied there (`barrier_lsn`, [`super::barrier`]'s
+/// `migration_barrier_applied`), only until it has passed that point.
 fn validate(
     migration_id: i64,
     endpoint: &str,
-    stream_gate: bool,
+    barrier_lsn: Option<u64>,
     changes: Vec<RowChange>,
 ) -> Result<(), RemusError> {
     // SAFETY: the transaction wrote, so it has an xid.
     let fxid = unsafe { pg_sys::GetTopFullTransactionId().value };
-    let wait_lsn = if stream_gate {
+    let wait_lsn = if let Some(lsn) = barrier_lsn {
+        // Long flushed and, unless the replay restarted, applied: nothing to flush or mark.
+        lsn
+    } else {
         // The insert position may lie just past the header of a page no record has reached
         // yet; flushing up to there fails ("xlog flush request … is not satisfied"), so both
         // the flush and L_T stop at the end of the last record.
@@ -140,9 +143,6 @@ fn validate(
             pg_sys::XLogFlush(mark.max(lsn));
             lsn
         }
-    } else {
-        // Nothing to wait for, so nothing to flush first: the commit record flushes this WAL.
-        0
     };
     let gid = shadow_gid(migration_id, fxid);
     let request = chunked(

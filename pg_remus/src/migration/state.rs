@@ -38,10 +38,11 @@ pub(crate) struct MigrationEntry {
     /// Remus mode: the sync barrier is set; commits that wrote the shards validate on the
     /// destination first (dual execution).
     pub(crate) sync: bool,
-    /// Remus mode: the destination has applied the stream up to the sync barrier's sync point
-    /// (`remus.migration_barrier_applied`). Every source commit on the shards after it is
-    /// validated, so a validation no longer waits for the stream ([`super::dual`]).
-    pub(crate) barrier_applied: bool,
+    /// Remus mode: the sync barrier's sync point, once the destination has applied the stream
+    /// up to it (`remus.migration_barrier_applied`); 0 before. Every source commit on the
+    /// shards after it is validated, so a validation waits for the stream only up to there,
+    /// which it has passed unless the replay restarted ([`super::dual`]).
+    pub(crate) barrier_lsn: u64,
     /// The replay worker that validates this migration's sync commits (NUL-padded).
     pub(crate) endpoint: [u8; ENDPOINT_BYTES],
     /// Remus mode, from Tm until the migration ends: the node the shards left (NUL-padded).
@@ -79,7 +80,7 @@ impl Default for MigrationEntry {
             aborts: 0,
             capture: false,
             sync: false,
-            barrier_applied: false,
+            barrier_lsn: 0,
             endpoint: [0; ENDPOINT_BYTES],
             drain_source: [0; NODE_NAME_BYTES],
             restored: false,
