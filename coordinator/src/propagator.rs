@@ -265,6 +265,12 @@ fn stream_loop(
         std::time::Instant::now(),
         failpoints.delay(crate::failpoint::CATCHUP_SLOW_REPLAY),
     );
+    // The stream's position between transactions (a closed call shows at the next one).
+    let send_idle = |lsn: u64| {
+        let _ = tx.blocking_send(ApplyRequest {
+            msg: Some(apply_request::Msg::IdleLsn(lsn)),
+        });
+    };
     let result = (|| -> Result<(), PropagatorError> {
         while !progress.stop.load(Ordering::Acquire) {
             // Only what the target has flushed is confirmed (it becomes the slot's
@@ -286,9 +292,7 @@ fn stream_loop(
                     // every transaction committed before it has been sent.
                     if let Some(Assembled::Message(m)) = &assembled {
                         if !assembler.in_transaction() {
-                            let _ = tx.blocking_send(ApplyRequest {
-                                msg: Some(apply_request::Msg::IdleLsn(m.lsn.0)),
-                            });
+                            send_idle(m.lsn.0);
                         }
                     }
                     if let Some(Assembled::Txn(txn)) = assembled {
@@ -319,9 +323,7 @@ fn stream_loop(
                 // Between transactions everything up to the server's position has been
                 // sent: the target may report it applied once it has applied what we sent.
                 Some(ReplicationMessage::PrimaryKeepalive(k)) if !assembler.in_transaction() => {
-                    let _ = tx.blocking_send(ApplyRequest {
-                        msg: Some(apply_request::Msg::IdleLsn(k.wal_end.0)),
-                    });
+                    send_idle(k.wal_end.0);
                 }
                 Some(ReplicationMessage::PrimaryKeepalive(_)) => {}
             }

@@ -713,14 +713,13 @@ async fn validation_sessions_are_opened_ahead_and_closed_at_finish() {
     let sessions = format!(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'remus-validate m{m} %'"
     );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while query_one(&c, &sessions).await != "3" {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the three sessions asked for were not opened ahead"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    wait_for_answer(
+        &c,
+        &sessions,
+        "3",
+        "the three sessions asked for were not opened ahead",
+    )
+    .await;
     let g = gid(m, 7101);
     // A position the stream has passed, as the barrier's sync point is (decision 0036).
     let verdict = validate(&svc, m, &g, end0, vec![upd(1, "validated")], 0)
@@ -735,11 +734,7 @@ async fn validation_sessions_are_opened_ahead_and_closed_at_finish() {
     );
     call.finish().await;
     // A closed session's backend exits a moment after its connection.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while query_one(&c, &sessions).await != "0" {
-        assert!(std::time::Instant::now() < deadline, "finish closes them");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    wait_for_answer(&c, &sessions, "0", "finish closes them").await;
     assert_eq!(
         query_one(
             &c,
@@ -749,4 +744,13 @@ async fn validation_sessions_are_opened_ahead_and_closed_at_finish() {
         "0",
         "finish drops their origins"
     );
+}
+
+/// Polls `sql` until it answers `want`; fails with `what` after a minute.
+async fn wait_for_answer(c: &tokio_postgres::Client, sql: &str, want: &str, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while query_one(c, sql).await != want {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

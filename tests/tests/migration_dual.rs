@@ -401,18 +401,18 @@ fn a_commit_cancelled_during_validation_leaves_no_prepared_shadow() {
     assert_eq!(row(&c, "n2", id).unwrap().0, a0 + 1);
 }
 
-/// The walsenders of `node` (their pids), to stop the stream at its source.
-fn walsenders(c: &TestCluster, node: &str) -> Vec<i32> {
+/// The pid of the walsender streaming the migration's slot from `node`, to stop the stream at
+/// its source.
+fn migration_walsender(c: &TestCluster, node: &str) -> i32 {
     c.connect(node)
         .unwrap()
-        .query(
-            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walsender'",
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots
+              WHERE slot_name LIKE 'remus\\_m%' AND active_pid IS NOT NULL",
             &[],
         )
         .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+        .get(0)
 }
 
 /// Once the sync barrier is applied on the target (`remus.migration_barrier_applied`), a
@@ -427,9 +427,7 @@ fn after_the_barrier_a_source_commit_does_not_wait_for_the_stream() {
     let mut w = c.connect("n1").unwrap();
     w.batch_execute("SET remus.validation_timeout = '2s'")
         .unwrap();
-    let senders = walsenders(&c, "n1");
-    assert!(!senders.is_empty(), "the migration streams from n1");
-    let stopped = Stopped::pids(senders);
+    let stopped = Stopped::pids(vec![migration_walsender(&c, "n1")]);
     let (tx, rx) = mpsc::channel();
     thread::spawn(move || {
         let first = w.execute("UPDATE t SET a = a + 1 WHERE id = $1", &[&id]);
