@@ -111,6 +111,7 @@ impl Run {
             self.regclass_array()
         );
         let mut reported = false;
+        let started = std::time::Instant::now();
         loop {
             let row = source
                 .query_one(&query, &[&vxids])
@@ -120,7 +121,8 @@ impl Run {
             if n == 0 {
                 break;
             }
-            if !reported {
+            // Named once the wait lasts (an etcd write each way; see `NOTE_WAIT_AFTER`).
+            if !reported && started.elapsed() >= super::NOTE_WAIT_AFTER {
                 let pid: Option<i32> = row.get(1);
                 let who = pid
                     .map(|p| format!("pid {p}"))
@@ -143,7 +145,7 @@ impl Run {
             if let Some(p) = &self.state.propagator {
                 p.check()?;
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         if reported {
             self.reporter.waiting_on(None).await;

@@ -25,8 +25,8 @@
 //! Glossary:
 //! - **Tm**: the ownership transfer transaction (the paper's name): one transaction per node
 //!   moves the shards to the target in `remus.shard_map`, prepared on every node, decided by the
-//!   record's move to `cleanup`, then committed target first and source last
-//!   (`handover/mod.rs`, `Run::tm`). Every handover mode ends in it.
+//!   record's move to `cleanup`, then committed on the target first and on every other node
+//!   at once (`handover/mod.rs`, `Run::tm`). Every handover mode ends in it.
 //! - **sync point**: a transactional logical message on the source whose LSN everything
 //!   committed before it precedes; the driver waits until the target applied up to it.
 //! - **shadow transaction**: Remus: a source transaction's writes prepared on the target under
@@ -999,7 +999,10 @@ impl Run {
                     .map(|ms| Duration::from_millis(ms.max(0) as u64))
                     .unwrap_or(DEFAULT_DRAIN_TIMEOUT)
             });
-            if reported != Some((n, bound)) {
+            // Named in `waiting_on` once the wait lasts: each note is an etcd write awaited
+            // here, and under the anchors' E1 a drain of a few milliseconds, noting every change
+            // of its count, was paced by those writes (11-22 ms each, 69 ms in all).
+            if reported != Some((n, bound)) && started.elapsed() >= NOTE_WAIT_AFTER {
                 let pid: Option<i32> = row.get(1);
                 let since: Option<String> = row.get(2);
                 let limit = match bound {
@@ -1043,7 +1046,9 @@ impl Run {
             if let Some(p) = &self.state.propagator {
                 p.check()?;
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            // Short: after Tm, writes on the moved shards pay the drain fence until this wait
+            // is over (`end_drain_fence`), and most of what it waits for lasts milliseconds.
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         if reported.is_some() {
             self.reporter.waiting_on(None).await;
@@ -1051,6 +1056,9 @@ impl Run {
         Ok(terminated)
     }
 }
+
+/// How long a wait for older transactions goes on before `waiting_on` names it.
+const NOTE_WAIT_AFTER: Duration = Duration::from_millis(100);
 
 /// Which transactions [`Run::wait_for_older_transactions`] waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

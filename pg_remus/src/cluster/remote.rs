@@ -616,6 +616,37 @@ impl RemoteConnection {
         self.exec_params_inner(opening, sql, params, types, Interrupts::Service)
     }
 
+    /// `sql`, a statement without parameters, after `opening`, all in one pipelined flight
+    /// (one round trip), each statement on its own (its text unchanged: a shard marker stays
+    /// at the start of the statement's text) and none prepared. The result is `sql`'s plus any
+    /// rows of the opening statements; an error of any of them is the first error.
+    pub fn exec_after(
+        &mut self,
+        opening: &[String],
+        sql: &str,
+    ) -> Result<RemoteResult, RemusError> {
+        let texts: Vec<CString> = opening
+            .iter()
+            .map(String::as_str)
+            .chain(std::iter::once(sql))
+            .map(cstring)
+            .collect::<Result<_, _>>()?;
+        let conn = self.conn.as_ptr();
+        // SAFETY: live, idle PGconn (a connection is never left in pipeline mode: `collect`
+        // leaves it); every text is NUL-terminated and outlives the calls; no parameters.
+        let sent = unsafe {
+            pq::PQenterPipelineMode(conn) == 1
+                && texts.iter().all(|t| send_without_parameters(conn, t))
+                && pq::PQpipelineSync(conn) == 1
+        };
+        if !sent {
+            return Err(self.connection_error());
+        }
+        self.cancel_forwarded = false;
+        self.flush(Interrupts::Service)?;
+        self.collect(Interrupts::Service)
+    }
+
     /// [`exec_params`](Self::exec_params) for a statement whose outcome is the local
     /// transaction's (an autocommit write sent as a transaction of its own): a cancel,
     /// statement_timeout or terminate arriving meanwhile is forwarded to the participant, as
@@ -686,18 +717,7 @@ impl RemoteConnection {
         // `params.len()` / `types.len()` entries that outlives the calls; text format.
         let sent = unsafe {
             (!pipelined || pq::PQenterPipelineMode(conn) == 1)
-                && opening.iter().all(|o| {
-                    pq::PQsendQueryParams(
-                        conn,
-                        o.as_ptr(),
-                        0,
-                        std::ptr::null(),
-                        std::ptr::null(),
-                        std::ptr::null(),
-                        std::ptr::null(),
-                        0,
-                    ) == 1
-                })
+                && opening.iter().all(|o| send_without_parameters(conn, o))
                 && (known.is_some()
                     || pq::PQsendPrepare(
                         conn,
@@ -1044,4 +1064,26 @@ fn caller_role() -> Option<pg_sys::Oid> {
     // SAFETY: reads a backend global.
     let user = unsafe { pg_sys::GetUserId() };
     (user != pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID)).then_some(user)
+}
+
+/// Sends `text`, a statement without parameters, as the unnamed statement (in pipeline mode,
+/// one of a flight). False when libpq refused it.
+///
+/// # Safety
+/// `conn` must be a live PGconn.
+unsafe fn send_without_parameters(conn: *mut pq::PGconn, text: &CString) -> bool {
+    // SAFETY: the caller's live PGconn; `text` is NUL-terminated and outlives the call; no
+    // parameter arrays.
+    unsafe {
+        pq::PQsendQueryParams(
+            conn,
+            text.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+            0,
+        ) == 1
+    }
 }

@@ -228,6 +228,11 @@ fn wait_until_row_queue_is_empty(
                                             WHERE bb.writer = w.pid AND bb.pid = ANY ({own})))",
         table = quote_literal(shard_table)
     );
+    // Two round trips a try, not five: every fenced write pays them while older writers drain
+    // (tens of milliseconds after Tm under the anchors' E1). The pause, the transaction's
+    // opening and the share locks go in one pipelined flight, the look and the COMMIT in one
+    // query string.
+    let look_and_commit = format!("{writers_at_work}; COMMIT");
     let mut pause = false;
     loop {
         let left = deadline
@@ -236,13 +241,20 @@ fn wait_until_row_queue_is_empty(
         if left == 0 {
             return Ok(false);
         }
+        let mut opening = Vec::with_capacity(3);
         if pause {
-            c.exec("SELECT pg_catalog.pg_sleep(0.002)")?;
+            opening.push("SELECT pg_catalog.pg_sleep(0.002)".to_string());
         }
-        c.exec(&format!("BEGIN; SET LOCAL lock_timeout = {left}"))?;
-        c.exec_params(lock_row, params, types)?;
-        let busy = c.exec(&writers_at_work)?;
-        c.exec("COMMIT")?;
+        opening.push("BEGIN".to_string());
+        opening.push(format!("SET LOCAL lock_timeout = {left}"));
+        if params.is_empty() {
+            // Not prepared: a statement without parameters carries the client's own literals,
+            // and preparing each would crowd out this session's prepared statements.
+            c.exec_after(&opening, lock_row)?;
+        } else {
+            c.exec_params_after(&opening, lock_row, params, types)?;
+        }
+        let busy = c.exec(&look_and_commit)?;
         if busy
             .rows
             .first()
