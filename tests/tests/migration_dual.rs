@@ -27,6 +27,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
+use coordinator::driver::VALIDATION_SESSIONS_AHEAD;
 use coordinator::failpoint::DUAL_STARTED;
 use integration::pgbench::prepared_everywhere;
 use integration::shards::owners;
@@ -65,6 +66,31 @@ fn paused_in_dual_execution() -> (TestCluster, i64, MigrationCall) {
     });
     c.wait_paused_at(DUAL_STARTED, Duration::from_secs(120))
         .unwrap();
+    // The replay worker opens its validation sessions on the target one after another, in
+    // the background of catch-up, and may still be at it here. A test that stops the target
+    // (SIGSTOP of its postmaster and children) while the postmaster forks one of them can miss
+    // that child, and a validation then runs on it unstopped (a source COMMIT that succeeded
+    // "with the target stopped", once in a fresh-clone CI): start from all of them open.
+    let mut target = c.connect("n2").unwrap();
+    remus_test_support::wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(20),
+        || {
+            target
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'remus-validate m%'",
+                    &[],
+                )
+                .map(|r| r.get::<_, i64>(0) >= i64::from(VALIDATION_SESSIONS_AHEAD))
+                .unwrap_or(false)
+        },
+        || {
+            format!(
+                "the validation sessions were not all opened ahead\n{}",
+                c.daemon_logs(40)
+            )
+        },
+    );
     (c, shard, mover)
 }
 

@@ -34,7 +34,7 @@ const BASELINE_TOLERABLE_BACKLOG: Duration = Duration::from_secs(5);
 /// Validation sessions the replay worker opens during a Remus migration's catch-up, so that
 /// the sync barrier's burst of validations (one per source writer committing) does not wait
 /// for new connections on the target (decision 0036).
-const VALIDATION_SESSIONS_AHEAD: u32 = 8;
+pub const VALIDATION_SESSIONS_AHEAD: u32 = 8;
 
 impl Run {
     /// Starts the stream (the slot's changes since the copy's snapshot, shipped to the replay
