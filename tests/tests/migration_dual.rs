@@ -373,22 +373,24 @@ fn a_commit_cancelled_during_validation_leaves_no_prepared_shadow() {
         w.execute("UPDATE t SET a = a + 100 WHERE id = $1", &[&id])
             .map_err(|e| sqlstate(&e))
     });
-    // The writer is in its COMMIT's validation once its transaction has an xid and the
-    // statement has been running for a while (the UPDATE itself takes microseconds).
+    // The writer is in its COMMIT's validation once its transaction has an xid and it waits
+    // on the destination, which pg_stat_activity shows as wait event Extension (the UPDATE
+    // itself runs on this node's local shard, without a remote wait).
     remus_test_support::wait_until(
         Duration::from_secs(60),
         Duration::from_millis(20),
         || {
             n1.query_one(
                 "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'
-                    AND backend_xid IS NOT NULL AND now() - query_start > interval '300 ms'",
+                    AND backend_xid IS NOT NULL
+                    AND wait_event_type = 'Extension' AND wait_event = 'Extension'",
                 &[&pid],
             )
             .unwrap()
             .get::<_, i64>(0)
                 == 1
         },
-        || "the writer never reached its validation".into(),
+        || "the writer never showed its wait for the validation (wait event Extension)".into(),
     );
     n1.execute("SELECT pg_cancel_backend($1)", &[&pid]).unwrap();
     assert_eq!(writer.join().unwrap(), Err("57014".to_string()));

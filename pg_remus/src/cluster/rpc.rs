@@ -31,7 +31,10 @@ thread_local! {
 }
 
 /// Runs `fut` to completion on the backend's runtime, serving interrupts between slices.
+/// Meanwhile the backend shows wait event `Extension` in `pg_stat_activity`: a source COMMIT
+/// waiting for its validation or its shadow's commit on the destination is a wait, not work.
 pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
+    let _waiting = ReportedWait::extension();
     RUNTIME.with(|cell| {
         let rt = match cell.get() {
             Some(rt) => rt,
@@ -57,6 +60,27 @@ pub(crate) fn block_on<F: Future>(fut: F) -> Result<F::Output, RemusError> {
             }
         }
     })
+}
+
+/// This backend's wait event while alive (PostgreSQL 15 offers extensions only the one
+/// `Extension`). What `pgstat_report_wait_start` / `_end` do, which are inline in C; an ERROR
+/// meanwhile resets it too (the abort path ends any reported wait).
+struct ReportedWait;
+
+impl ReportedWait {
+    fn extension() -> Self {
+        // SAFETY: `my_wait_event_info` points at this backend's own slot (its PGPROC's, or a
+        // local one before it has a PGPROC); a plain store, as the C inline does.
+        unsafe { *pg_sys::my_wait_event_info = pg_sys::PG_WAIT_EXTENSION };
+        ReportedWait
+    }
+}
+
+impl Drop for ReportedWait {
+    fn drop(&mut self) {
+        // SAFETY: as in `extension`.
+        unsafe { *pg_sys::my_wait_event_info = 0 };
+    }
 }
 
 /// A client of the replay worker at `endpoint`, made once per backend and endpoint.
