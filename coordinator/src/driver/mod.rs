@@ -784,8 +784,9 @@ impl Run {
     }
 
     /// Runs `sql_text` (one statement) on every node at once, each on its session
-    /// ([`Self::query_on`]), going on past a node that fails (warned as `failed`, with the phase): for steps that
-    /// must reach every node that answers. Returns the first failure once all were tried.
+    /// ([`Self::query_on`]), going on past a node that fails (warned as `failed`, with the
+    /// phase): for steps that must reach every node that answers. Returns the first failure
+    /// once all were tried.
     async fn on_every_node_trying_all(
         &self,
         sql_text: &str,
