@@ -4,7 +4,7 @@
 //! target applies the stream up to there, and the source's validations stop waiting for the
 //! stream (`remus.migration_barrier_applied`). The lock waits here serve cleanup and resume too.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tracing::info;
 use wal_propagator::Lsn;
@@ -111,7 +111,7 @@ impl Run {
             self.regclass_array()
         );
         let mut reported = false;
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         loop {
             let row = source
                 .query_one(&query, &[&vxids])
@@ -145,7 +145,7 @@ impl Run {
             if let Some(p) = &self.state.propagator {
                 p.check()?;
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::time::sleep(super::WAIT_POLL).await;
         }
         if reported {
             self.reporter.waiting_on(None).await;

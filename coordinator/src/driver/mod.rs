@@ -1058,9 +1058,7 @@ impl Run {
             if let Some(p) = &self.state.propagator {
                 p.check()?;
             }
-            // Short: after Tm, writes on the moved shards pay the drain fence until this wait
-            // is over (`end_drain_fence`), and most of what it waits for lasts milliseconds.
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::time::sleep(WAIT_POLL).await;
         }
         if reported.is_some() {
             self.reporter.waiting_on(None).await;
@@ -1069,8 +1067,13 @@ impl Run {
     }
 }
 
-/// How long a wait for older transactions goes on before `waiting_on` names it.
+/// How long a wait for older transactions or lockers goes on before `waiting_on` names it.
 const NOTE_WAIT_AFTER: Duration = Duration::from_millis(100);
+
+/// How often those waits look again. Short: after Tm, writes on the moved shards pay the drain
+/// fence until cleanup's waits are over (`end_drain_fence`), and most of what they wait for
+/// lasts milliseconds.
+const WAIT_POLL: Duration = Duration::from_millis(2);
 
 /// Which transactions [`Run::wait_for_older_transactions`] waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
