@@ -34,6 +34,9 @@ pub enum PropagatorError {
     Assemble(#[from] AssembleError),
     #[error("replay worker at {endpoint}: {detail}")]
     Replay { endpoint: String, detail: String },
+    /// The stream thread stopped before it was asked to, with this error.
+    #[error("the replication stream from the source ended early: {0}")]
+    StreamEnded(String),
     #[error("propagator thread panicked")]
     Panicked,
 }
@@ -52,6 +55,9 @@ pub struct Progress {
     stop: AtomicBool,
     /// Set when the replay call ended with an error; the driver reads it.
     pub failed: std::sync::Mutex<Option<String>>,
+    /// Set when the stream thread ended on an error: why, for the migration's error (the
+    /// thread's own result is read only when the propagator is stopped).
+    stream_failed: std::sync::Mutex<Option<String>>,
 }
 
 impl Progress {
@@ -156,7 +162,7 @@ impl Propagator {
         let stream_thread = std::thread::Builder::new()
             .name(format!("propagator-m{migration_id}"))
             .spawn(move || {
-                stream_loop(
+                let streamed = stream_loop(
                     migration_id,
                     conn,
                     &slot,
@@ -165,7 +171,13 @@ impl Propagator {
                     thread_tx,
                     &p,
                     &failpoints,
-                )
+                );
+                if let Err(e) = &streamed {
+                    if let Ok(mut f) = p.stream_failed.lock() {
+                        f.get_or_insert_with(|| e.to_string());
+                    }
+                }
+                streamed
             })
             .expect("spawning a thread");
         Ok(Self {
@@ -198,10 +210,14 @@ impl Propagator {
             });
         }
         if self.stream_thread.as_ref().is_some_and(|t| t.is_finished()) {
-            return Err(PropagatorError::Replay {
-                endpoint: self.endpoint.clone(),
-                detail: "the replication stream ended early".into(),
-            });
+            let why = self
+                .progress
+                .stream_failed
+                .lock()
+                .ok()
+                .and_then(|f| f.clone())
+                .unwrap_or_else(|| "no error recorded".into());
+            return Err(PropagatorError::StreamEnded(why));
         }
         Ok(())
     }

@@ -246,8 +246,8 @@ fn two_remus_migrations_from_one_source_overlapping_lose_no_write() {
         c.release_failpoint(DUAL_STARTED).unwrap();
         (a.join().unwrap(), b.join().unwrap())
     });
-    assert!(a.succeeded, "{}", a.output);
-    assert!(b.succeeded, "{}", b.output);
+    assert!(a.succeeded, "{}\n{}", a.output, c.daemon_logs(60));
+    assert!(b.succeeded, "{}\n{}", b.output, c.daemon_logs(60));
     let (committed, failed, results) = load_result(loads, "F1");
     let aborted = aborted_by(&c, a.id) + aborted_by(&c, b.id);
     println!("F1: pgbench {committed} committed, {failed} failed; aborted_by_migration {aborted}");
@@ -359,7 +359,7 @@ fn run_case(
     let (done, failed, results) = load_result(loads, &what);
     *committed += done;
     for m in &moved {
-        assert!(m.succeeded, "{what}: {}", m.output);
+        assert!(m.succeeded, "{what}: {}\n{}", m.output, c.daemon_logs(60));
     }
     let aborted: i64 = moved.iter().map(|m| aborted_by(c, m.id)).sum();
     println!("{what}: pgbench {done} committed, {failed} failed; aborted_by_migration {aborted}");
