@@ -125,3 +125,27 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'migration_barrier_applied_wrapper';
 REVOKE EXECUTE ON FUNCTION remus.migration_barrier_applied(bigint, bigint) FROM PUBLIC;
+
+-- Catch-up's batch apply in the server (decision 0035, third amendment): the replay worker's
+-- apply sessions keep a plan per change shape (remus.apply_shape) and commit batches of shadow
+-- transactions through remus.apply_batch; remus.apply_batch_done says how far a call got.
+CREATE PROCEDURE remus.apply_batch(
+    lsns bigint[], times_us bigint[], change_txn integer[], change_stmt text[],
+    change_guarded boolean[], param_at integer[], params text[])
+    LANGUAGE c AS 'MODULE_PATHNAME', 'remus_apply_batch';
+COMMENT ON PROCEDURE remus.apply_batch(bigint[], bigint[], integer[], text[], boolean[], integer[], text[]) IS
+    'Catch-up: commits a batch of shadow transactions, each with its source commit time and origin position (used by the replay worker; see migration/apply_batch.rs)';
+REVOKE EXECUTE ON PROCEDURE remus.apply_batch(bigint[], bigint[], integer[], text[], boolean[], integer[], text[]) FROM PUBLIC;
+CREATE  FUNCTION remus."apply_batch_done"() RETURNS bigint /* i64 */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'apply_batch_done_wrapper';
+REVOKE EXECUTE ON FUNCTION remus.apply_batch_done() FROM PUBLIC;
+CREATE  FUNCTION remus."apply_shape"(
+	"name" TEXT, /* & str */
+	"statement" TEXT /* & str */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'apply_shape_wrapper';
+REVOKE EXECUTE ON FUNCTION remus.apply_shape(text, text) FROM PUBLIC;

@@ -5,7 +5,10 @@
 //! transactions per second from the first submit to the last commit.
 //!
 //! `cargo run --release -p replay_worker --example apply_rate` (as root: the server runs as
-//! the `postgres` OS user). Environment: `TXNS` (20000), `ROWS` (10000), `PARALLELISM` (4).
+//! the `postgres` OS user). Environment: `TXNS` (20000), `ROWS` (10000), `PARALLELISM` (4),
+//! `APPLY_BATCH` (0: one transaction per call), `EXTENSION` (0; 1: the server preloads the
+//! installed pg_remus and has the extension, so batches go through its `remus.apply_batch`
+//! instead of each session's PL/pgSQL procedure).
 
 use std::time::Instant;
 
@@ -57,12 +60,21 @@ async fn main() -> anyhow::Result<()> {
         env("PARALLELISM", 4),
         env("BATCH", 1_000).max(1) as usize,
     );
+    let extension = env("EXTENSION", 0) == 1;
     let dst = PgServer::start_with(
-        "-c max_connections=40 -c track_commit_timestamp=on",
+        if extension {
+            "-c max_connections=40 -c track_commit_timestamp=on \
+             -c shared_preload_libraries=pg_remus"
+        } else {
+            "-c max_connections=40 -c track_commit_timestamp=on"
+        },
         "apply-rate-",
     );
     let (client, conn) = tokio_postgres::connect(&dst.conninfo(), tokio_postgres::NoTls).await?;
     tokio::spawn(conn);
+    if extension {
+        client.batch_execute("CREATE EXTENSION pg_remus").await?;
+    }
     client
         .batch_execute(&format!(
             "CREATE TABLE a(id int PRIMARY KEY, v text);
@@ -95,9 +107,14 @@ async fn main() -> anyhow::Result<()> {
     }
     applier.drain().await?;
     let secs = started.elapsed().as_secs_f64();
+    let (batched, statics, native) = (
+        applier.txns_batched(),
+        applier.static_changes(),
+        applier.native_changes(),
+    );
     applier.finish().await?;
     println!(
-        "applied {txns} one-row UPDATE transactions with {parallelism} sessions (batches of at most {}) in {secs:.2} s: {:.0} txn/s",
+        "applied {txns} one-row UPDATE transactions with {parallelism} sessions (batches of at most {}) in {secs:.2} s: {:.0} txn/s ({batched} in batches; changes static {statics}, by remus.apply_batch {native})",
         env("APPLY_BATCH", 0).max(1),
         txns as f64 / secs
     );

@@ -37,6 +37,13 @@ mod pg_code {
     pub(super) const PROGRAM_LIMIT_EXCEEDED: SqlState = SqlState("54000");
     /// `58030` io_error.
     pub(super) const IO_ERROR: SqlState = SqlState("58030");
+    /// `2D000` invalid_transaction_termination.
+    pub(super) const INVALID_TRANSACTION_TERMINATION: SqlState = SqlState("2D000");
+    /// `26000` invalid_sql_statement_name.
+    pub(super) const INVALID_SQL_STATEMENT_NAME: SqlState = SqlState("26000");
+    /// `22012` division_by_zero: what a replayed change that touched other than one row raises,
+    /// the same code as the guard of the one-at-a-time path (the replay worker's divergence).
+    pub(super) const DIVISION_BY_ZERO: SqlState = SqlState("22012");
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,6 +137,24 @@ pub enum RemusError {
     MigrationNotCapturing { migration_id: i64 },
     #[error("migration {migration_id} is not in dual execution on this node (its sync barrier is not set)")]
     MigrationNotInSync { migration_id: i64 },
+
+    // Catch-up's batch apply (`migration::apply_batch`).
+    #[error("remus.apply_batch must be run by CALL outside a transaction block: it commits each transaction of its batch")]
+    ApplyBatchNotInCall,
+    #[error(
+        "no replication origin is set up in this session (pg_replication_origin_session_setup)"
+    )]
+    ApplyBatchNoOrigin,
+    #[error("invalid batch: {detail}")]
+    ApplyBatchInvalid { detail: String },
+    #[error("prepared statement {name:?} has no kept plan in this session (remus.apply_shape)")]
+    ApplyShapeUnknown { name: String },
+    #[error("change {change} of transaction {txn} of the batch touched {rows} rows, not 1")]
+    ShadowChangeRowCount {
+        change: usize,
+        txn: usize,
+        rows: u64,
+    },
 
     // 0A000 feature_not_supported.
     /// The recurring wording: `what` is a statement form or clause.
@@ -384,7 +409,11 @@ impl RemusError {
             | Self::LocalShardStatementFailed { .. }
             | Self::InvalidMigrationId { .. }
             | Self::MigrationNotRegistered { .. }
-            | Self::MigrationNotCapturing { .. } => SqlState::INVALID_PARAMETER_VALUE.code(),
+            | Self::MigrationNotCapturing { .. }
+            | Self::ApplyBatchInvalid { .. } => SqlState::INVALID_PARAMETER_VALUE.code(),
+            Self::ApplyBatchNotInCall => pg_code::INVALID_TRANSACTION_TERMINATION.code(),
+            Self::ApplyShapeUnknown { .. } => pg_code::INVALID_SQL_STATEMENT_NAME.code(),
+            Self::ShadowChangeRowCount { .. } => pg_code::DIVISION_BY_ZERO.code(),
             Self::UnsupportedOnDistributed { .. }
             | Self::Unsupported(_)
             | Self::InsertKeyNotConstant { .. }
@@ -442,7 +471,8 @@ impl RemusError {
             Self::WriteSetTooLarge { .. } => pg_code::PROGRAM_LIMIT_EXCEEDED.code(),
             Self::CoordinatorUnset
             | Self::MigrationFailed { .. }
-            | Self::MigrationNotInSync { .. } => SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code(),
+            | Self::MigrationNotInSync { .. }
+            | Self::ApplyBatchNoOrigin => SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE.code(),
             Self::Spi(_) => SqlState::INTERNAL_ERROR.code(),
             Self::DurableState { .. } => pg_code::IO_ERROR.code(),
             Self::NoHashFunction { .. } => pg_code::UNDEFINED_FUNCTION.code(),
@@ -621,6 +651,15 @@ mod tests {
                 pg_code::IN_FAILED_SQL_TRANSACTION,
                 ERRCODE_IN_FAILED_SQL_TRANSACTION,
             ),
+            (
+                pg_code::INVALID_TRANSACTION_TERMINATION,
+                ERRCODE_INVALID_TRANSACTION_TERMINATION,
+            ),
+            (
+                pg_code::INVALID_SQL_STATEMENT_NAME,
+                ERRCODE_INVALID_SQL_STATEMENT_NAME,
+            ),
+            (pg_code::DIVISION_BY_ZERO, ERRCODE_DIVISION_BY_ZERO),
         ] {
             assert_eq!(sqlstate_code(code.code()), pgrx_code as i32, "{code}");
         }

@@ -7,7 +7,7 @@
 //! | phase | node side (this crate) | coordinator side |
 //! | --- | --- | --- |
 //! | copy | [`copy`]: registration (`remus.migration_begin`), DDL refusal | `coordinator/src/driver/copy.rs` |
-//! | catch-up | [`catchup`]: the capture trigger, `remus.migration_capture` | `coordinator/src/driver/catchup.rs` |
+//! | catch-up | [`catchup`]: the capture trigger, `remus.migration_capture`; [`apply_batch`]: the target's batch apply | `coordinator/src/driver/catchup.rs`, `replay_worker/src/apply` |
 //! | sync barrier | [`barrier`]: `remus.sync_barrier`, the "in async commit" marks | `coordinator/src/driver/barrier.rs` |
 //! | dual execution | [`dual`]: validate-then-commit, post-commit resolve, prepared shadows | `coordinator/src/driver/dual.rs` |
 //! | handover, lock_abort | [`handover::lock_abort`]: write fence, writer abort, cancel rewrite | `coordinator/src/driver/handover/lock_abort.rs` |
@@ -29,6 +29,7 @@
 //! Every session of the migration machinery (`remus.migration_session`) is exempt from the
 //! registration's DDL refusal, the fence, the writer abort and the admission gate.
 
+pub(crate) mod apply_batch;
 pub(crate) mod barrier;
 pub(crate) mod catchup;
 pub(crate) mod cleanup;

@@ -62,6 +62,8 @@ pub struct ShadowApplier {
     batches_failed: u64,
     /// Changes run as static statements of a batch procedure (decision 0035).
     static_changes: u64,
+    /// Changes run by the node's `remus.apply_batch` (decision 0035, third amendment).
+    native_changes: u64,
     /// An idle LSN received while transactions were outstanding.
     idle_lsn: Option<u64>,
     failed: Option<String>,
@@ -124,6 +126,7 @@ impl ShadowApplier {
             txns_batched: 0,
             batches_failed: 0,
             static_changes: 0,
+            native_changes: 0,
             idle_lsn: None,
             failed: None,
         })
@@ -171,6 +174,11 @@ impl ShadowApplier {
     /// shapes a session sees; the others run by `EXECUTE`).
     pub fn static_changes(&self) -> u64 {
         self.static_changes
+    }
+
+    /// Changes run by the node's `remus.apply_batch` in batch calls that succeeded.
+    pub fn native_changes(&self) -> u64 {
+        self.native_changes
     }
 
     pub fn progress(&self) -> ApplyProgress {
@@ -364,6 +372,7 @@ impl ShadowApplier {
                     batched,
                     batch_failed,
                     static_changes,
+                    native_changes,
                     failure,
                 },
         } = match joined {
@@ -378,6 +387,7 @@ impl ShadowApplier {
         self.txns_batched += batched as u64;
         self.batches_failed += u64::from(batch_failed);
         self.static_changes += static_changes as u64;
+        self.native_changes += native_changes as u64;
         let mut advanced = None;
         for &seq in &seqs[..committed] {
             self.scheduler
@@ -488,6 +498,7 @@ impl ShadowApplier {
             txns_batched = self.txns_batched,
             batches_failed = self.batches_failed,
             static_changes = self.static_changes,
+            native_changes = self.native_changes,
             "apply finished, origins dropped"
         );
         Ok(progress)

@@ -14,7 +14,8 @@ use tracing::{debug, warn, Instrument};
 use super::sql::{
     batch_procedure, batch_setup, execute_prepared, format_lsn, origin_params,
     origin_session_setup, quote_literal, static_statement, Prepared, BATCH_CALL, BATCH_DONE,
-    ORIGIN_SETUP, STATIC_SHAPES,
+    NATIVE_BATCH_CALL, NATIVE_BATCH_DONE, NATIVE_BATCH_PRESENT, NATIVE_BATCH_SETUP, ORIGIN_SETUP,
+    STATIC_SHAPES,
 };
 use super::{pg_message, ApplyConfig, ApplyError};
 
@@ -113,6 +114,9 @@ pub(super) struct Session {
     statements: std::sync::Mutex<HashMap<String, Statement>>,
     /// The SQL-level prepared statements of batches ([`Prepared::batch`]).
     batch_statements: std::sync::Mutex<BatchStatements>,
+    /// Batches go through the node's `remus.apply_batch` (kept plans in the server), not the
+    /// session's PL/pgSQL procedure: the node has it (decision 0035, third amendment).
+    native: bool,
 }
 
 /// A session's SQL-level prepared statements of batch statements, by their text, and the
@@ -129,6 +133,13 @@ struct BatchStatements {
     static_of: HashMap<String, i32>,
 }
 
+/// `REMUS_APPLY_NATIVE` in the replay worker's environment: `0` keeps batches on each session's
+/// PL/pgSQL procedure even where the node has `remus.apply_batch` (a way back, and the A/B of
+/// the two); anything else, or unset, uses the node's procedure when it has one.
+fn native_from_env() -> bool {
+    std::env::var("REMUS_APPLY_NATIVE").map_or(true, |v| v.trim() != "0")
+}
+
 /// Prepared statements an apply session keeps at most.
 const MAX_STATEMENTS: usize = 512;
 
@@ -143,6 +154,8 @@ pub(super) struct Applied {
     pub(super) batch_failed: bool,
     /// Changes a batch call that succeeded ran as static statements of the procedure.
     pub(super) static_changes: usize,
+    /// Changes a batch call that succeeded ran through `remus.apply_batch`.
+    pub(super) native_changes: usize,
     /// The error of the transaction after the committed ones, if one failed.
     pub(super) failure: Option<ApplyError>,
 }
@@ -197,6 +210,15 @@ impl Session {
             }
             .in_current_span(),
         );
+        let native = cfg.batch > 1
+            && native_from_env()
+            && match client.query_one(NATIVE_BATCH_PRESENT, &[]).await {
+                Ok(row) => row.get::<_, bool>(0),
+                Err(e) => {
+                    warn!(migration_id, worker, error = %pg_message(&e), "could not look for remus.apply_batch; batches use the session's own procedure");
+                    false
+                }
+            };
         let session = Session {
             worker,
             migration_id,
@@ -205,12 +227,15 @@ impl Session {
             connection,
             statements: Default::default(),
             batch_statements: Default::default(),
+            native,
         };
         let setup = origin_session_setup(
             &session.origin,
             &format!("remus-replay m{migration_id} w{worker}"),
         );
-        let setup = if cfg.batch > 1 {
+        let setup = if native {
+            format!("{setup}\n{NATIVE_BATCH_SETUP}")
+        } else if cfg.batch > 1 {
             format!("{setup}\n{}", batch_setup())
         } else {
             setup
@@ -224,7 +249,7 @@ impl Session {
                 origin: session.origin.clone(),
                 message: pg_message(&e),
             })?;
-        debug!(migration_id, worker, origin = %session.origin, "apply session ready");
+        debug!(migration_id, worker, origin = %session.origin, native, "apply session ready");
         Ok(session)
     }
 
@@ -369,7 +394,11 @@ impl Session {
                 Ok(static_changes) => {
                     applied.committed = jobs.len();
                     applied.batched = jobs.len();
-                    applied.static_changes = static_changes;
+                    if self.native {
+                        applied.native_changes = jobs.iter().map(|p| p.changes.len()).sum();
+                    } else {
+                        applied.static_changes = static_changes;
+                    }
                     return applied;
                 }
                 Err(e) => match self.batch_done(jobs).await {
@@ -411,6 +440,9 @@ impl Session {
     /// One call of the batch procedure with `jobs`; returns how many changes ran as static
     /// statements.
     async fn apply_batch(&self, jobs: &[&Prepared]) -> Result<usize, tokio_postgres::Error> {
+        if self.native {
+            return self.apply_batch_native(jobs).await.map(|()| 0);
+        }
         let mut lsns = Vec::with_capacity(jobs.len());
         let mut times = Vec::with_capacity(jobs.len());
         let mut change_txn = Vec::new();
@@ -470,6 +502,48 @@ impl Session {
             .map(|_| statics)
     }
 
+    /// One call of the node's `remus.apply_batch` with `jobs`: every change by the name of its
+    /// shape's prepared statement, whose plan the server keeps ([`NATIVE_BATCH_CALL`]).
+    async fn apply_batch_native(&self, jobs: &[&Prepared]) -> Result<(), tokio_postgres::Error> {
+        let names = self.batch_statement_names(jobs).await?;
+        let changes: usize = jobs.iter().map(|p| p.changes.len()).sum();
+        let mut lsns = Vec::with_capacity(jobs.len());
+        let mut times = Vec::with_capacity(jobs.len());
+        let mut change_txn = Vec::with_capacity(changes);
+        let mut change_stmt: Vec<&str> = Vec::with_capacity(changes);
+        let mut change_guarded = Vec::with_capacity(changes);
+        let mut param_at = Vec::with_capacity(changes);
+        let mut params: Vec<&str> = Vec::new();
+        for (t, p) in jobs.iter().enumerate() {
+            // LSNs stay below 2^63.
+            lsns.push(p.commit_lsn as i64);
+            times.push(p.commit_time_us);
+            for ((shape, change), info) in p.batch.iter().zip(&p.changes).zip(&p.stmts) {
+                change_txn.push(t as i32 + 1);
+                change_stmt.push(names[shape.as_str()].as_str());
+                change_guarded.push(info.guarded);
+                param_at.push(params.len() as i32);
+                params.extend(change.params.iter().map(String::as_str));
+            }
+        }
+        let call = self.statement(NATIVE_BATCH_CALL).await?;
+        self.client
+            .execute(
+                &call,
+                &[
+                    &lsns,
+                    &times,
+                    &change_txn,
+                    &change_stmt,
+                    &change_guarded,
+                    &param_at,
+                    &params,
+                ],
+            )
+            .await
+            .map(|_| ())
+    }
+
     /// The name of the session's prepared statement of every batch statement of `jobs`
     /// ([`Prepared::batch`]) that has no static statement, preparing those it has not prepared
     /// yet in one round trip (`PREPARE`: SQL-level, so that the batch procedure can `EXECUTE`
@@ -527,6 +601,15 @@ impl Session {
                 prepared.next += 1;
                 let name = format!("remus_batch_{}", prepared.next);
                 let _ = write!(sql, "PREPARE {name} AS {shape};");
+                if self.native {
+                    // The server keeps a plan of the same text with the types PREPARE inferred.
+                    let _ = write!(
+                        sql,
+                        "SELECT remus.apply_shape({}, {});",
+                        quote_literal(&name),
+                        quote_literal(shape)
+                    );
+                }
                 new.push((shape.clone(), name));
             }
         }
@@ -541,7 +624,9 @@ impl Session {
                 names.insert(shape.clone(), name.clone());
             }
         }
-        self.add_static_statements(&new).await;
+        if !self.native {
+            self.add_static_statements(&new).await;
+        }
         Ok(names)
     }
 
@@ -618,7 +703,12 @@ impl Session {
     /// the one whose commit position the session's sequence holds, none if it holds another
     /// (an earlier batch's, when this call failed before its first commit).
     async fn batch_done(&self, jobs: &[&Prepared]) -> Result<usize, tokio_postgres::Error> {
-        let row = self.client.query_one(BATCH_DONE, &[]).await?;
+        let done = if self.native {
+            NATIVE_BATCH_DONE
+        } else {
+            BATCH_DONE
+        };
+        let row = self.client.query_one(done, &[]).await?;
         let last = row.get::<_, i64>(0);
         Ok(jobs
             .iter()

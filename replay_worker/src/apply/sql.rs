@@ -675,6 +675,28 @@ pub(super) fn static_statement(shape: &str, types: &[String]) -> Option<String> 
     Some(out)
 }
 
+/// Whether the node has `remus.apply_batch` (pg_remus 0.2.0 on): batches then go through it
+/// ([`NATIVE_BATCH_CALL`]) instead of the session's PL/pgSQL procedure.
+pub(super) const NATIVE_BATCH_PRESENT: &str = "SELECT pg_catalog.to_regprocedure(\
+    'remus.apply_batch(bigint[], bigint[], integer[], text[], boolean[], integer[], text[])') \
+    IS NOT NULL";
+
+/// What an apply session runs once when batches go through `remus.apply_batch`:
+/// `synchronous_commit` off for the session, as [`batch_setup`] does.
+pub(super) const NATIVE_BATCH_SETUP: &str = "SET synchronous_commit = off;";
+
+/// The CALL of the node's `remus.apply_batch` (`pg_remus/src/migration/apply_batch.rs`): per
+/// transaction its commit position and time, per change the number of its transaction, the
+/// name of its shape's prepared statement (kept by `remus.apply_shape`), whether it is guarded
+/// and the offset of its values in the flat array of values.
+pub(super) const NATIVE_BATCH_CALL: &str = "CALL remus.apply_batch($1::bigint[], $2::bigint[], \
+                                            $3::int[], $4::text[], $5::bool[], $6::int[], \
+                                            $7::text[])";
+
+/// The commit position of the last transaction a [`NATIVE_BATCH_CALL`] committed in this
+/// session (0 before any).
+pub(super) const NATIVE_BATCH_DONE: &str = "SELECT remus.apply_batch_done()";
+
 /// The commit position of the last transaction a [`BATCH_CALL`] committed (0 before any).
 pub(super) const BATCH_DONE: &str = "SELECT last_value FROM pg_temp.remus_apply_batch_done";
 

@@ -5,7 +5,9 @@
 //! (health checks and scripts wait for that line, then just connect).
 //!
 //! Environment: `REMUS_APPLY_BATCH`, the most transactions an apply session takes in one call of
-//! its batch procedure (default 64; 0 or 1: one transaction per round trip; decision 0035).
+//! its batch procedure (default 64; 0 or 1: one transaction per round trip; decision 0035);
+//! `REMUS_APPLY_NATIVE=0`, batches through each session's PL/pgSQL procedure even where the
+//! node has pg_remus's `remus.apply_batch` (the default uses it when present).
 
 use std::net::SocketAddr;
 use std::time::Duration;
