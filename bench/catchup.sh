@@ -309,6 +309,12 @@ analyze() {
                       if (f[1] <= at) from = f[5]; else if (f[1] >= at + g && to == "") to = f[5] }
                   printf "  longest no-commit gap on the moving shard (migration +-1 s): %.1f ms (from %.3f; phase %s to %s)\n",
                       g * 1000, at, (from == "" ? "-" : from), (to == "" ? "-" : to) }' >> "$summary"
+    # Writes after Tm that waited remus.drain_wait_timeout for older source writers and then
+    # went ahead (the nodes' logs): a no-commit gap of that length is one of these.
+    if [ -d "$out/$mode.logs" ]; then
+        printf '  fenced writes that went ahead after remus.drain_wait_timeout (nodes'"'"' logs): %s\n' \
+            "$(cat "$out/$mode.logs"/n*.log 2>/dev/null | grep -c 'after remus.drain_wait_timeout' || true)" >> "$summary"
+    fi
 }
 
 if [ "${REANALYZE:-0}" = 1 ]; then

@@ -12,6 +12,10 @@
 //! - `a_divergence_inside_a_batch_commits_the_transactions_before_it`: a guarded UPDATE of a
 //!   missing row in the middle of a batch: the ones before it stay committed, nothing of it
 //!   or after it, and the applier names it.
+//! - `more_shapes_than_a_session_keeps_plans_for`: 1,300 INSERT shapes (the columns left NULL
+//!   differ) and `SELECT … FOR UPDATE` shapes (an update that changes only unchanged TOAST
+//!   values): the session deallocates its prepared statements past 512 and the server forgets
+//!   their plans past 1,024, and batches keep applying, every row as written.
 //! - `the_procedure_refuses_what_it_cannot_do_safely`: inside a transaction block, without a
 //!   replication origin, with an unknown statement, as a non-superuser: each a clear error with
 //!   its SQLSTATE, nothing committed.
@@ -351,6 +355,83 @@ fn a_divergence_inside_a_batch_commits_the_transactions_before_it() {
     assert_eq!(dump(&mut c), "1:first,2:before");
     assert_eq!(applier.applied_lsn(), before.end_lsn);
     rt.block_on(applier.abort());
+}
+
+#[test]
+fn more_shapes_than_a_session_keeps_plans_for() {
+    let pg = server();
+    let mut c = sql_client(&pg);
+    c.batch_execute(
+        "CREATE EXTENSION pg_remus;
+         CREATE TABLE wide(id int PRIMARY KEY, c0 int, c1 int, c2 int, c3 int, c4 int, \
+           c5 int, c6 int, c7 int, c8 int, c9 int, c10 int)",
+    )
+    .unwrap();
+    let cols: Vec<String> = std::iter::once("id".to_string())
+        .chain((0..11).map(|j| format!("c{j}")))
+        .collect();
+    let col_refs: Vec<&str> = cols.iter().map(String::as_str).collect();
+    const N: u64 = 1300;
+    let txns: Vec<ShadowTxn> = (0..N)
+        .map(|i| {
+            let id = i.to_string();
+            // Column j is NULL where bit j of the id is set: 1,300 ids, as many shapes.
+            let values: Vec<Option<&str>> = std::iter::once(Some(id.as_str()))
+                .chain((0..11).map(|j| (i >> j & 1 == 0).then_some(id.as_str())))
+                .collect();
+            let mut changes = vec![change(row_change::Kind::Insert, "wide", &col_refs, &values)];
+            if i % 7 == 0 {
+                // An update that changes only unchanged TOAST values: a guarded SELECT … FOR
+                // UPDATE of the row.
+                let mut untouched = change(
+                    row_change::Kind::Update,
+                    "wide",
+                    &col_refs,
+                    &[Some(id.as_str())],
+                );
+                untouched.new_values.extend((0..11).map(|_| ColumnValue {
+                    value: Some(column_value::Value::UnchangedToast(true)),
+                }));
+                changes.push(untouched);
+            }
+            txn(i, changes)
+        })
+        .collect();
+    let rt = runtime();
+    let mut applier = rt
+        .block_on(ShadowApplier::connect(config(&pg, 33)))
+        .unwrap();
+    rt.block_on(async {
+        for t in &txns {
+            applier.submit(t.clone()).await.unwrap();
+        }
+        applier.drain().await.unwrap();
+    });
+    assert_eq!(applier.txns_applied(), N);
+    assert_eq!(applier.batches_failed(), 0, "no batch failed");
+    assert!(
+        applier.txns_batched() > N / 2,
+        "{} of {N} in batches",
+        applier.txns_batched()
+    );
+    assert!(applier.native_changes() > 0);
+    let wrong: i64 = c
+        .query_one(
+            "SELECT count(*) FROM wide WHERE EXISTS (
+               SELECT FROM generate_series(0, 10) j
+                WHERE (pg_catalog.to_jsonb(wide) ->> ('c' || j)) IS DISTINCT FROM
+                      CASE WHEN id >> j & 1 = 1 THEN NULL ELSE id::text END)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(wrong, 0, "rows whose columns are not their INSERT's");
+    let rows: i64 = c
+        .query_one("SELECT count(*) FROM wide", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, N as i64);
+    rt.block_on(applier.finish()).unwrap();
 }
 
 /// The SQLSTATE of `sql`'s error.
