@@ -131,6 +131,26 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("tokio runtime")
 }
 
+/// An applier of migration `migration_id` (one session, batches) that has applied all of
+/// `txns`, with the runtime it runs on.
+fn apply_all(
+    pg: &PgServer,
+    migration_id: u64,
+    txns: &[ShadowTxn],
+) -> (tokio::runtime::Runtime, ShadowApplier) {
+    let rt = runtime();
+    let mut applier = rt
+        .block_on(ShadowApplier::connect(config(pg, migration_id)))
+        .unwrap();
+    rt.block_on(async {
+        for t in txns {
+            applier.submit(t.clone()).await.unwrap();
+        }
+        applier.drain().await.unwrap();
+    });
+    (rt, applier)
+}
+
 #[test]
 fn every_type_and_null_arrives_as_the_source_wrote_it() {
     let pg = server();
@@ -172,16 +192,7 @@ fn every_type_and_null_arrives_as_the_source_wrote_it() {
         }
         txns.push(txn(i, changes));
     }
-    let rt = runtime();
-    let mut applier = rt
-        .block_on(ShadowApplier::connect(config(&pg, 31)))
-        .unwrap();
-    rt.block_on(async {
-        for t in &txns {
-            applier.submit(t.clone()).await.unwrap();
-        }
-        applier.drain().await.unwrap();
-    });
+    let (rt, applier) = apply_all(&pg, 31, &txns);
     assert_eq!(applier.txns_applied(), N);
     assert_eq!(
         applier.batches_failed(),
@@ -397,16 +408,7 @@ fn more_shapes_than_a_session_keeps_plans_for() {
             txn(i, changes)
         })
         .collect();
-    let rt = runtime();
-    let mut applier = rt
-        .block_on(ShadowApplier::connect(config(&pg, 33)))
-        .unwrap();
-    rt.block_on(async {
-        for t in &txns {
-            applier.submit(t.clone()).await.unwrap();
-        }
-        applier.drain().await.unwrap();
-    });
+    let (rt, applier) = apply_all(&pg, 33, &txns);
     assert_eq!(applier.txns_applied(), N);
     assert_eq!(applier.batches_failed(), 0, "no batch failed");
     assert!(
