@@ -88,7 +88,7 @@ fn keep_shape(name: &str, statement: &str) -> Result<(), RemusError> {
     }
     // SAFETY: a prepared statement always has its plan source; its parameter types are an
     // array of `num_params` OIDs in the plan cache's memory, read before anything can free it.
-    let types: Vec<pg_sys::Oid> = unsafe {
+    let mut types: Vec<pg_sys::Oid> = unsafe {
         let source = (*prepared).plansource;
         let n = (*source).num_params as usize;
         if n == 0 {
@@ -112,7 +112,6 @@ fn keep_shape(name: &str, statement: &str) -> Result<(), RemusError> {
         };
         inputs.push((finfo, ioparam));
     }
-    let mut types = types;
     // SAFETY: SPI connected and finished around the prepare; the kept plan lives in its own
     // context under CacheMemoryContext until `SPI_freeplan`.
     let plan = unsafe {
@@ -268,12 +267,7 @@ unsafe fn apply_batch(fcinfo: pg_sys::FunctionCallInfo) -> Result<(), RemusError
     if !nonatomic {
         return Err(RemusError::ApplyBatchNotInCall);
     }
-    // SAFETY: catalog lookup for the current user, inside the CALL's transaction.
-    if !unsafe { pg_sys::superuser() } {
-        return Err(RemusError::SuperuserRequired {
-            function: "remus.apply_batch".into(),
-        });
-    }
+    crate::migration::state::require_superuser("remus.apply_batch");
     // SAFETY: a backend-global of origin.c, read.
     if unsafe { pg_sys::replorigin_session_origin } == pg_sys::InvalidRepOriginId as u16 {
         return Err(RemusError::ApplyBatchNoOrigin);

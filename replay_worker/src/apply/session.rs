@@ -14,7 +14,7 @@ use tracing::{debug, warn, Instrument};
 use super::sql::{
     batch_procedure, batch_setup, execute_prepared, format_lsn, origin_params,
     origin_session_setup, quote_literal, static_statement, Prepared, BATCH_CALL, BATCH_DONE,
-    NATIVE_BATCH_CALL, NATIVE_BATCH_DONE, NATIVE_BATCH_PRESENT, NATIVE_BATCH_SETUP, ORIGIN_SETUP,
+    NATIVE_BATCH_CALL, NATIVE_BATCH_DONE, NATIVE_BATCH_PRESENT, ORIGIN_SETUP, SESSION_ASYNC_COMMIT,
     STATIC_SHAPES,
 };
 use super::{pg_message, ApplyConfig, ApplyError};
@@ -234,7 +234,7 @@ impl Session {
             &format!("remus-replay m{migration_id} w{worker}"),
         );
         let setup = if native {
-            format!("{setup}\n{NATIVE_BATCH_SETUP}")
+            format!("{setup}\n{SESSION_ASYNC_COMMIT}")
         } else if cfg.batch > 1 {
             format!("{setup}\n{}", batch_setup())
         } else {
@@ -391,13 +391,13 @@ impl Session {
         let mut applied = Applied::default();
         if jobs.len() > 1 && jobs.iter().all(|p| p.batchable()) {
             match self.apply_batch(jobs).await {
-                Ok(static_changes) => {
+                Ok(changes) => {
                     applied.committed = jobs.len();
                     applied.batched = jobs.len();
                     if self.native {
-                        applied.native_changes = jobs.iter().map(|p| p.changes.len()).sum();
+                        applied.native_changes = changes;
                     } else {
-                        applied.static_changes = static_changes;
+                        applied.static_changes = changes;
                     }
                     return applied;
                 }
@@ -438,10 +438,11 @@ impl Session {
     }
 
     /// One call of the batch procedure with `jobs`; returns how many changes ran as static
-    /// statements.
+    /// statements of the session's procedure, or, through the node's `remus.apply_batch`, how
+    /// many ran there.
     async fn apply_batch(&self, jobs: &[&Prepared]) -> Result<usize, tokio_postgres::Error> {
         if self.native {
-            return self.apply_batch_native(jobs).await.map(|()| 0);
+            return self.apply_batch_native(jobs).await;
         }
         let mut lsns = Vec::with_capacity(jobs.len());
         let mut times = Vec::with_capacity(jobs.len());
@@ -504,7 +505,8 @@ impl Session {
 
     /// One call of the node's `remus.apply_batch` with `jobs`: every change by the name of its
     /// shape's prepared statement, whose plan the server keeps ([`NATIVE_BATCH_CALL`]).
-    async fn apply_batch_native(&self, jobs: &[&Prepared]) -> Result<(), tokio_postgres::Error> {
+    /// Returns how many changes it ran.
+    async fn apply_batch_native(&self, jobs: &[&Prepared]) -> Result<usize, tokio_postgres::Error> {
         let names = self.batch_statement_names(jobs).await?;
         let changes: usize = jobs.iter().map(|p| p.changes.len()).sum();
         let mut lsns = Vec::with_capacity(jobs.len());
@@ -541,7 +543,7 @@ impl Session {
                 ],
             )
             .await
-            .map(|_| ())
+            .map(|_| changes)
     }
 
     /// The name of the session's prepared statement of every batch statement of `jobs`

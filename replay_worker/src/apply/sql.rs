@@ -596,11 +596,15 @@ const DOLLAR: &str = "$remus_batch$";
 /// sequence.
 pub(super) fn batch_setup() -> String {
     format!(
-        "SET synchronous_commit = off;\n{};\n\
+        "{SESSION_ASYNC_COMMIT}\n{};\n\
          CREATE TEMPORARY SEQUENCE remus_apply_batch_done MINVALUE 0 START 0;",
         batch_procedure(&[])
     )
 }
+
+/// `synchronous_commit` off for the session: what an apply session runs once when batches are
+/// on, through either procedure (every catch-up shadow commits asynchronously, decision 0018).
+pub(super) const SESSION_ASYNC_COMMIT: &str = "SET synchronous_commit = off;";
 
 /// The CALL of [`batch_procedure`].
 pub(super) const BATCH_CALL: &str = "CALL pg_temp.remus_apply_batch($1::bigint[], $2::bigint[], \
@@ -680,10 +684,6 @@ pub(super) fn static_statement(shape: &str, types: &[String]) -> Option<String> 
 pub(super) const NATIVE_BATCH_PRESENT: &str = "SELECT pg_catalog.to_regprocedure(\
     'remus.apply_batch(bigint[], bigint[], integer[], text[], boolean[], integer[], text[])') \
     IS NOT NULL";
-
-/// What an apply session runs once when batches go through `remus.apply_batch`:
-/// `synchronous_commit` off for the session, as [`batch_setup`] does.
-pub(super) const NATIVE_BATCH_SETUP: &str = "SET synchronous_commit = off;";
 
 /// The CALL of the node's `remus.apply_batch` (`pg_remus/src/migration/apply_batch.rs`): per
 /// transaction its commit position and time, per change the number of its transaction, the
