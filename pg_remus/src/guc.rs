@@ -38,6 +38,11 @@ pub static LOCAL_PLAN_ON_TOP: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// as text with its literals, parsed and planned there every time.
 pub static LIFT_CONSTANTS: GucSetting<bool> = GucSetting::<bool>::new(true);
 
+/// A simple-protocol statement on one shard group is planned once per shape in a backend, its
+/// key and written values bound as parameters (decision 0037, `router::shapes`); off: planned
+/// every time.
+pub static SHAPE_CACHE: GucSetting<bool> = GucSetting::<bool>::new(true);
+
 /// gRPC address of the coordinator, for `remus_migrate_shard(s)` and `remus_migrations`.
 pub static COORDINATOR_ADDRESS: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(None);
@@ -164,6 +169,14 @@ pub fn register() {
         c"A statement with constants routed to another node goes with them as parameters, prepared there once per shape.",
         c"Off sends its text with the literals, parsed and planned on that node every time (design note 0002), for comparison and diagnosis.",
         &LIFT_CONSTANTS,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"remus.enable_shape_cache",
+        c"A statement with constants on one shard group, sent as text, is planned once per shape in a backend.",
+        c"Its shard-key constants and written values are bound as parameters of a plan kept per shape (decision 0037); off plans it every time, for comparison and diagnosis.",
+        &SHAPE_CACHE,
         GucContext::Userset,
         GucFlags::default(),
     );

@@ -105,3 +105,15 @@ pub fn move_every_shard(c: &TestCluster, from: &str, to: &str, anchors: &[&str])
         .get(0);
     assert_eq!(left, 0, "{from} owns no shard after the moves");
 }
+
+/// Moves `shard` to node `to` in the default mode, through `db`, and checks that it succeeded.
+pub fn move_shard(db: &mut postgres::Client, shard: i64, to: &str) {
+    let status: String = db
+        .query_one(
+            "SELECT status FROM remus_migrate_shard($1, $2)",
+            &[&shard, &to],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "succeeded", "the move of shard {shard} to {to}");
+}

@@ -204,14 +204,7 @@ fn foreign_keys_between_co_located_tables_and_to_reference_tables() {
         )
         .expect_err("squall refuses a group with foreign keys");
     assert_eq!(sqlstate(&squall), "0A000", "{squall:?}");
-    let status: String = db
-        .query_one(
-            "SELECT status FROM remus_migrate_shard($1, $2)",
-            &[&shard, &to],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(status, "succeeded");
+    integration::shards::move_shard(&mut db, shard, &to);
     keys_held_everywhere(&c, 3, "after the move");
     let moved_w: i32 = c
         .connect(&to)

@@ -56,6 +56,18 @@ fn fill(db: &mut postgres::Client, n: i64) {
     .unwrap();
 }
 
+/// `n` of key `k` in `node`'s shard table of `shard`, read there directly.
+fn n_in_shard_table(c: &TestCluster, node: &str, shard: i64, k: i64) -> i32 {
+    c.connect(node)
+        .unwrap()
+        .query_one(
+            &format!("SELECT n FROM remus_shards.kv_{shard} WHERE k = $1"),
+            &[&k],
+        )
+        .unwrap()
+        .get(0)
+}
+
 fn n_of(c: &TestCluster, via: &str, k: i64) -> i32 {
     c.connect(via)
         .unwrap()
@@ -291,14 +303,7 @@ fn a_local_plan_made_before_its_shard_moved_is_not_used_after() {
     );
 
     // The shard moves to n2 (its copy on n1 is dropped at the end of the migration).
-    let status: String = n1
-        .query_one(
-            "SELECT status FROM remus_migrate_shard($1, 'n2')",
-            &[&shard],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(status, "succeeded");
+    integration::shards::move_shard(&mut n1, shard, "n2");
 
     // The same session, the same prepared statements: routed to n2, nothing lost.
     let n: i32 = s.query_one("EXECUTE get", &[]).unwrap().get(0);
@@ -317,16 +322,11 @@ fn a_local_plan_made_before_its_shard_moved_is_not_used_after() {
             "the write after the move, seen through {via}"
         );
     }
-    let on_n2: i32 = c
-        .connect("n2")
-        .unwrap()
-        .query_one(
-            &format!("SELECT n FROM remus_shards.kv_{shard} WHERE k = $1"),
-            &[&k],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(on_n2, 4, "the write reached the new owner's shard table");
+    assert_eq!(
+        n_in_shard_table(&c, "n2", shard, k),
+        4,
+        "the write reached the new owner's shard table"
+    );
 }
 
 /// SELECT … FOR UPDATE / FOR SHARE on one shard group takes its row locks where the rows are,
@@ -651,5 +651,209 @@ fn a_write_routed_here_runs_as_its_local_plan_alone() {
     assert!(
         plan.contains("Custom Scan (RemusRouter)"),
         "setting off: the router node:\n{plan}"
+    );
+}
+
+/// The values of the first column of every row `sql` (one statement, simple protocol) returns.
+fn text_rows(db: &mut postgres::Client, sql: &str) -> Vec<String> {
+    db.simple_query(sql)
+        .unwrap()
+        .into_iter()
+        .filter_map(|m| match m {
+            postgres::SimpleQueryMessage::Row(r) => Some(r.get(0).unwrap_or("NULL").to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A statement sent as text with its constants is planned once per shape (decision 0037): its
+/// key and the values it writes run as parameters of the shape's plan (auto_explain shows
+/// `$1`), with the same rows and counts as before, through the owner and to another node; its
+/// other constants stay in the plan, and a statement differing in them gets its own; EXPLAIN,
+/// `plan_cache_mode = force_custom_plan` and the setting off keep the constants; a statement
+/// without parameters in the extended protocol reads current rows at every execution.
+#[test]
+fn a_text_statement_is_planned_once_per_shape() {
+    let (c, mut n1, mine, shard) = four_shards_and_a_key_on_n1(100);
+    let (theirs, _) = key_on(&mut n1, "n1", false);
+    let local_scan = format!("Index Scan using kv_{shard}_pkey on kv_{shard}");
+    let script = format!(
+        "SELECT n FROM kv WHERE k = {mine};
+         UPDATE kv SET n = n + 5 WHERE k = {mine};
+         UPDATE kv SET n = n + 7 WHERE k = {theirs};
+         SELECT n FROM kv WHERE k = {mine};
+         SELECT n FROM kv WHERE k = {theirs};
+         SELECT v FROM kv WHERE k = {mine} AND n = 5;
+         SELECT v FROM kv WHERE k = {mine} AND n = 6;
+         SELECT v FROM kv WHERE k = {mine} AND n = 5"
+    );
+    let expected = |n: i32, m: i32| format!("{n}\n{}\n{}\nv{mine}\nv{mine}", n + 5, m + 7);
+    let (plan, rows) = executed_plan(&c, "n1", "", &script);
+    assert_eq!(rows, expected(0, 0), "the rows, planned per shape");
+    assert!(
+        plan.contains(&local_scan) && plan.contains("(k = $1)"),
+        "the key is the shape's parameter, on the local shard:\n{plan}"
+    );
+    assert!(
+        plan.contains("n = 5") && plan.contains("n = 6"),
+        "other constants stay in the plan:\n{plan}"
+    );
+    for setup in [
+        "SET remus.enable_shape_cache = off;",
+        "SET plan_cache_mode = force_custom_plan;",
+    ] {
+        // Back to n = 0 on both keys, so that the script's rows are the same.
+        n1.batch_execute(&format!(
+            "UPDATE kv SET n = 0 WHERE k = {mine}; UPDATE kv SET n = 0 WHERE k = {theirs}"
+        ))
+        .unwrap();
+        let (plan, rows) = executed_plan(&c, "n1", setup, &script);
+        assert_eq!(rows, expected(0, 0), "{setup} the same rows");
+        assert!(
+            plan.contains(&local_scan) && !plan.contains("(k = $1)"),
+            "{setup} the constants in the plan:\n{plan}"
+        );
+    }
+
+    // Written values: INSERT, UPDATE and DELETE through the owner and to another node, with
+    // the counts the client is told.
+    let (new_mine, _) = key_from(&mut n1, "n1", true, 1000);
+    let (new_theirs, _) = key_from(&mut n1, "n1", false, 1000);
+    let mut s = c.connect("n1").unwrap();
+    for (k, what) in [(new_mine, "owned"), (new_theirs, "routed")] {
+        for round in 1..=3 {
+            let sql = format!("INSERT INTO kv VALUES ({k}, 'r{round}', {round}) RETURNING n");
+            assert_eq!(
+                text_rows(&mut s, &sql),
+                [round.to_string()],
+                "{what}: {sql}"
+            );
+            let sql =
+                format!("UPDATE kv SET v = 'u{round}', n = n * 10 WHERE k = {k} RETURNING v, n");
+            assert_eq!(
+                text_rows(&mut s, &sql),
+                [format!("u{round}")],
+                "{what}: {sql}"
+            );
+            assert_eq!(
+                n_of(&c, "n3", k),
+                round * 10,
+                "{what}: the row written, round {round}"
+            );
+            let deleted = s
+                .simple_query(&format!("DELETE FROM kv WHERE k = {k}"))
+                .unwrap()
+                .into_iter()
+                .find_map(|m| match m {
+                    postgres::SimpleQueryMessage::CommandComplete(n) => Some(n),
+                    _ => None,
+                });
+            assert_eq!(deleted, Some(1), "{what}: DELETE's count, round {round}");
+        }
+    }
+
+    // EXPLAIN is planned inside its portal: the constant, as written.
+    text_rows(&mut s, &format!("SELECT n FROM kv WHERE k = {mine}"));
+    let plan = explain(&mut s, &format!("SELECT n FROM kv WHERE k = {mine}"));
+    assert!(
+        !plan.contains("(k = $1)"),
+        "EXPLAIN keeps the constant:\n{plan}"
+    );
+
+    // The extended protocol, a statement without parameters: planned at its Bind and kept by
+    // PostgreSQL's plan cache with its own values; every execution reads the current row.
+    let get = s
+        .prepare(&format!("SELECT n FROM kv WHERE k = {mine}"))
+        .unwrap();
+    for i in 1..=3 {
+        s.batch_execute(&format!("UPDATE kv SET n = {i} WHERE k = {mine}"))
+            .unwrap();
+        let n: i32 = s.query_one(&get, &[]).unwrap().get(0);
+        assert_eq!(n, i, "extended protocol, execution {i}");
+        let n: i32 = s
+            .query_one(&format!("SELECT n FROM kv WHERE k = {theirs}"), &[])
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            n, 7,
+            "extended protocol, another node's key (the script's last +7)"
+        );
+    }
+}
+
+/// A shape made while this node owned the shard routes to the new owner once the shard has
+/// moved, as a prepared statement does: the owner is decided at every execution.
+#[test]
+fn a_shape_made_before_its_shard_moved_routes_to_the_new_owner() {
+    let (c, mut n1, k, shard) = four_shards_and_a_key_on_n1(100);
+    let mut s = c.connect("n1").unwrap();
+    let read = format!("SELECT n FROM kv WHERE k = {k}");
+    let bump = format!("UPDATE kv SET n = n + 1 WHERE k = {k} RETURNING n");
+    assert_eq!(text_rows(&mut s, &read), ["0"]);
+    for i in 1..=3 {
+        assert_eq!(text_rows(&mut s, &bump), [i.to_string()]);
+    }
+    integration::shards::move_shard(&mut n1, shard, "n2");
+    assert_eq!(text_rows(&mut s, &read), ["3"], "read after the move");
+    assert_eq!(text_rows(&mut s, &bump), ["4"], "written after the move");
+    assert_eq!(
+        n_in_shard_table(&c, "n2", shard, k),
+        4,
+        "the write reached the new owner's shard table"
+    );
+}
+
+/// A function replaced, and a table dropped and made again under the same name, make the
+/// shape (and the local plan made at execution, prepared statements' too) again: no plan
+/// outlives what it was made from.
+#[test]
+fn a_replaced_function_or_a_new_table_makes_the_shape_again() {
+    let (c, mut n1, k, _) = four_shards_and_a_key_on_n1(10);
+    n1.batch_execute(
+        "CREATE FUNCTION plus(int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT $1 + 1';",
+    )
+    .unwrap();
+    let mut s = c.connect("n1").unwrap();
+    s.batch_execute("PREPARE plus_of(bigint) AS SELECT plus(n) FROM kv WHERE k = $1")
+        .unwrap();
+    let read = format!("SELECT plus(n) FROM kv WHERE k = {k}");
+    let prepared = format!("EXECUTE plus_of({k})");
+    for _ in 0..2 {
+        assert_eq!(text_rows(&mut s, &read), ["1"]);
+        assert_eq!(text_rows(&mut s, &prepared), ["1"]);
+    }
+    n1.batch_execute(
+        "CREATE OR REPLACE FUNCTION plus(int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT $1 + 100';",
+    )
+    .unwrap();
+    assert_eq!(
+        text_rows(&mut s, &read),
+        ["100"],
+        "after the function changed"
+    );
+    assert_eq!(
+        text_rows(&mut s, &prepared),
+        ["100"],
+        "prepared, after the function changed"
+    );
+
+    let make = |db: &mut postgres::Client, v: &str| {
+        db.batch_execute(&format!(
+            "CREATE TABLE kv2 (k bigint PRIMARY KEY, v text NOT NULL);
+             SELECT remus_create_distributed_table('kv2', 'k', 4);
+             INSERT INTO kv2 VALUES ({k}, '{v}');"
+        ))
+        .unwrap();
+    };
+    make(&mut n1, "first");
+    let read2 = format!("SELECT v FROM kv2 WHERE k = {k}");
+    assert_eq!(text_rows(&mut s, &read2), ["first"]);
+    assert_eq!(text_rows(&mut s, &read2), ["first"]);
+    n1.batch_execute("DROP TABLE kv2").unwrap();
+    make(&mut n1, "second");
+    assert_eq!(
+        text_rows(&mut s, &read2),
+        ["second"],
+        "the table made again"
     );
 }

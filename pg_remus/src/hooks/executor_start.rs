@@ -22,6 +22,8 @@ unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, e
     // duration of the call; the body passes them to pg_sys as that API documents.
     unsafe {
         crate::cluster::forwarded_role::enter();
+        // A plan from a kept statement shape: its values become the statement's parameters.
+        crate::router::shapes::bind(query_desc);
         if let Err(e) = crate::router::ownership::check(query_desc)
             .and_then(|()| crate::router::modify::local_plan_on_top(query_desc, eflags))
         {

@@ -1,4 +1,5 @@
-//! `planner_hook`: the admission gate, then the router's decision, then the previous planner.
+//! `planner_hook`: the admission gate, then a kept statement shape or the router's decision, then
+//! the previous planner.
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -35,6 +36,10 @@ unsafe extern "C-unwind" fn remus_planner(
             cursor_options,
             bound_params,
         };
+        // A statement with constants whose shape was routed before reuses that plan.
+        if let Some(stmt) = crate::router::shapes::planned(parse, &ctx) {
+            return stmt;
+        }
         match crate::router::planner::route(parse, &ctx) {
             Ok(Some(stmt)) => return stmt,
             Ok(None) => {}

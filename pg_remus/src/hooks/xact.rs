@@ -75,6 +75,7 @@ unsafe extern "C-unwind" fn xact_callback(
     );
     if ended || event == XACT_EVENT_PREPARE {
         crate::router::placement::end_of_transaction();
+        crate::router::shapes::end_of_transaction();
         crate::migration::handover::lock_abort::end_of_transaction();
         savepoints::end_of_transaction();
     }

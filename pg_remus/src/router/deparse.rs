@@ -106,19 +106,7 @@ pub unsafe fn lift_constants(query: *mut pg_sys::Query) -> Option<(*mut pg_sys::
         let mut params = Params::none();
         let cx = (&raw mut params).cast::<c_void>();
         lift_operator_arguments((*copy).jointree as *mut pg_sys::Node, cx);
-        if matches!(
-            (*copy).commandType,
-            pg_sys::CmdType::CMD_UPDATE | pg_sys::CmdType::CMD_INSERT
-        ) && !has_values_list(copy)
-        {
-            for te in list_ptrs::<pg_sys::TargetEntry>((*copy).targetList) {
-                if let Some(p) = as_param((*te).expr as *mut pg_sys::Node, &mut params) {
-                    (*te).expr = p as *mut pg_sys::Expr;
-                } else {
-                    lift_operator_arguments((*te).expr as *mut pg_sys::Node, cx);
-                }
-            }
-        }
+        lift_written_values(copy, &mut params);
         if (*copy).limitOption == pg_sys::LimitOption::LIMIT_OPTION_COUNT {
             for count in [&raw mut (*copy).limitOffset, &raw mut (*copy).limitCount] {
                 if let Some(p) = as_param(*count, &mut params) {
@@ -127,6 +115,34 @@ pub unsafe fn lift_constants(query: *mut pg_sys::Query) -> Option<(*mut pg_sys::
             }
         }
         (!params.values.is_empty()).then_some((copy, params))
+    }
+}
+
+/// Lifts the values an UPDATE or a one-row INSERT `q` writes: a target entry that is a constant,
+/// or the operator arguments within one (`SET v = v + 1`). A multi-row INSERT's VALUES stay
+/// literal; other statements are left as they are.
+///
+/// # Safety
+/// `q` must be a valid Query the caller may change in place (a copy) with no parameters of its
+/// own but those already in `params`.
+pub(crate) unsafe fn lift_written_values(q: *mut pg_sys::Query, params: &mut Params) {
+    // SAFETY: the caller upholds this function's `# Safety` contract.
+    unsafe {
+        if !matches!(
+            (*q).commandType,
+            pg_sys::CmdType::CMD_UPDATE | pg_sys::CmdType::CMD_INSERT
+        ) || has_values_list(q)
+        {
+            return;
+        }
+        for te in list_ptrs::<pg_sys::TargetEntry>((*q).targetList) {
+            if let Some(p) = as_param((*te).expr as *mut pg_sys::Node, params) {
+                (*te).expr = p as *mut pg_sys::Expr;
+            } else {
+                let cx = (params as *mut Params).cast::<c_void>();
+                lift_operator_arguments((*te).expr as *mut pg_sys::Node, cx);
+            }
+        }
     }
 }
 
@@ -172,7 +188,13 @@ unsafe extern "C-unwind" fn lift_operator_arguments(
 }
 
 /// `node` as the next parameter of `params` when it is a constant that can be lifted.
-unsafe fn as_param(node: *mut pg_sys::Node, params: &mut Params) -> Option<*mut pg_sys::Node> {
+///
+/// # Safety
+/// `node` must be NULL or a valid node.
+pub(crate) unsafe fn as_param(
+    node: *mut pg_sys::Node,
+    params: &mut Params,
+) -> Option<*mut pg_sys::Node> {
     // SAFETY: `node` is NULL or a valid node of the copy.
     unsafe {
         if !is_tag(node, pg_sys::NodeTag::T_Const) {

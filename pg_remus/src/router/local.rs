@@ -71,8 +71,8 @@ thread_local! {
     static EPOCH: Cell<u64> = const { Cell::new(0) };
 }
 
-/// The local plans made at execution for one `RemusRouter` plan node, by shard, in a memory
-/// context that is a child of the plan's own: they live as long as the (cached) plan, and the
+/// The local plans made at execution for one `RemusRouter` plan node (keyed by its private
+/// list, [`node_key`]), by shard, in a memory context that is a child of the plan's own: they live as long as the (cached) plan, and the
 /// context's reset callback drops this entry when the plan goes.
 struct ExecutionPlans {
     cxt: pg_sys::MemoryContext,
@@ -85,6 +85,20 @@ struct ExecutionPlans {
 /// A relcache invalidation arrived: local plans made at execution are made again.
 pub(crate) fn relcache_changed() {
     EPOCH.with(|e| e.set(e.get() + 1));
+}
+
+/// How many relcache invalidations (and function changes) this backend has seen: plans kept
+/// across statements are made again when it moves (`super::shapes`).
+pub(crate) fn epoch() -> u64 {
+    EPOCH.with(|e| e.get())
+}
+
+/// The key of what is kept for plan node `cscan`: its private list, which every copy of the
+/// node's header shares (a statement planned from a kept shape runs a copy, `super::shapes`),
+/// and which lives in the plan's memory context.
+unsafe fn node_key(cscan: *mut pg_sys::CustomScan) -> usize {
+    // SAFETY: `cscan` is a live RemusRouter plan node.
+    unsafe { (*cscan).custom_private as usize }
 }
 
 /// Is this backend starting a local plan of the router (which needs no RM001 check)?
@@ -585,7 +599,7 @@ unsafe fn local_plan_at_execution(
     // SAFETY: the caller upholds this function's `# Safety` contract; memory contexts are
     // PostgreSQL's, switched and restored around the allocation.
     unsafe {
-        let key = cscan as usize;
+        let key = node_key(cscan);
         let epoch = EPOCH.with(|e| e.get());
         let kept = MADE_AT_EXECUTION.with(|m| {
             m.borrow()
@@ -654,7 +668,7 @@ pub(crate) unsafe fn local_plan_for_shard(
 unsafe fn node_cache(cscan: *mut pg_sys::CustomScan) -> pg_sys::MemoryContext {
     // SAFETY: `cscan` is a live plan node, allocated by PostgreSQL in its plan's context.
     unsafe {
-        let key = cscan as usize;
+        let key = node_key(cscan);
         let epoch = EPOCH.with(|e| e.get());
         let known = MADE_AT_EXECUTION.with(|m| m.borrow().get(&key).map(|e| (e.cxt, e.epoch)));
         match known {
@@ -666,7 +680,9 @@ unsafe fn node_cache(cscan: *mut pg_sys::CustomScan) -> pg_sys::MemoryContext {
                 cxt
             }
             None => {
-                let parent = pg_sys::GetMemoryChunkContext(cscan as *mut std::ffi::c_void);
+                // The private list's context is the plan's (for a copied node, the shape's).
+                let parent =
+                    pg_sys::GetMemoryChunkContext((*cscan).custom_private as *mut std::ffi::c_void);
                 let cxt = pg_sys::AllocSetContextCreateInternal(
                     parent,
                     c"pg_remus plan node cache".as_ptr(),
@@ -720,7 +736,7 @@ pub(crate) unsafe fn deparsed(
         if !cacheable {
             return super::deparse::deparse(query).into();
         }
-        let key = cscan as usize;
+        let key = node_key(cscan);
         let epoch = EPOCH.with(|e| e.get());
         let hit = MADE_AT_EXECUTION.with(|m| {
             m.borrow()

@@ -38,6 +38,8 @@
 //!   sent there.
 //! - [`utility`]: COPY FROM, TRUNCATE and the refused utility statements; [`grant`]: GRANT and
 //!   REVOKE on distributed tables, on every node.
+//! - [`shapes`]: a statement sent as text with its constants, planned once per shape as a
+//!   prepared statement would be (its key and written values bound as parameters).
 //! - [`ownership`]: the RM001 check of statements on shard tables; [`privileges`]: the shell's
 //!   privileges checked for a plan on shard tables.
 
@@ -55,4 +57,5 @@ pub(crate) mod placement;
 pub(crate) mod planner;
 pub(crate) mod privileges;
 pub(crate) mod scan;
+pub(crate) mod shapes;
 pub(crate) mod utility;
