@@ -305,7 +305,8 @@ fn simple_rows(db: &mut postgres::Client, sql: &str) -> TextResult {
 /// A statement with constants sent to another node goes with its constants as parameters
 /// (design note 0002): the owner's log shows it executed as a statement prepared on the
 /// entry's session, with `$n` where the constants were. It returns what the owner's own local
-/// plan returns and what the literal text returns (`remus.enable_constant_lifting = off`), for
+/// plan returns and what the literal text returns (`remus.enable_constant_lifting` and
+/// `remus.enable_shape_cache` off), for
 /// a constant of every type that is lifted, and for the constants that keep their literal
 /// (a type modifier, a collation, EXTRACT's field, a sublink, IN lists, NULL, ORDER BY and
 /// GROUP BY positions), under the client settings that change how values are written as text
@@ -404,8 +405,13 @@ fn constants_routed_to_another_node_go_as_parameters_of_a_prepared_shape() {
             for lifting in ["on", "off"] {
                 let mut db = c.connect(&entry).unwrap();
                 db.batch_execute(setting).unwrap();
-                db.batch_execute(&format!("SET remus.enable_constant_lifting = {lifting}"))
-                    .unwrap();
+                // Off: neither lifted for the remote nor planned per shape here (decision
+                // 0037 binds the key as a parameter too), so the literal text goes.
+                db.batch_execute(&format!(
+                    "SET remus.enable_constant_lifting = {lifting};
+                     SET remus.enable_shape_cache = {lifting}"
+                ))
+                .unwrap();
                 for (sql, want) in reads.iter().zip(&expected) {
                     assert_eq!(
                         &simple_rows(&mut db, sql),

@@ -11,11 +11,20 @@ use crate::router::execute::Params;
 /// Deparses a Query to SQL text that any node reads the same way: schema-qualified names and
 /// locale-independent literals.
 ///
+/// A copy is deparsed: `pg_get_querydef` takes the rewrite locks on what it is given
+/// (`AcquireRewriteLocks`), which rebuilds a join's alias variables in the current memory
+/// context. On a Query kept with a plan (a prepared statement's, a statement shape's) that left
+/// a list freed with the first execution's memory, which the next execution walked.
+///
 /// # Safety
 /// `query` must be a valid, rewritten Query.
 pub unsafe fn deparse(query: *mut pg_sys::Query) -> String {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    portable(|| unsafe { pg_sys::pg_get_querydef(query, false) })
+    // SAFETY: the caller upholds this function's `# Safety` contract; the copy lives in the
+    // current memory context.
+    portable(|| unsafe {
+        let copy = pg_sys::copyObjectImpl(query as *const c_void) as *mut pg_sys::Query;
+        pg_sys::pg_get_querydef(copy, false)
+    })
 }
 
 /// Deparses `expr`, an expression over the columns of relation `relid` alone, as a shard of it
