@@ -857,3 +857,41 @@ fn a_replaced_function_or_a_new_table_makes_the_shape_again() {
         "the table made again"
     );
 }
+
+/// A join kept with its plan (a prepared statement's generic plan, a text statement's shape)
+/// and routed to another node runs again and again: its deparse no longer rebuilds the kept
+/// Query's join alias list in the execution's memory (which made the second execution fail with
+/// XX000 "unrecognized node type" or crash, before 4ac55c7).
+#[test]
+fn a_kept_join_routed_to_another_node_runs_at_every_execution() {
+    let (c, mut n1, _, _) = four_shards_and_a_key_on_n1(100);
+    n1.batch_execute(
+        "CREATE TABLE kv_log (k bigint, id int, note text, PRIMARY KEY (k, id));
+         SELECT remus_create_distributed_table('kv_log', 'k', 4, colocate_with => 'kv');",
+    )
+    .unwrap();
+    let (a, _) = key_on(&mut n1, "n1", false);
+    let (b, _) = key_from(&mut n1, "n1", false, a + 1);
+    n1.batch_execute(&format!(
+        "INSERT INTO kv_log VALUES ({a}, 1, 'a'), ({b}, 1, 'b')"
+    ))
+    .unwrap();
+    let mut s = c.connect("n1").unwrap();
+    let join = "SELECT l.note FROM kv JOIN kv_log l ON l.k = kv.k WHERE kv.k =";
+    s.batch_execute(&format!(
+        "SET plan_cache_mode = force_generic_plan; PREPARE j(bigint) AS {join} $1"
+    ))
+    .unwrap();
+    for (k, note) in [(a, "a"), (b, "b"), (a, "a"), (b, "b")] {
+        assert_eq!(
+            text_rows(&mut s, &format!("EXECUTE j({k})")),
+            [note],
+            "prepared, key {k}"
+        );
+        assert_eq!(
+            text_rows(&mut s, &format!("{join} {k}")),
+            [note],
+            "text statement, key {k}"
+        );
+    }
+}
