@@ -816,11 +816,18 @@ fn a_replaced_function_or_a_new_table_makes_the_shape_again() {
     let mut s = c.connect("n1").unwrap();
     s.batch_execute("PREPARE plus_of(bigint) AS SELECT plus(n) FROM kv WHERE k = $1")
         .unwrap();
+    // A constant key and a row lock: the router node stays on top of the kept plan.
+    s.batch_execute(&format!(
+        "PREPARE plus_locked AS SELECT plus(n) FROM kv WHERE k = {k} FOR UPDATE"
+    ))
+    .unwrap();
     let read = format!("SELECT plus(n) FROM kv WHERE k = {k}");
     let prepared = format!("EXECUTE plus_of({k})");
+    let locked = "EXECUTE plus_locked";
     for _ in 0..2 {
         assert_eq!(text_rows(&mut s, &read), ["1"]);
         assert_eq!(text_rows(&mut s, &prepared), ["1"]);
+        assert_eq!(text_rows(&mut s, locked), ["1"]);
     }
     n1.batch_execute(
         "CREATE OR REPLACE FUNCTION plus(int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT $1 + 100';",
@@ -835,6 +842,11 @@ fn a_replaced_function_or_a_new_table_makes_the_shape_again() {
         text_rows(&mut s, &prepared),
         ["100"],
         "prepared, after the function changed"
+    );
+    assert_eq!(
+        text_rows(&mut s, locked),
+        ["100"],
+        "prepared with a constant key and a row lock, after the function changed"
     );
 
     let make = |db: &mut postgres::Client, v: &str| {

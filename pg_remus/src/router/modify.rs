@@ -649,14 +649,13 @@ unsafe fn build_stmt(
         let (scan_tlist, tlist) = output_tlists(outputs);
         (*cscan).custom_scan_tlist = scan_tlist;
         (*cscan).scan.plan.targetlist = tlist;
-        // The local plan rides last ([`super::local::local_plan_of`]); its shard tables join
-        // the relations whose change invalidates a cached copy of this plan.
-        let mut local_relids: *mut pg_sys::List = std::ptr::null_mut();
+        // The local plan rides last ([`super::local::local_plan_of`]); what invalidates it
+        // invalidates a cached copy of this plan: its shard tables, the functions the planner
+        // inlined into it or read (invalItems), a role change when row security shaped it.
+        let mut local_stmt: Option<*mut pg_sys::PlannedStmt> = None;
         if let Some(local) = local {
             private = pg_sys::lappend(private, local as *mut std::ffi::c_void);
-            if let Some((stmt, _)) = super::local::local_plan_of(&[local as *mut pg_sys::Node]) {
-                local_relids = (*stmt).relationOids;
-            }
+            local_stmt = super::local::local_plan_of(&[local as *mut pg_sys::Node]).map(|(s, _)| s);
         }
         (*cscan).custom_private = private;
 
@@ -675,7 +674,12 @@ unsafe fn build_stmt(
         for relid in relids {
             (*stmt).relationOids = pg_sys::lappend_oid((*stmt).relationOids, *relid);
         }
-        (*stmt).relationOids = pg_sys::list_concat((*stmt).relationOids, local_relids);
+        if let Some(local) = local_stmt {
+            (*stmt).relationOids = pg_sys::list_concat((*stmt).relationOids, (*local).relationOids);
+            (*stmt).invalItems = pg_sys::list_concat((*stmt).invalItems, (*local).invalItems);
+            (*stmt).dependsOnRole |= (*local).dependsOnRole;
+            (*stmt).transientPlan |= (*local).transientPlan;
+        }
         (*stmt).stmt_location = q.stmt_location;
         (*stmt).stmt_len = q.stmt_len;
         stmt
