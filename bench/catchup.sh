@@ -31,6 +31,8 @@
 #   REMUS_CATCHUP_CONVERGE_LIMIT_MS, default 60000)  BASE_PORT (27801)  DIR
 #   (/var/tmp/remus-bench-catchup)  OUT_DIR (/var/tmp/remus-bench-catchup-results)
 #   REANALYZE=1: no run, the summaries again from the files of an earlier run in OUT_DIR.
+#   ANCHOR_DIR (../shared/anchors/citus): the Citus anchor toolkit, for the Citus run and for
+#   the server settings of both sides (its EXTRA_CONF is added to the pg_remus nodes' too).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/../scripts/lib.sh"
@@ -141,6 +143,8 @@ SQL
     read -r shard wport <<<"$(q ccoord -AtF ' ' -c "SELECT shardid, nodeport FROM citus_shards WHERE table_name = 'cu'::regclass")"
     if [ "$wport" = "$P_CW1" ]; then src=cw1 dst=cw2; else src=cw2 dst=cw1; fi
     q ccoord -qc "VACUUM ANALYZE cu" >/dev/null
+    # As for pg_remus: the load's writes flushed before the writers start.
+    q ccoord -qc CHECKPOINT; q cw1 -qc CHECKPOINT; q cw2 -qc CHECKPOINT
     log "citus: $clients clients updating shard $shard through $src; moving it to $dst"
     (PGPASSFILE=$(passfile_of "$src") exec pgbench -h 127.0.0.1 -p "$(port_of "$src")" -n -c "$clients" \
         -j "$((clients < 2 ? clients : 2))" -T 3600 --max-tries=1 -l --log-prefix="$out/citus-w" \
@@ -335,6 +339,15 @@ SQL
 echo "$(date -u '+%F %T') UTC, $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), tree $(git rev-parse --short HEAD)" > "$summary"
 
 
+# The toolkit's settings for every server beside its defaults (EXTRA_CONF), read from its
+# lib.sh in a subshell with a scratch WORK (sourcing it sets up directories and ports).
+anchor_dir=${ANCHOR_DIR:-$REPO_ROOT/../shared/anchors/citus}
+[ -f "$anchor_dir/lib.sh" ] || die "the Citus anchor toolkit is not at $anchor_dir (set ANCHOR_DIR): its server settings are the bench's"
+same_as_citus=$(scratch=$(mktemp -d); trap 'rm -rf "$scratch"' EXIT; WORK=$scratch OUT=$scratch/results \
+    bash -c 'source "$1/lib.sh" >/dev/null; printf "%s" "$EXTRA_CONF"' _ "$anchor_dir")
+[ -n "$same_as_citus" ] || die "no EXTRA_CONF in $anchor_dir/lib.sh"
+echo "server settings beside remusctl's (as the anchor toolkit's): $(paste -sd';' <<<"$same_as_citus")" >> "$summary"
+
 for mode in $modes; do
     if [ "$mode" = citus ]; then
         [ "$clients" != auto ] || die "MODES: put citus after a pg_remus mode (its sweep sets CLIENTS) or set CLIENTS"
@@ -345,6 +358,14 @@ for mode in $modes; do
     "$ctl" cluster down --dir "$dir" >/dev/null 2>&1 || true
     rm -rf "$dir"
     REMUS_CATCHUP_CONVERGE_LIMIT_MS=$limit_ms "$ctl" cluster up --nodes 2 --dir "$dir" --base-port "$port" >/dev/null
+    # The settings the Citus run gets from the anchor toolkit (shared_buffers 256MB, fsync and
+    # synchronous_commit on), as its pg_remus clusters get them: the same server settings on
+    # both sides of the comparison.
+    "$ctl" cluster down --dir "$dir" >/dev/null
+    for n in n1 n2; do printf '%s\n' "$same_as_citus" >> "$dir/$n/data/remus.conf"; done
+    REMUS_CATCHUP_CONVERGE_LIMIT_MS=$limit_ms "$ctl" cluster up --nodes 2 --dir "$dir" --base-port "$port" >/dev/null
+    [ "$(on n1 psql -XAtc 'SHOW shared_buffers')" = "$(sed -n "s/^shared_buffers = '\(.*\)'$/\1/p" <<<"$same_as_citus")" ] \
+        || die "the anchor toolkit's settings were not applied to the pg_remus cluster"
     log "$mode: loading $rows rows into a one-shard table"
     on n1 psql -Xq -v ON_ERROR_STOP=1 >/dev/null <<SQL
 CREATE TABLE cu (id bigint PRIMARY KEY, v bigint NOT NULL DEFAULT 0, pad text NOT NULL);
@@ -390,6 +411,12 @@ SQL
         CONNECTION '$conninfo' PUBLICATION catchup_pub
         WITH (slot_name = 'catchup_sub', create_slot = false, enabled = false, copy_data = false)"
 
+    # The setup's writes (the table's load, the sweep, the subscriber's copy of the rows: about
+    # a GB of dirty pages on each node) are flushed now, not by a checkpoint during the
+    # migration: its sync would stall every commit on this disk in the middle of the measured
+    # window (230-340 ms of no commit at the copy's end, in every run before this).
+    on n1 psql -Xq -v ON_ERROR_STOP=1 -c CHECKPOINT
+    on n2 psql -Xq -v ON_ERROR_STOP=1 -c CHECKPOINT
     csv="$out/$mode.samples.csv" events="$out/$mode.events" stop="$out/$mode.stop"
     : > "$csv"; : > "$events"; rm -f "$stop"
     log "$mode: $clients clients updating the shard through $source; sampling every 100 ms"
