@@ -430,6 +430,20 @@ SQL
     (while [ ! -e "$stop" ]; do echo "$applied_sql"; sleep 0.1; done \
         | on "$target" stdbuf -oL psql -XAtq -F ',' 2>> "$out/$mode.sampler.err" > "$out/$mode.applied.csv") &
     applied_sampler=$!
+    # What every running statement of both nodes waits on, every 50 ms (not analysed here:
+    # `$mode.waits.<node>.txt` is read by hand when a gap needs explaining): the clock, the pid,
+    # the application name, the wait event and the statement's start.
+    waits_sql="SELECT extract(epoch FROM clock_timestamp()), pid, application_name, state,
+      coalesce(wait_event_type || ':' || wait_event, '-'), backend_xid IS NOT NULL,
+      extract(epoch FROM xact_start), left(regexp_replace(query, '\s+', ' ', 'g'), 80)
+      FROM pg_stat_activity WHERE backend_type = 'client backend' AND state <> 'idle'
+       AND pid <> pg_backend_pid();"
+    wait_samplers=""
+    for n in "$source" "$target"; do
+        (while [ ! -e "$stop" ]; do echo "$waits_sql"; sleep 0.05; done \
+            | on "$n" stdbuf -oL psql -XAtq -F '|' 2>> "$out/$mode.sampler.err" > "$out/$mode.waits.$n.txt") &
+        wait_samplers="$wait_samplers $!"
+    done
     # The CPU every process of the cluster uses, by role (bench/catchup_cpu.py).
     : > "$out/$mode.cpu.csv"
     python3 "$REPO_ROOT/bench/catchup_cpu.py" sample "$dir" "$out/$mode.cpu.csv" "$stop" \
@@ -459,6 +473,7 @@ SQL
     wait "$sampler" || true
     wait "$applied_sampler" || true
     wait "$cpu_sampler" || true
+    for p in $wait_samplers; do wait "$p" || true; done
     on "$source" psql -XAt -F '|' -c "SELECT phase, status, phase_ms, txns_replayed, replay_bytes_per_sec,
         replay_txns_per_sec, source_wal_bytes_per_sec, coalesce(waiting_on, ''), coalesce(error, '')
         FROM remus_migrations ORDER BY migration_id DESC LIMIT 1" > "$out/$mode.migration.txt" || true
