@@ -55,6 +55,13 @@ summary="$out/summary.txt"
 [ -x "$ctl" ] || die "$ctl not built (cargo build --release --workspace --exclude pg_remus)"
 
 on() { local n=$1; shift; (eval "$("$ctl" cluster env --dir "$dir" --node "$n")"; "$@"); }
+# Runs `$3` on node `$2` every `$1` seconds until the run's stop file exists, its rows (fields
+# separated by `$4`) written to file `$5`: one psql session for the whole run.
+poll_to_file() {
+    local every=$1 node=$2 sql=$3 sep=$4 file=$5
+    while [ ! -e "$stop" ]; do echo "$sql"; sleep "$every"; done \
+        | on "$node" stdbuf -oL psql -XAtq -F "$sep" 2>> "$out/$mode.sampler.err" > "$file"
+}
 # As on, but replaces the shell it runs in: run as `on_exec … &`, $! is the command's PID.
 on_exec() { local n=$1; shift; eval "$("$ctl" cluster env --dir "$dir" --node "$n")"; exec "$@"; }
 
@@ -427,8 +434,7 @@ SQL
     (while [ ! -e "$stop" ]; do echo "$sample_sql"; sleep 0.1; done \
         | on "$source" stdbuf -oL psql -XAtq -F '|' 2>> "$out/$mode.sampler.err" | controller "$csv" "$events") &
     sampler=$!
-    (while [ ! -e "$stop" ]; do echo "$applied_sql"; sleep 0.1; done \
-        | on "$target" stdbuf -oL psql -XAtq -F ',' 2>> "$out/$mode.sampler.err" > "$out/$mode.applied.csv") &
+    poll_to_file 0.1 "$target" "$applied_sql" ',' "$out/$mode.applied.csv" &
     applied_sampler=$!
     # What every running statement of both nodes waits on, every 50 ms (not analysed here:
     # `$mode.waits.<node>.txt` is read by hand when a gap needs explaining): the clock, the pid,
@@ -440,8 +446,7 @@ SQL
        AND pid <> pg_backend_pid();"
     wait_samplers=""
     for n in "$source" "$target"; do
-        (while [ ! -e "$stop" ]; do echo "$waits_sql"; sleep 0.05; done \
-            | on "$n" stdbuf -oL psql -XAtq -F '|' 2>> "$out/$mode.sampler.err" > "$out/$mode.waits.$n.txt") &
+        poll_to_file 0.05 "$n" "$waits_sql" '|' "$out/$mode.waits.$n.txt" &
         wait_samplers="$wait_samplers $!"
     done
     # The CPU every process of the cluster uses, by role (bench/catchup_cpu.py).
