@@ -25,6 +25,9 @@
 #   "citus" after them: the same writers and move with Citus, see citus_run)
 #   CLIENTS (default auto: the count in SWEEP with the highest source tps in a SWEEP_SECONDS
 #   pgbench run each, measured once on the first mode's cluster)  SWEEP (default "2 4 8 12 16")
+#   SUB_PAUSE (1: the subscription is disabled from the first sample past catch-up until the
+#   writers stop, so that no second applier loads the target during the handover, as in
+#   production and in the Citus run; its figures leave that time out. 0: it runs throughout)
 #   SWEEP_SECONDS (5)  ROWS (rows in the shard, default 1000000, ~100 MB)  WARMUP (5 s of writes
 #   before the migration)  TAIL (3 s of writes after it)  SUB_WAIT (at most 60 s more for the
 #   subscription to catch up once the writers stop)  CONVERGE_LIMIT_MS (coordinator
@@ -46,6 +49,7 @@ rows=${ROWS:-1000000}
 warmup=${WARMUP:-5}
 tail_s=${TAIL:-3}
 sub_wait=${SUB_WAIT:-60}
+sub_pause=${SUB_PAUSE:-1}
 limit_ms=${CONVERGE_LIMIT_MS:-60000}
 port=${BASE_PORT:-27801}
 dir=${DIR:-/var/tmp/remus-bench-catchup}
@@ -103,7 +107,7 @@ applied_sql="SELECT extract(epoch FROM clock_timestamp()),
 # the source once the migration's slot exists (or the migration is past its copy without one),
 # enables it once the migration has left pending/copy. Events go to $2.
 controller() {
-    local csv=$1 events=$2 slot_made=0 enabled=0 t wal rs sc phase status txr rtps lagb
+    local csv=$1 events=$2 slot_made=0 enabled=0 paused=0 t wal rs sc phase status txr rtps lagb
     while IFS='|' read -r t wal rs sc phase status txr rtps lagb; do
         case "$t" in [0-9]*) ;; *) continue ;; esac
         printf '%s,%s,%s,%s,%s,%s,%s,%s,%s\n' "$t" "$wal" "$rs" "$sc" "$phase" "$status" "$txr" "$rtps" "$lagb" >> "$csv"
@@ -118,6 +122,16 @@ controller() {
             on "$target" psql -Xq -d catchup_sub -c "ALTER SUBSCRIPTION catchup_sub ENABLE"
             enabled=1
             echo "enabled $(date +%s.%N) $phase" >> "$events"
+        fi
+        # Past catch-up (barrier, handover, cleanup, the end): the subscription stops writing on
+        # the target until the writers stop (SUB_PAUSE=1), so that the handover runs on a target
+        # that no second applier loads, as in production and as in the Citus run.
+        if [ "$sub_pause" = 1 ] && [ "$enabled" = 1 ] && [ "$paused" = 0 ]; then
+            case "$phase" in ""|pending|copy|catchup) ;; *)
+                on "$target" psql -Xq -d catchup_sub -c "ALTER SUBSCRIPTION catchup_sub DISABLE"
+                paused=1
+                echo "paused $(date +%s.%N) $phase" >> "$events" ;;
+            esac
         fi
     done
 }
@@ -214,7 +228,9 @@ analyze() {
             return (t[i] - t[j]) * 1000 }
         function fmt(v) { return v == "" ? "-" : sprintf("%.0f", v) }
         END {
-            while ((getline line < ev) > 0) { split(line, e, " "); if (e[1] == "enabled") enabled_at = e[2]; if (e[1] == "slot") slot_at = e[2] }
+            while ((getline line < ev) > 0) { split(line, e, " "); if (e[1] == "enabled") enabled_at = e[2]; if (e[1] == "slot") slot_at = e[2]
+                if (e[1] == "paused") { paused_at = e[2]; paused_in = e[3] }; if (e[1] == "resumed") resumed_at = e[2] }
+            pause_s = (paused_at == "") ? 0 : ((resumed_at == "" ? t[n] : resumed_at) - paused_at)
             getline mline < mig; split(mline, m, "|")
             print "t,phase,src_commits_per_s,src_wal_Bps,replay_Bps,sub_Bps,replay_lag_bytes,sub_lag_bytes,replay_lag_ms,sub_lag_ms,remus_replay_txns_per_s" > derived
             k = 1
@@ -247,15 +263,19 @@ analyze() {
                 if (r[i] != "") { v = rate1s(r, i); if (v != "" && v > r_peak) r_peak = v
                     # backlogged: still >= 300 ms behind the source at the end of the interval
                     if (rb != "" && rlm >= 300) { r_bb += rb * dt; r_bt += dt } }
-                if (enabled_at != "" && t[i - 1] >= enabled_at && s[i] != "") {
+                # SUB_PAUSE: the subscription disabled from the barrier until the writers stop; its
+                # intervals then say nothing of its speed and are left out of its figures.
+                sub_paused = (paused_at != "" && t[i] > paused_at && (resumed_at == "" || t[i - 1] < resumed_at))
+                if (enabled_at != "" && t[i - 1] >= enabled_at && s[i] != "" && !sub_paused) {
                     v = rate1s(s, i); if (v != "" && v > s_peak) s_peak = v
                     if (sb != "" && slm >= 300) { s_bb += sb * dt; s_bt += dt }
                     if (sl > maxlag_s) maxlag_s = sl; if (slm > maxlagms_s) maxlagms_s = slm
                     if (t[i] <= me) { lag_s_at_me = sl; lagms_s_at_me = slm }
-                    if (s_conv == "" && slm != "" && slm <= 500 && t[i] - enabled_at > 0) s_conv = t[i] - enabled_at
+                    if (s_conv == "" && slm != "" && slm <= 500 && t[i] - enabled_at > 0)
+                        s_conv = t[i] - enabled_at - (paused_at != "" && t[i] > paused_at ? pause_s : 0)
                 }
                 # The same intervals for both: each still >= 300 ms behind at the end of the interval.
-                if (rb != "" && sb != "" && rlm >= 300 && slm >= 300 && t[i - 1] >= enabled_at) {
+                if (rb != "" && sb != "" && rlm >= 300 && slm >= 300 && t[i - 1] >= enabled_at && !sub_paused) {
                     both_r += rb * dt; both_s += sb * dt; both_t += dt; both_w += (w[i] - w[i - 1]) }
                 if (rt[i] != "" && rt[i] > rt_peak) rt_peak = rt[i]
                 # Transactions the replay applied (txns_replayed) over 1 s windows: its rate in
@@ -279,8 +299,9 @@ analyze() {
                 fmt(pre_tps_peak), (pre_tps_peak > 0 && tr_peak != "" ? sprintf("replay %.2fx", tr_peak / pre_tps_peak) : "-") >> sum
             printf "  migration catch-up: %.1f s; lag max %s MB / %s ms, at its end %s MB / %s ms; converged (<= 500 ms behind): %s; by the applied position, as the coordinator judged it: %s\n",
                 (cu0 == "" ? 0 : cu1 - cu0), mb(maxlag_r), fmt(maxlagms_r), mb(lastlag_r), fmt(lastlagms_r), converged, converged_a >> sum
-            printf "  subscription: peak %s MB/s (1 s), mean while >= 300 ms behind %s MB/s over %.1f s; lag max %s MB / %s ms, at migration end %s MB / %s ms; <= 500 ms behind %s s after enable\n",
-                mb(s_peak), mb(s_bt ? s_bb / s_bt : ""), s_bt, mb(maxlag_s), fmt(maxlagms_s), mb(lag_s_at_me), fmt(lagms_s_at_me), (s_conv == "" ? "never" : sprintf("%.1f", s_conv)) >> sum
+            printf "  subscription: peak %s MB/s (1 s), mean while >= 300 ms behind %s MB/s over %.1f s; lag max %s MB / %s ms, at migration end %s MB / %s ms; <= 500 ms behind %s s after enable%s\n",
+                mb(s_peak), mb(s_bt ? s_bb / s_bt : ""), s_bt, mb(maxlag_s), fmt(maxlagms_s), mb(lag_s_at_me), fmt(lagms_s_at_me), (s_conv == "" ? "never" : sprintf("%.1f", s_conv)),
+                (paused_at == "" ? "" : sprintf(" (paused %.1f s, from the %s until the writers stopped: not counted)", pause_s, paused_in)) >> sum
             printf "  both >= 300 ms behind, same intervals (%.1f s): migration %s MB/s, subscription %s MB/s, source WAL %s MB/s\n",
                 both_t, mb(both_t ? both_r / both_t : ""), mb(both_t ? both_s / both_t : ""), mb(both_t ? both_w / both_t : "") >> sum
             printf "  per phase (sampled s: commits/s, source / replay / subscription MB/s):" >> sum
@@ -295,7 +316,8 @@ analyze() {
     # subscription's enable each had applied everything the source had written at that moment.
     if [ -s "$out/$mode.applied.csv" ]; then
         awk -F, -v csv="$csv" -v ev="$events" "$awk_rates"'
-            BEGIN { while ((getline line < ev) > 0) { split(line, e, " "); if (e[1] == "enabled") en = e[2] }
+            BEGIN { while ((getline line < ev) > 0) { split(line, e, " "); if (e[1] == "enabled") en = e[2]
+                        if (e[1] == "paused") pa = e[2]; if (e[1] == "resumed") re = e[2] }
                     while ((getline line < csv) > 0) { split(line, f, ","); if (en != "" && f[1] <= en) wal_at_en = f[2] } }
             # 0: an origin made but not yet advanced (the subscription origin at its enable).
             $1 ~ /^[0-9]/ { n++; t[n] = $1; r[n] = ($2 == "" || $2 + 0 == 0) ? "" : $2; s[n] = ($3 == "" || $3 + 0 == 0) ? "" : $3 }
@@ -303,7 +325,9 @@ analyze() {
                 for (i = 2; i <= n; i++) { v = rate1s(x, i); if (v != "" && (best == "" || v > best)) best = v }
                 return best }
             function drained(x,   i) { if (en == "" || wal_at_en == "") return "-"
-                for (i = 1; i <= n; i++) if (t[i] >= en && x[i] != "" && x[i] >= wal_at_en) return sprintf("%.2f s", t[i] - en)
+                # Time paused (SUB_PAUSE) is not counted.
+                for (i = 1; i <= n; i++) if (t[i] >= en && x[i] != "" && x[i] >= wal_at_en)
+                    return sprintf("%.2f s", t[i] - en - (pa != "" && t[i] > pa ? (re == "" ? t[i] : (t[i] < re ? t[i] : re)) - pa : 0))
                 return "never" }
             END { printf "  applied on the target (origins, 100 ms): replay peak %s MB/s (1 s), subscription peak %s MB/s; the source position at the enable applied %s after it by the replay, %s by the subscription\n",
                 mb(peak(r)), mb(peak(s)), drained(r), drained(s) }' "$out/$mode.applied.csv" >> "$summary"
@@ -466,6 +490,10 @@ SQL
     kill -TERM "$writers" 2>/dev/null || true
     wait "$writers" || true
     writers=""
+    if grep -q '^paused ' "$events"; then
+        on "$target" psql -Xq -d catchup_sub -c "ALTER SUBSCRIPTION catchup_sub ENABLE"
+        echo "resumed $(date +%s.%N)" >> "$events"
+    fi
     # The subscription gets until it has confirmed the source's position at the writers' end.
     stop_lsn=$(on "$source" psql -XAtc "SELECT pg_current_wal_lsn() - '0/0'")
     for _ in $(seq $((sub_wait * 10))); do

@@ -149,3 +149,14 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'apply_shape_wrapper';
 REVOKE EXECUTE ON FUNCTION remus.apply_shape(text, text) FROM PUBLIC;
+
+-- The drain fence's question to a drain source (remus.rs, source_copy_is_free): is its copy of
+-- the shard free of every older writer and row locker? Asked before the fence waits there.
+CREATE  FUNCTION remus."drain_source_copy_is_free"(
+	"rel_name" TEXT, /* & str */
+	"shard_id" bigint /* i64 */
+) RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'drain_source_copy_is_free_wrapper';
+REVOKE EXECUTE ON FUNCTION remus.drain_source_copy_is_free(text, bigint) FROM PUBLIC;

@@ -41,10 +41,18 @@ struct Drain {
     shard: i64,
     /// On the source: open, it has updated (1, 1) before Tm (q 1 -> 11).
     older: postgres::Client,
+    /// On the source, when asked for: open, it has read w = 1 before Tm; it holds the
+    /// cleanup's drain (and so the fence) after `older` ends.
+    reader: Option<postgres::Client>,
     mover: thread::JoinHandle<Result<(String, i64), postgres::Error>>,
 }
 
 fn drain_with_an_older_writer_of_1_1() -> Drain {
+    drain_scene(false)
+}
+
+/// The scene; with `reader`, an older reader of w = 1 too.
+fn drain_scene(reader: bool) -> Drain {
     let c = TestCluster::start(3).expect("cluster up");
     c.connect("n1")
         .unwrap()
@@ -101,6 +109,12 @@ fn drain_with_an_older_writer_of_1_1() -> Drain {
     older
         .batch_execute("BEGIN; UPDATE stock SET q = q + 10 WHERE w = 1 AND i = 1")
         .unwrap();
+    let reader = reader.then(|| {
+        let mut r = c.connect(&source).unwrap();
+        r.batch_execute("BEGIN; SELECT count(*) FROM stock WHERE w = 1")
+            .unwrap();
+        r
+    });
     barrier.batch_execute("COMMIT").unwrap();
     // Tm passes; the cleanup drain then waits for `older`.
     wait_phase(&c, "cleanup");
@@ -117,6 +131,7 @@ fn drain_with_an_older_writer_of_1_1() -> Drain {
         target,
         shard,
         older,
+        reader,
         mover,
     }
 }
@@ -224,6 +239,75 @@ fn a_newer_write_of_another_row_of_the_shard_key_does_not_wait_for_an_older_writ
     let (c, target, shard) = finish(d);
     assert_eq!(q_on(&c, &target, shard, 1), 11);
     assert_eq!(q_on(&c, &target, shard, 2), 2);
+}
+
+/// Once no older writer is left on the source (only an older reader, which keeps the cleanup's
+/// drain, and so the fence, on), a fenced write asks the source's lock table instead of waiting
+/// there: entered on the source itself, it opens no session to it (the fence's own
+/// `pg_remus drain` connection). While the older writer still holds the shard, the same write
+/// entered on the source takes the fence's long way, in a session of its own. Entered on the
+/// third node, the question goes over its connection to the source; each write applies.
+#[test]
+fn a_newer_write_asks_the_source_lock_table_once_no_older_writer_is_left() {
+    let mut d = drain_scene(true);
+    let mut on_source = d.c.connect(&d.source).unwrap();
+    let drains = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pg_remus drain'";
+    assert_eq!(count(&mut on_source, drains), 0);
+    // The session outlives its write, so its fence connection stays while the fence is on (F19).
+    let mut first = patient(&d.c, &d.source);
+    assert_eq!(
+        first
+            .execute("UPDATE stock SET q = q + 100 WHERE w = 1 AND i = 2", &[])
+            .expect("a newer write of another row while the older writer is open"),
+        1
+    );
+    assert_eq!(
+        count(&mut on_source, drains),
+        1,
+        "with an older writer open, a write entered on the source fences in a session of its own"
+    );
+    d.older
+        .batch_execute("COMMIT")
+        .expect("the older writer commits");
+    let mut second = patient(&d.c, &d.source);
+    assert_eq!(
+        second
+            .execute("UPDATE stock SET q = q + 100 WHERE w = 1 AND i = 3", &[])
+            .expect("a newer write once only the older reader is left"),
+        1
+    );
+    let mut phase = d.c.connect(&d.source).unwrap();
+    assert_eq!(
+        count(
+            &mut phase,
+            "SELECT count(*) FROM remus_migrations WHERE status = 'running' AND phase = 'cleanup'"
+        ),
+        1,
+        "the older reader holds the cleanup's drain, so the fence was still on"
+    );
+    assert_eq!(
+        count(&mut on_source, drains),
+        1,
+        "no older writer left: the write entered on the source asked its own lock table"
+    );
+    let mut through_third = patient(&d.c, &d.third);
+    assert_eq!(
+        through_third
+            .execute("UPDATE stock SET q = q + 100 WHERE w = 1 AND i = 4", &[])
+            .expect("a newer write through the third node"),
+        1
+    );
+    d.reader
+        .take()
+        .expect("the scene's reader")
+        .batch_execute("COMMIT")
+        .expect("the older reader ends");
+    drop((first, second, through_third));
+    let (c, target, shard) = finish(d);
+    assert_eq!(q_on(&c, &target, shard, 1), 11);
+    for i in 2..=4 {
+        assert_eq!(q_on(&c, &target, shard, i), 101, "row (1, {i})");
+    }
 }
 
 /// Runs `sql` (which doubles q of (1, 1) and changes `rows` rows) through the third node: its

@@ -5,6 +5,8 @@ use std::ffi::CString;
 
 use pgrx::pg_sys;
 
+pub(super) use crate::pg::relation::{relid_of, shard_range_var};
+
 use crate::catalog::DistTable;
 use crate::error::RemusError;
 
@@ -64,42 +66,6 @@ pub(super) fn target(relid: pg_sys::Oid) -> Result<Option<Target>, RemusError> {
         local_shards,
         shard_ids,
     }))
-}
-
-/// `rv`'s relation id, or InvalidOid if there is none (the statement's own missing-object
-/// handling then applies).
-///
-/// # Safety
-/// `rv` must be NULL or a valid RangeVar.
-pub(super) unsafe fn relid_of(rv: *mut pg_sys::RangeVar) -> pg_sys::Oid {
-    // SAFETY: the caller upholds this function's `# Safety` contract.
-    unsafe {
-        if rv.is_null() {
-            return pg_sys::InvalidOid;
-        }
-        pg_sys::RangeVarGetRelidExtended(
-            rv,
-            pg_sys::NoLock as i32,
-            pg_sys::RVROption::RVR_MISSING_OK,
-            None,
-            std::ptr::null_mut(),
-        )
-    }
-}
-
-/// A palloc'd RangeVar naming `remus_shards.<name>`.
-pub(super) fn shard_range_var(name: &str) -> *mut pg_sys::RangeVar {
-    let nsp = CString::new("remus_shards").expect("no NUL");
-    let rel = CString::new(name).expect("no NUL in names");
-    // SAFETY: pstrdup copies the strings into the current memory context, where makeRangeVar
-    // allocates the node; both outlive the statement.
-    unsafe {
-        pg_sys::makeRangeVar(
-            pg_sys::pstrdup(nsp.as_ptr()),
-            pg_sys::pstrdup(rel.as_ptr()),
-            -1,
-        )
-    }
 }
 
 /// A palloc'd copy of `node` (a parse tree).

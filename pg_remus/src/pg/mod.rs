@@ -11,6 +11,7 @@
 //! - [`ffi`]: the C functions pgrx does not bind.
 //! - [`custom_scan`]: filling and registering a CustomScan's method tables.
 //! - [`query_tree`]: every Query of a statement (WITH queries, subqueries, sublinks).
+//! - [`relation`]: a `RangeVar`'s relation id; the `RangeVar` of a shard table.
 //! - [`fast_map`]: the hash map of the per-backend caches on the statement path.
 
 pub(crate) mod custom_scan;
@@ -21,6 +22,7 @@ pub(crate) mod isolation;
 pub(crate) mod latch;
 pub(crate) mod list;
 pub(crate) mod query_tree;
+pub(crate) mod relation;
 pub(crate) mod spi;
 pub(crate) mod sql;
 

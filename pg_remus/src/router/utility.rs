@@ -26,16 +26,7 @@ unsafe fn shell_of(rv: *mut pg_sys::RangeVar) -> Result<Option<DistTable>, Remus
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
     unsafe {
-        if rv.is_null() {
-            return Ok(None);
-        }
-        let relid = pg_sys::RangeVarGetRelidExtended(
-            rv,
-            pg_sys::NoLock as i32,
-            pg_sys::RVROption::RVR_MISSING_OK,
-            None,
-            std::ptr::null_mut(),
-        );
+        let relid = crate::pg::relation::relid_of(rv);
         if relid == pg_sys::InvalidOid {
             return Ok(None);
         }
@@ -293,16 +284,7 @@ unsafe fn relation_shards(
     // SAFETY: the pointers this private function takes come from its callers in this module,
     // which pass what PostgreSQL handed them for the current call; they are live throughout.
     unsafe {
-        if rv.is_null() {
-            return Ok(None);
-        }
-        let relid = pg_sys::RangeVarGetRelidExtended(
-            rv,
-            pg_sys::NoLock as i32,
-            pg_sys::RVROption::RVR_MISSING_OK,
-            None,
-            std::ptr::null_mut(),
-        );
+        let relid = crate::pg::relation::relid_of(rv);
         if relid == pg_sys::InvalidOid {
             return Ok(None);
         }

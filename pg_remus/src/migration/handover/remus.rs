@@ -20,7 +20,10 @@
 //!   shadow before it lets go of its locks; so the rows the destination then locks already
 //!   carry their writes, and the newer writer re-evaluates on top of them, as on a single
 //!   node. Writers of other rows of the shard (even with the same shard key) are not waited
-//!   for (review F7).
+//!   for (review F7). Once no older writer or row locker is left on the source's copy (the
+//!   usual case soon after Tm), the fence only asks the source's lock manager that
+//!   ([`source_copy_is_free`]: in the backend itself when this node is the source, else one
+//!   query), with no share lock, no transaction and no session of its own.
 //! - [`super::wait_decided`]: a READ COMMITTED transaction that routes a shard for the first
 //!   time while this node's Tm is prepared (decided elsewhere, perhaps already committed on the
 //!   destination) waits for that outcome and reads the map again, rather than start a new
@@ -90,6 +93,12 @@ pub(crate) fn wait_for_older_writers(
     if timeout_ms <= 0 {
         return Ok(());
     }
+    // Nobody older left on the source's copy: nothing to wait for, and no session, row lock or
+    // WAL flush spent finding that out. This node is the source: asked here, in this backend.
+    let here = crate::guc::node_name().as_deref() == Some(source.as_str());
+    if here && source_copy_is_free(&table.rel_name, placement.shard_id) {
+        return Ok(());
+    }
     let addr = crate::cluster::nodes::lookup(&source)?;
     // The fence runs as a transaction of its own, outside this one: the share lock is dropped
     // as soon as the row is free and must not join the two-phase commit. When this backend's
@@ -110,7 +119,7 @@ pub(crate) fn wait_for_older_writers(
     // its participant session there, if it has one): an older writer queued behind one of them
     // waits for us, so waiting for it would be a cycle no deadlock detector sees (review F7).
     let mut own_pids = Vec::new();
-    if crate::guc::node_name().as_deref() == Some(source.as_str()) {
+    if here {
         // SAFETY: MyProcPid is set once at backend start and only read here.
         own_pids.push(unsafe { pg_sys::MyProcPid });
     }
@@ -131,6 +140,13 @@ pub(crate) fn wait_for_older_writers(
             // to the source in every backend that once fenced (F19); until then this backend's
             // next fenced writes reuse it rather than pay a connection each.
             c.needed_while = Some(any_drain_fence);
+        }
+        // Another node is the source: the same question there, one round trip on this
+        // connection, before the fence's own (a source on the previous release lacks the
+        // function: the fence then runs as before).
+        if !here && asked_free_on(c, &table.rel_name, placement.shard_id) {
+            c.in_transaction = false;
+            return Ok(true);
         }
         let r = wait_until_row_queue_is_empty(
             c,
@@ -166,6 +182,50 @@ pub(crate) fn wait_for_older_writers(
         ),
     }
     Ok(())
+}
+
+/// Is the copy of shard `shard_id` of table `rel_name` on this node (a drain source) free of
+/// every older writer and row locker: does no other transaction hold, or wait for, a lock on
+/// it that a write (`RowExclusiveLock`) or a row lock (`RowShareLock`) takes? Then the fence
+/// has nothing to wait for. Asked with a conditional `ExclusiveLock`, let go at once: no wait,
+/// no row lock, no xid, no WAL (only `AccessExclusiveLock` is logged), and prepared
+/// transactions and fast-path holders are seen, as the lock manager sees them. Readers
+/// (`AccessShareLock`) do not conflict. False when it cannot tell: a conflicting holder that is
+/// not a writer (autovacuum's `ShareUpdateExclusiveLock`, another fence's share locks) only
+/// sends the caller the long way, [`wait_until_row_queue_is_empty`]. A copy that is gone (the
+/// drain ended and cleanup dropped it) is free.
+fn source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
+    let name = format!("{rel_name}_{shard_id}");
+    if name.contains('\0') {
+        return false;
+    }
+    // SAFETY: in a transaction (a statement is being routed, or the SQL function runs): a
+    // catalog lookup of a palloc'd RangeVar, then a conditional lock, which neither waits nor
+    // raises, let go before returning.
+    unsafe {
+        let relid = crate::pg::relation::relid_of(crate::pg::relation::shard_range_var(&name));
+        if relid == pg_sys::InvalidOid {
+            return true;
+        }
+        if !pg_sys::ConditionalLockRelationOid(relid, pg_sys::ExclusiveLock as i32) {
+            return false;
+        }
+        pg_sys::UnlockRelationOid(relid, pg_sys::ExclusiveLock as i32);
+        true
+    }
+}
+
+/// [`source_copy_is_free`] asked on the source over `c` (`remus.drain_source_copy_is_free`).
+/// False on any error: the caller then runs the whole fence, which is always safe.
+fn asked_free_on(c: &mut remote::RemoteConnection, rel_name: &str, shard_id: i64) -> bool {
+    let q = format!(
+        "SELECT remus.drain_source_copy_is_free({}, {shard_id})",
+        quote_literal(rel_name)
+    );
+    matches!(
+        c.exec(&q).map(|r| r.rows.first().and_then(|row| row.first()).cloned().flatten()),
+        Ok(Some(v)) if v == "t"
+    )
 }
 
 /// Why one share lock is not enough: the rows' older writers queue for them, and between two
@@ -230,9 +290,11 @@ fn wait_until_row_queue_is_empty(
     );
     // Two round trips a try, not five: every fenced write pays them while older writers drain
     // (tens of milliseconds after Tm under the anchors' E1). The pause, the transaction's
-    // opening and the share locks go in one pipelined flight, the look and the COMMIT in one
-    // query string.
-    let look_and_commit = format!("{writers_at_work}; COMMIT");
+    // opening and the share locks go in one pipelined flight, the look and the end in one
+    // query string. The end is a ROLLBACK: the share locks gave the transaction an xid, and a
+    // COMMIT would wait for a WAL flush on the source for nothing (under catchup.sh's load,
+    // 60-80 ms on a disk the handover keeps busy).
+    let look_and_commit = format!("{writers_at_work}; ROLLBACK");
     let mut pause = false;
     loop {
         let left = deadline
@@ -275,6 +337,15 @@ mod remus {
     use pgrx::prelude::*;
 
     use crate::migration::handover::remus::*;
+
+    /// On a drain source: is its copy of shard `shard_id` of `rel_name` free of every older
+    /// writer and row locker (no transaction holds or waits for a write or row lock on it)?
+    /// Asked by another node's drain fence before it waits there (`source_copy_is_free`).
+    #[pg_extern(volatile, parallel_unsafe)]
+    fn drain_source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
+        require_superuser("remus.drain_source_copy_is_free");
+        source_copy_is_free(rel_name, shard_id)
+    }
 
     /// Remus mode, at Tm: from now until `migration_end` (or a call with `source_node` `''`),
     /// a write routed to one of the migration's shards on a node other than `source_node` first
