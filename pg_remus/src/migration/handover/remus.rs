@@ -46,6 +46,12 @@ use crate::migration::state::{active, migration_of, require_superuser, NODE_NAME
 use crate::pg::sql::quote_literal;
 use remus_proto::sqlstate::SqlState;
 
+/// How long a fenced write on the drain source itself asks its own lock table again before it
+/// takes the fence's long way ([`wait_until_row_queue_is_empty`], in a session of its own). An
+/// older writer still at work or idle in its transaction past it is waited for the long way,
+/// which waits only for the writers of the statement's rows.
+const LOCAL_FENCE_POLL: Duration = Duration::from_millis(50);
+
 /// The node `shard_id` is leaving, while its migration (Remus mode) is between Tm and its end:
 /// a write routed to the shard on another node waits there first for the row's writers that
 /// predate Tm ([`wait_for_older_writers`]).
@@ -94,10 +100,23 @@ pub(crate) fn wait_for_older_writers(
         return Ok(());
     }
     // Nobody older left on the source's copy: nothing to wait for, and no session, row lock or
-    // WAL flush spent finding that out. This node is the source: asked here, in this backend.
+    // WAL flush spent finding that out. This node is the source: asked here, in this backend,
+    // again every millisecond for a little while (LOCAL_FENCE_POLL): right after Tm the older
+    // writers are ending (their commits waited for Tm's decision), and other fences hold their
+    // share locks for moments; the long way would open a session to this very node, which
+    // under catchup.sh's load, sixteen backends at once, cost each write 0.1-0.2 s.
     let here = crate::guc::node_name().as_deref() == Some(source.as_str());
-    if here && source_copy_is_free(&table.rel_name, placement.shard_id) {
-        return Ok(());
+    if here {
+        let until = Instant::now() + LOCAL_FENCE_POLL.min(Duration::from_millis(timeout_ms as u64));
+        loop {
+            if source_copy_is_free(&table.rel_name, placement.shard_id) {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                break;
+            }
+            crate::pg::latch::wait_ms(1);
+        }
     }
     let addr = crate::cluster::nodes::lookup(&source)?;
     // The fence runs as a transaction of its own, outside this one: the share lock is dropped
@@ -190,10 +209,11 @@ pub(crate) fn wait_for_older_writers(
 /// has nothing to wait for. Asked with a conditional `ExclusiveLock`, let go at once: no wait,
 /// no row lock, no xid, no WAL (only `AccessExclusiveLock` is logged), and prepared
 /// transactions and fast-path holders are seen, as the lock manager sees them. Readers
-/// (`AccessShareLock`) do not conflict. False when it cannot tell: a conflicting holder that is
-/// not a writer (autovacuum's `ShareUpdateExclusiveLock`, another fence's share locks) only
-/// sends the caller the long way, [`wait_until_row_queue_is_empty`]. A copy that is gone (the
-/// drain ended and cleanup dropped it) is free.
+/// (`AccessShareLock`) do not conflict; when the lock is refused, holders that only read or
+/// maintain the table (autovacuum) are told apart in `pg_locks`
+/// ([`only_readers_and_maintenance_on`]). Any other holder (another fence's share locks
+/// included) sends the caller the long way, [`wait_until_row_queue_is_empty`]. A copy that is
+/// gone (the drain ended and cleanup dropped it) is free.
 fn source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
     let name = format!("{rel_name}_{shard_id}");
     if name.contains('\0') {
@@ -208,11 +228,32 @@ fn source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
             return true;
         }
         if !pg_sys::ConditionalLockRelationOid(relid, pg_sys::ExclusiveLock as i32) {
-            return false;
+            return only_readers_and_maintenance_on(relid);
         }
         pg_sys::UnlockRelationOid(relid, pg_sys::ExclusiveLock as i32);
         true
     }
+}
+
+/// After the conditional lock failed: is every other lock on `relid` a reader's
+/// (`AccessShareLock`) or a maintenance one (`ShareUpdateExclusiveLock`: autovacuum, which a
+/// busy shard's source copy often has running, ANALYZE)? Then no writer or row locker holds or
+/// waits for it either. Read from `pg_locks`, which also lists fast-path locks and prepared
+/// transactions' (no pid): dearer than the lock, so asked only when the lock said no.
+fn only_readers_and_maintenance_on(relid: pg_sys::Oid) -> bool {
+    crate::pg::spi::read_one::<bool>(
+        "SELECT NOT EXISTS (
+             SELECT FROM pg_catalog.pg_locks
+              WHERE locktype = 'relation' AND relation = $1
+                AND database = (SELECT oid FROM pg_catalog.pg_database
+                                 WHERE datname = pg_catalog.current_database())
+                AND mode NOT IN ('AccessShareLock', 'ShareUpdateExclusiveLock')
+                AND pid IS DISTINCT FROM pg_catalog.pg_backend_pid())",
+        &[relid.into()],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(false)
 }
 
 /// [`source_copy_is_free`] asked on the source over `c` (`remus.drain_source_copy_is_free`).
