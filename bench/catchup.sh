@@ -34,7 +34,8 @@
 #   REMUS_CATCHUP_CONVERGE_LIMIT_MS, default 60000)  BASE_PORT (27801)  DIR
 #   (/var/tmp/remus-bench-catchup)  OUT_DIR (/var/tmp/remus-bench-catchup-results)
 #   REANALYZE=1: no run, the summaries again from the files of an earlier run in OUT_DIR.
-#   ANCHOR_DIR (../shared/anchors/citus): the Citus anchor toolkit, for the Citus run and for
+#   REMUS_EXTRA_SETTINGS (postgresql.conf lines for pg_remus's nodes only, a diagnosis; refused
+#   with citus in MODES)  ANCHOR_DIR (../shared/anchors/citus): the Citus anchor toolkit, for the Citus run and for
 #   the server settings of both sides (its EXTRA_CONF is added to the pg_remus nodes' too).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -377,7 +378,14 @@ anchor_dir=${ANCHOR_DIR:-$REPO_ROOT/../shared/anchors/citus}
 same_as_citus=$(scratch=$(mktemp -d); trap 'rm -rf "$scratch"' EXIT; WORK=$scratch OUT=$scratch/results \
     bash -c 'source "$1/lib.sh" >/dev/null; printf "%s" "$EXTRA_CONF"' _ "$anchor_dir")
 [ -n "$same_as_citus" ] || die "no EXTRA_CONF in $anchor_dir/lib.sh"
-echo "server settings beside remusctl's (as the anchor toolkit's): $(paste -sd';' <<<"$same_as_citus")" >> "$summary"
+# REMUS_EXTRA_SETTINGS: lines added to pg_remus's nodes only, for a diagnosis (e.g.
+# "max_wal_size = '8GB'": no checkpoint during the run); not a comparison, so not beside Citus.
+if [ -n "${REMUS_EXTRA_SETTINGS:-}" ]; then
+    case " $modes " in *" citus "*) die "REMUS_EXTRA_SETTINGS: pg_remus's nodes only, so not with citus in MODES" ;; esac
+    same_as_citus="$same_as_citus
+$REMUS_EXTRA_SETTINGS"
+fi
+echo "server settings beside remusctl's (the anchor toolkit's, and REMUS_EXTRA_SETTINGS if set): $(paste -sd';' <<<"$same_as_citus")" >> "$summary"
 
 for mode in $modes; do
     if [ "$mode" = citus ]; then

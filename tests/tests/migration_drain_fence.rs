@@ -392,6 +392,18 @@ fn an_update_of_every_shard_waits_for_an_older_writer_of_a_moving_one() {
 
 #[test]
 fn a_newer_writer_is_not_held_back_by_an_older_one_that_waits_for_it() {
+    not_held_back_by_an_older_writer_waiting_for_it(false);
+}
+
+/// The same with the newer transaction entered on the source itself, where the fence first
+/// asks the source's own lock table while an older writer is at work (`waited_here`): the
+/// older writer waiting for this very backend must not count as at work.
+#[test]
+fn a_newer_writer_on_the_source_is_not_held_back_by_an_older_one_that_waits_for_it() {
+    not_held_back_by_an_older_writer_waiting_for_it(true);
+}
+
+fn not_held_back_by_an_older_writer_waiting_for_it(on_source: bool) {
     let mut d = drain_with_an_older_writer_of_1_1();
     // A warehouse (another table, not moving) whose row lives on the source.
     let x: i32 = owners(&d.c, "warehouse")
@@ -408,8 +420,9 @@ fn a_newer_writer_is_not_held_back_by_an_older_one_that_waits_for_it() {
                 .get::<_, Option<i32>>(0)
         })
         .expect("the source owns a warehouse shard with rows");
-    // The newer transaction, through the third node, first holds warehouse x on the source.
-    let mut newer = patient(&d.c, &d.third);
+    // The newer transaction, through the third node (or the source), first holds warehouse x
+    // on the source.
+    let mut newer = patient(&d.c, if on_source { &d.source } else { &d.third });
     newer
         .batch_execute(&format!(
             "BEGIN; UPDATE warehouse SET ytd = ytd + 1 WHERE w = {x}"

@@ -46,10 +46,9 @@ use crate::migration::state::{active, migration_of, require_superuser, NODE_NAME
 use crate::pg::sql::quote_literal;
 use remus_proto::sqlstate::SqlState;
 
-/// How long a fenced write on the drain source itself asks its own lock table again before it
-/// takes the fence's long way ([`wait_until_row_queue_is_empty`], in a session of its own). An
-/// older writer still at work or idle in its transaction past it is waited for the long way,
-/// which waits only for the writers of the statement's rows.
+/// How long a fenced write on the drain source itself asks its own lock table every
+/// millisecond, whatever holds the copy, before it asks only while an older writer is at work
+/// there ([`waited_here`]).
 const LOCAL_FENCE_POLL: Duration = Duration::from_millis(50);
 
 /// The node `shard_id` is leaving, while its migration (Remus mode) is between Tm and its end:
@@ -101,22 +100,14 @@ pub(crate) fn wait_for_older_writers(
     }
     // Nobody older left on the source's copy: nothing to wait for, and no session, row lock or
     // WAL flush spent finding that out. This node is the source: asked here, in this backend,
-    // again every millisecond for a little while (LOCAL_FENCE_POLL): right after Tm the older
-    // writers are ending (their commits waited for Tm's decision), and other fences hold their
-    // share locks for moments; the long way would open a session to this very node, which
-    // under catchup.sh's load, sixteen backends at once, cost each write 0.1-0.2 s.
+    // for as long as older writers are ending (`waited_here`); the long way would open a
+    // session to this very node, which under catchup.sh's load, sixteen backends at once right
+    // after Tm, cost each write 0.1-0.2 s.
     let here = crate::guc::node_name().as_deref() == Some(source.as_str());
-    if here {
-        let until = Instant::now() + LOCAL_FENCE_POLL.min(Duration::from_millis(timeout_ms as u64));
-        loop {
-            if source_copy_is_free(&table.rel_name, placement.shard_id) {
-                return Ok(());
-            }
-            if Instant::now() >= until {
-                break;
-            }
-            crate::pg::latch::wait_ms(1);
-        }
+    let shard_table = crate::catalog::shard_table_name(&table.rel_name, placement.shard_id);
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
+    if here && waited_here(table, placement, &shard_table, deadline) {
+        return Ok(());
     }
     let addr = crate::cluster::nodes::lookup(&source)?;
     // The fence runs as a transaction of its own, outside this one: the share lock is dropped
@@ -144,8 +135,6 @@ pub(crate) fn wait_for_older_writers(
     }
     own_pids.extend(remote::in_transaction_backend_pid(&addr.name));
     let lock_row = shard_marker::marked(placement.shard_id, lock_rows);
-    let shard_table = crate::catalog::shard_table_name(&table.rel_name, placement.shard_id);
-    let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
     let waited = remote::with_connection(&fence, |c| {
         // The lock query and the look at the source's sessions run as the node user: as an
         // application role, pg_stat_activity would hide other roles' writers from it.
@@ -201,6 +190,44 @@ pub(crate) fn wait_for_older_writers(
         ),
     }
     Ok(())
+}
+
+/// The fence on the source itself, before the long way: true once the source's copy is free
+/// ([`source_copy_is_free`]). Asked every millisecond for `LOCAL_FENCE_POLL` (the older writers
+/// end around Tm, other fences hold their share locks for moments), then every 2 ms for as long
+/// as an older writer is still running a statement there: the long way would wait for it too
+/// ([`wait_until_row_queue_is_empty`]), in a session opened to this very node. False when only
+/// writers between statements (or none) hold the copy, or at `deadline`: the long way then
+/// waits for the rows' holders alone.
+fn waited_here(
+    table: &DistTable,
+    placement: &ShardPlacement,
+    shard_table: &str,
+    deadline: Instant,
+) -> bool {
+    // SAFETY: MyProcPid is set once at backend start and only read here.
+    let me = [unsafe { pg_sys::MyProcPid }];
+    let look = writers_at_work_sql(shard_table, &me);
+    let quick_until = Instant::now() + LOCAL_FENCE_POLL;
+    loop {
+        if source_copy_is_free(&table.rel_name, placement.shard_id) {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        if now >= quick_until {
+            let at_work = crate::pg::spi::read_one::<bool>(&look, &[])
+                .ok()
+                .flatten()
+                .unwrap_or(false);
+            if !at_work {
+                return false;
+            }
+        }
+        crate::pg::latch::wait_ms(if now < quick_until { 1 } else { 2 });
+    }
 }
 
 /// Is the copy of shard `shard_id` of table `rel_name` on this node (a drain source) free of
@@ -269,6 +296,42 @@ fn asked_free_on(c: &mut remote::RemoteConnection, rel_name: &str, shard_id: i64
     )
 }
 
+/// The fence's look (see [`wait_until_row_queue_is_empty`]): is a session other than this one
+/// running a statement while it holds `shard_table`'s write lock, leaving out one whose lock
+/// wait leads to `own_pids`? A `shard_table` that is gone has no writer.
+fn writers_at_work_sql(shard_table: &str, own_pids: &[i32]) -> String {
+    let own = if own_pids.is_empty() {
+        "'{}'::int[]".to_string()
+    } else {
+        format!(
+            "ARRAY[{}]::int[]",
+            own_pids
+                .iter()
+                .map(i32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        )
+    };
+    format!(
+        "WITH RECURSIVE writer AS (
+             SELECT l.pid FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'relation' AND l.relation = pg_catalog.to_regclass({table})
+                AND l.mode = 'RowExclusiveLock' AND l.granted
+                AND a.state = 'active' AND l.pid <> pg_catalog.pg_backend_pid()),
+         blocked_by(writer, pid, depth) AS (
+             SELECT w.pid, b, 1 FROM writer w, unnest(pg_catalog.pg_blocking_pids(w.pid)) b
+                WHERE cardinality({own}) > 0
+             UNION
+             SELECT bb.writer, b, bb.depth + 1
+               FROM blocked_by bb, unnest(pg_catalog.pg_blocking_pids(bb.pid)) b
+              WHERE bb.depth < 16 AND bb.pid <> ALL ({own}))
+         SELECT EXISTS (SELECT 1 FROM writer w
+                         WHERE NOT EXISTS (SELECT 1 FROM blocked_by bb
+                                            WHERE bb.writer = w.pid AND bb.pid = ANY ({own})))",
+        table = quote_literal(shard_table)
+    )
+}
+
 /// Why one share lock is not enough: the rows' older writers queue for them, and between two
 /// of them a row can be free for an instant (the next one is woken but not yet running, or is
 /// following the update chain to the new version), long enough for a share lock to be granted
@@ -299,36 +362,7 @@ fn wait_until_row_queue_is_empty(
     own_pids: &[i32],
     deadline: Instant,
 ) -> Result<bool, RemusError> {
-    let own = if own_pids.is_empty() {
-        "'{}'::int[]".to_string()
-    } else {
-        format!(
-            "ARRAY[{}]::int[]",
-            own_pids
-                .iter()
-                .map(i32::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        )
-    };
-    let writers_at_work = format!(
-        "WITH RECURSIVE writer AS (
-             SELECT l.pid FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
-              WHERE l.locktype = 'relation' AND l.relation = {table}::regclass
-                AND l.mode = 'RowExclusiveLock' AND l.granted
-                AND a.state = 'active' AND l.pid <> pg_catalog.pg_backend_pid()),
-         blocked_by(writer, pid, depth) AS (
-             SELECT w.pid, b, 1 FROM writer w, unnest(pg_catalog.pg_blocking_pids(w.pid)) b
-                WHERE cardinality({own}) > 0
-             UNION
-             SELECT bb.writer, b, bb.depth + 1
-               FROM blocked_by bb, unnest(pg_catalog.pg_blocking_pids(bb.pid)) b
-              WHERE bb.depth < 16 AND bb.pid <> ALL ({own}))
-         SELECT EXISTS (SELECT 1 FROM writer w
-                         WHERE NOT EXISTS (SELECT 1 FROM blocked_by bb
-                                            WHERE bb.writer = w.pid AND bb.pid = ANY ({own})))",
-        table = quote_literal(shard_table)
-    );
+    let writers_at_work = writers_at_work_sql(shard_table, own_pids);
     // Two round trips a try, not five: every fenced write pays them while older writers drain
     // (tens of milliseconds after Tm under the anchors' E1). The pause, the transaction's
     // opening and the share locks go in one pipelined flight, the look and the end in one
