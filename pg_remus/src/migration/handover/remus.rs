@@ -46,8 +46,8 @@ use crate::migration::state::{active, migration_of, require_superuser, NODE_NAME
 use crate::pg::sql::quote_literal;
 use remus_proto::sqlstate::SqlState;
 
-/// How long a fenced write on the drain source itself asks its own lock table every
-/// millisecond, whatever holds the copy, before it asks only while an older writer is at work
+/// How long a fenced write on the drain source itself asks its own lock table, whatever holds
+/// the copy, before it asks only while an older writer is at work
 /// there ([`waited_here`]).
 const LOCAL_FENCE_POLL: Duration = Duration::from_millis(50);
 
@@ -193,9 +193,9 @@ pub(crate) fn wait_for_older_writers(
 }
 
 /// The fence on the source itself, before the long way: true once the source's copy is free
-/// ([`source_copy_is_free`]). Asked every millisecond for `LOCAL_FENCE_POLL` (the older writers
-/// end around Tm, other fences hold their share locks for moments), then every 2 ms for as long
-/// as an older writer is still running a statement there: the long way would wait for it too
+/// ([`source_copy_is_free`]). Asked every 2 ms for `LOCAL_FENCE_POLL` (the older writers end
+/// around Tm, other fences hold their share locks for moments), then for as long as an older
+/// writer is still running a statement there: the long way would wait for it too
 /// ([`wait_until_row_queue_is_empty`]), in a session opened to this very node. False when only
 /// writers between statements (or none) hold the copy, or at `deadline`: the long way then
 /// waits for the rows' holders alone.
@@ -209,15 +209,19 @@ fn waited_here(
     let me = [unsafe { pg_sys::MyProcPid }];
     let look = writers_at_work_sql(shard_table, &me);
     let quick_until = Instant::now() + LOCAL_FENCE_POLL;
-    loop {
-        if source_copy_is_free(&table.rel_name, placement.shard_id) {
+    // Each ask is a conditional lock; the dearer looks in `pg_locks` (past a vacuum's lock, and
+    // for a writer at work) only every tenth, so that sixteen backends asking at once do not
+    // queue on the lock manager's partition locks that the writers they wait for need.
+    for ask in 0u64.. {
+        let look_closer = ask % 10 == 0;
+        if source_copy_is_free(&table.rel_name, placement.shard_id, look_closer) {
             return true;
         }
         let now = Instant::now();
         if now >= deadline {
             return false;
         }
-        if now >= quick_until {
+        if now >= quick_until && look_closer {
             let at_work = crate::pg::spi::read_one::<bool>(&look, &[])
                 .ok()
                 .flatten()
@@ -226,8 +230,9 @@ fn waited_here(
                 return false;
             }
         }
-        crate::pg::latch::wait_ms(if now < quick_until { 1 } else { 2 });
+        crate::pg::latch::wait_ms(2);
     }
+    false
 }
 
 /// Is the copy of shard `shard_id` of table `rel_name` on this node (a drain source) free of
@@ -238,10 +243,10 @@ fn waited_here(
 /// transactions and fast-path holders are seen, as the lock manager sees them. Readers
 /// (`AccessShareLock`) do not conflict; when the lock is refused, holders that only read or
 /// maintain the table (autovacuum) are told apart in `pg_locks`
-/// ([`only_readers_and_maintenance_on`]). Any other holder (another fence's share locks
+/// ([`only_readers_and_maintenance_on`]), when `look_in_pg_locks`. Any other holder (another fence's share locks
 /// included) sends the caller the long way, [`wait_until_row_queue_is_empty`]. A copy that is
 /// gone (the drain ended and cleanup dropped it) is free.
-fn source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
+fn source_copy_is_free(rel_name: &str, shard_id: i64, look_in_pg_locks: bool) -> bool {
     let name = format!("{rel_name}_{shard_id}");
     if name.contains('\0') {
         return false;
@@ -255,7 +260,7 @@ fn source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
             return true;
         }
         if !pg_sys::ConditionalLockRelationOid(relid, pg_sys::ExclusiveLock as i32) {
-            return only_readers_and_maintenance_on(relid);
+            return look_in_pg_locks && only_readers_and_maintenance_on(relid);
         }
         pg_sys::UnlockRelationOid(relid, pg_sys::ExclusiveLock as i32);
         true
@@ -419,7 +424,7 @@ mod remus {
     #[pg_extern(volatile, parallel_unsafe)]
     fn drain_source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
         require_superuser("remus.drain_source_copy_is_free");
-        source_copy_is_free(rel_name, shard_id)
+        source_copy_is_free(rel_name, shard_id, true)
     }
 
     /// Remus mode, at Tm: from now until `migration_end` (or a call with `source_node` `''`),
