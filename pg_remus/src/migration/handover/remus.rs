@@ -47,8 +47,7 @@ use crate::pg::sql::quote_literal;
 use remus_proto::sqlstate::SqlState;
 
 /// How long a fenced write on the drain source itself asks its own lock table, whatever holds
-/// the copy, before it asks only while an older writer is at work
-/// there ([`waited_here`]).
+/// the copy, before it asks only while an older writer is at work there ([`waited_here`]).
 const LOCAL_FENCE_POLL: Duration = Duration::from_millis(50);
 
 /// The node `shard_id` is leaving, while its migration (Remus mode) is between Tm and its end:
@@ -241,9 +240,9 @@ fn waited_here(
 /// has nothing to wait for. Asked with a conditional `ExclusiveLock`, let go at once: no wait,
 /// no row lock, no xid, no WAL (only `AccessExclusiveLock` is logged), and prepared
 /// transactions and fast-path holders are seen, as the lock manager sees them. Readers
-/// (`AccessShareLock`) do not conflict; when the lock is refused, holders that only read or
-/// maintain the table (autovacuum) are told apart in `pg_locks`
-/// ([`only_readers_and_maintenance_on`]), when `look_in_pg_locks`. Any other holder (another fence's share locks
+/// (`AccessShareLock`) do not conflict; when the lock is refused and `look_in_pg_locks`, holders
+/// that only read or maintain the table (autovacuum) are told apart in `pg_locks`
+/// ([`only_readers_and_maintenance_on`]). Any other holder (another fence's share locks
 /// included) sends the caller the long way, [`wait_until_row_queue_is_empty`]. A copy that is
 /// gone (the drain ended and cleanup dropped it) is free.
 fn source_copy_is_free(rel_name: &str, shard_id: i64, look_in_pg_locks: bool) -> bool {
@@ -374,7 +373,7 @@ fn wait_until_row_queue_is_empty(
     // query string. The end is a ROLLBACK: the share locks gave the transaction an xid, and a
     // COMMIT would wait for a WAL flush on the source for nothing (under catchup.sh's load,
     // 60-80 ms on a disk the handover keeps busy).
-    let look_and_commit = format!("{writers_at_work}; ROLLBACK");
+    let look_and_end = format!("{writers_at_work}; ROLLBACK");
     let mut pause = false;
     loop {
         let left = deadline
@@ -396,7 +395,7 @@ fn wait_until_row_queue_is_empty(
         } else {
             c.exec_params_after(&opening, lock_row, params, types)?;
         }
-        let busy = c.exec(&look_and_commit)?;
+        let busy = c.exec(&look_and_end)?;
         if busy
             .rows
             .first()
