@@ -35,7 +35,8 @@
 #   (/var/tmp/remus-bench-catchup)  OUT_DIR (/var/tmp/remus-bench-catchup-results)
 #   REANALYZE=1: no run, the summaries again from the files of an earlier run in OUT_DIR.
 #   REMUS_EXTRA_SETTINGS (postgresql.conf lines for pg_remus's nodes only, a diagnosis; refused
-#   with citus in MODES)  ANCHOR_DIR (../shared/anchors/citus): the Citus anchor toolkit, for the Citus run and for
+#   with citus in MODES)
+#   ANCHOR_DIR (../shared/anchors/citus): the Citus anchor toolkit, for the Citus run and for
 #   the server settings of both sides (its EXTRA_CONF is added to the pg_remus nodes' too).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh

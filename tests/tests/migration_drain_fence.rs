@@ -244,9 +244,10 @@ fn a_newer_write_of_another_row_of_the_shard_key_does_not_wait_for_an_older_writ
 /// Once no older writer is left on the source (only an older reader, which keeps the cleanup's
 /// drain, and so the fence, on, and a maintenance lock such as autovacuum's), a fenced write
 /// asks the source's lock table instead of waiting there: entered on the source itself, it
-/// opens no session to it (the fence's own `pg_remus drain` connection). While the older writer still holds the shard, the same write
-/// entered on the source takes the fence's long way, in a session of its own. Entered on the
-/// third node, the question goes over its connection to the source; each write applies.
+/// opens no session to it (the fence's own `pg_remus drain` connection). While the older writer
+/// still holds the shard, the same write entered on the source takes the fence's long way, in a
+/// session of its own. Entered on the third node, the question goes over its connection to the
+/// source; each write applies.
 #[test]
 fn a_newer_write_asks_the_source_lock_table_once_no_older_writer_is_left() {
     let mut d = drain_scene(true);
@@ -296,7 +297,8 @@ fn a_newer_write_asks_the_source_lock_table_once_no_older_writer_is_left() {
     assert_eq!(
         count(&mut on_source, drains),
         1,
-        "no older writer left (a vacuum's lock only): the write entered on the source asked its own lock table"
+        "no older writer left (a vacuum's lock only): \
+         the write entered on the source asked its own lock table"
     );
     maintenance.batch_execute("COMMIT").unwrap();
     let mut through_third = patient(&d.c, &d.third);

@@ -207,13 +207,14 @@ fn waited_here(
     // SAFETY: MyProcPid is set once at backend start and only read here.
     let me = [unsafe { pg_sys::MyProcPid }];
     let look = writers_at_work_sql(shard_table, &me);
+    let relid = source_copy_relid(&table.rel_name, placement.shard_id);
     let quick_until = Instant::now() + LOCAL_FENCE_POLL;
     // Each ask is a conditional lock; the dearer looks in `pg_locks` (past a vacuum's lock, and
     // for a writer at work) only every tenth, so that sixteen backends asking at once do not
     // queue on the lock manager's partition locks that the writers they wait for need.
     for ask in 0u64.. {
         let look_closer = ask % 10 == 0;
-        if source_copy_is_free(&table.rel_name, placement.shard_id, look_closer) {
+        if source_copy_is_free(relid, look_closer) {
             return true;
         }
         let now = Instant::now();
@@ -234,8 +235,8 @@ fn waited_here(
     false
 }
 
-/// Is the copy of shard `shard_id` of table `rel_name` on this node (a drain source) free of
-/// every older writer and row locker: does no other transaction hold, or wait for, a lock on
+/// Is `relid`, the copy of a shard on this node (a drain source, [`source_copy_relid`]), free
+/// of every older writer and row locker: does no other transaction hold, or wait for, a lock on
 /// it that a write (`RowExclusiveLock`) or a row lock (`RowShareLock`) takes? Then the fence
 /// has nothing to wait for. Asked with a conditional `ExclusiveLock`, let go at once: no wait,
 /// no row lock, no xid, no WAL (only `AccessExclusiveLock` is logged), and prepared
@@ -245,25 +246,31 @@ fn waited_here(
 /// ([`only_readers_and_maintenance_on`]). Any other holder (another fence's share locks
 /// included) sends the caller the long way, [`wait_until_row_queue_is_empty`]. A copy that is
 /// gone (the drain ended and cleanup dropped it) is free.
-fn source_copy_is_free(rel_name: &str, shard_id: i64, look_in_pg_locks: bool) -> bool {
-    let name = format!("{rel_name}_{shard_id}");
-    if name.contains('\0') {
-        return false;
+fn source_copy_is_free(relid: pg_sys::Oid, look_in_pg_locks: bool) -> bool {
+    if relid == pg_sys::InvalidOid {
+        return true;
     }
     // SAFETY: in a transaction (a statement is being routed, or the SQL function runs): a
-    // catalog lookup of a palloc'd RangeVar, then a conditional lock, which neither waits nor
-    // raises, let go before returning.
+    // conditional lock, which neither waits nor raises, let go before returning. A relid whose
+    // relation was dropped since it was looked up locks nothing anybody holds: free, as gone.
     unsafe {
-        let relid = crate::pg::relation::relid_of(crate::pg::relation::shard_range_var(&name));
-        if relid == pg_sys::InvalidOid {
-            return true;
-        }
         if !pg_sys::ConditionalLockRelationOid(relid, pg_sys::ExclusiveLock as i32) {
             return look_in_pg_locks && only_readers_and_maintenance_on(relid);
         }
         pg_sys::UnlockRelationOid(relid, pg_sys::ExclusiveLock as i32);
-        true
     }
+    true
+}
+
+/// The source's copy of shard `shard_id` of table `rel_name` on this node, InvalidOid when it
+/// is not there (any more). Looked up once per fence, not at every ask.
+fn source_copy_relid(rel_name: &str, shard_id: i64) -> pg_sys::Oid {
+    let name = format!("{rel_name}_{shard_id}");
+    if name.contains('\0') {
+        return pg_sys::InvalidOid;
+    }
+    // SAFETY: in a transaction: a catalog lookup of a palloc'd RangeVar that outlives it.
+    unsafe { crate::pg::relation::relid_of(crate::pg::relation::shard_range_var(&name)) }
 }
 
 /// After the conditional lock failed: is every other lock on `relid` a reader's
@@ -423,7 +430,7 @@ mod remus {
     #[pg_extern(volatile, parallel_unsafe)]
     fn drain_source_copy_is_free(rel_name: &str, shard_id: i64) -> bool {
         require_superuser("remus.drain_source_copy_is_free");
-        source_copy_is_free(rel_name, shard_id, true)
+        source_copy_is_free(source_copy_relid(rel_name, shard_id), true)
     }
 
     /// Remus mode, at Tm: from now until `migration_end` (or a call with `source_node` `''`),
